@@ -1,0 +1,1 @@
+//! Readers and writers of each on-disk layout.

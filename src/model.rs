@@ -1,0 +1,221 @@
+//! The one format-free model of a checkpoint.
+//!
+//! Every reader produces a [`Checkpoint`]; the planner and every writer consume one. A tensor is a
+//! name, a dtype, a global shape and the [`Piece`]s that hold its elements: each piece is a box of the
+//! global tensor (offsets + sizes, DCP's `ChunkStorageMetadata`) plus where its bytes live
+//! ([`DataRef`]). A FULL checkpoint is the special case of one piece per tensor covering all of it.
+//! Non-tensor entries (train state, optimizer param groups) are kept as data, never executed.
+
+use std::path::{Path, PathBuf};
+
+use crate::dtype::DType;
+use crate::pickle::Value;
+
+/// On-disk layouts ckpt reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// One `*.safetensors` file.
+    Safetensors,
+    /// Hugging Face split files with `model.safetensors.index.json`.
+    SafetensorsIndex,
+    /// A PyTorch Distributed Checkpoint directory: `.metadata` + `__{rank}_{i}.distcp`.
+    Dcp,
+    /// DCP's Hugging Face flavour: per-rank safetensors with `DCP_SHARDING_INFO`.
+    DcpSafetensors,
+    /// A `torch.save` ZIP archive (`pytorch_model.bin`, `*.pt`).
+    TorchSave,
+}
+
+impl Format {
+    /// Stable name used in `--json` output and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Safetensors => "safetensors",
+            Format::SafetensorsIndex => "safetensors-index",
+            Format::Dcp => "dcp",
+            Format::DcpSafetensors => "dcp-safetensors",
+            Format::TorchSave => "torch-save",
+        }
+    }
+
+    pub fn state_dict_type(self) -> StateDictType {
+        match self {
+            Format::Dcp | Format::DcpSafetensors => StateDictType::Sharded,
+            Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => StateDictType::Full,
+        }
+    }
+}
+
+/// FSDP's `StateDictType` as far as the files show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateDictType {
+    Full,
+    Sharded,
+}
+
+impl StateDictType {
+    pub fn name(self) -> &'static str {
+        match self {
+            StateDictType::Full => "FULL_STATE_DICT",
+            StateDictType::Sharded => "SHARDED_STATE_DICT",
+        }
+    }
+}
+
+/// A whole checkpoint, as read from disk.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// The directory that every [`DataRef::file`] is relative to.
+    pub root: PathBuf,
+    pub format: Format,
+    /// Number of ranks that wrote it, where the files show it.
+    pub world_size: Option<usize>,
+    pub tensors: Vec<Tensor>,
+    pub values: Vec<NonTensor>,
+}
+
+/// One logical tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    /// Flattened key, e.g. `model.layers.0.attn.wq.weight` or `optim.state.x.exp_avg`.
+    pub name: String,
+    /// How the flattened key nests in the original state dict (DCP `planner_data`); empty when the
+    /// source never said, in which case it is `[name]`.
+    pub key_path: Vec<KeyPart>,
+    pub dtype: DType,
+    /// Global shape; empty for a 0-dim tensor.
+    pub shape: Vec<u64>,
+    pub pieces: Vec<Piece>,
+}
+
+/// A box of a tensor and where its bytes are.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Piece {
+    /// Start of the box in each dimension of the global tensor.
+    pub offsets: Vec<u64>,
+    /// Extent of the box in each dimension.
+    pub sizes: Vec<u64>,
+    pub data: DataRef,
+}
+
+/// Where a piece's elements live.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataRef {
+    /// File relative to [`Checkpoint::root`].
+    pub file: PathBuf,
+    /// Byte offset of the piece's first element, in the file (or in the decoded item, see `encoding`).
+    pub offset: u64,
+    /// Stride of each dimension in elements. Row-major contiguous for all but torch.save views.
+    pub strides: Vec<u64>,
+    pub encoding: Encoding,
+}
+
+/// How the bytes named by a [`DataRef`] are stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Encoding {
+    /// Plain bytes at `DataRef::offset` in the file.
+    Raw,
+    /// The DCP item at `item_offset..item_offset+item_length` of the file is a zstd stream
+    /// (`stream.zstd/1`); `DataRef::offset` is relative to the decompressed item.
+    Zstd { item_offset: u64, item_length: u64 },
+}
+
+/// One step of a nested state-dict key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum KeyPart {
+    Key(String),
+    Index(i64),
+}
+
+/// A non-tensor entry (`BytesStorageMetadata` in DCP, plain data in torch.save).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonTensor {
+    pub name: String,
+    pub key_path: Vec<KeyPart>,
+    /// The value as a data-only pickle tree, when ckpt could read it.
+    pub value: Option<Value>,
+    /// The original serialized bytes (a torch.save archive in DCP), carried through byte for byte.
+    pub raw: Option<Blob>,
+}
+
+/// A byte range of a file in the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Blob {
+    pub file: PathBuf,
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl Tensor {
+    /// Number of elements, or `None` on overflow.
+    pub fn numel(&self) -> Option<u64> {
+        numel(&self.shape)
+    }
+
+    /// Bytes of the whole logical tensor, or `None` on overflow.
+    pub fn nbytes(&self) -> Option<u64> {
+        self.numel()?.checked_mul(self.dtype.size() as u64)
+    }
+
+    /// The nesting to record for this tensor: its `key_path`, or just its name.
+    pub fn effective_key_path(&self) -> Vec<KeyPart> {
+        effective_key_path(&self.name, &self.key_path)
+    }
+}
+
+impl NonTensor {
+    pub fn effective_key_path(&self) -> Vec<KeyPart> {
+        effective_key_path(&self.name, &self.key_path)
+    }
+}
+
+fn effective_key_path(name: &str, path: &[KeyPart]) -> Vec<KeyPart> {
+    if path.is_empty() {
+        vec![KeyPart::Key(name.to_string())]
+    } else {
+        path.to_vec()
+    }
+}
+
+/// Product of a shape, `None` on overflow. The empty shape (0-dim) has one element.
+pub fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Row-major contiguous strides, in elements.
+pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+    }
+    strides
+}
+
+impl Checkpoint {
+    /// Absolute path of a file named by a [`DataRef`] or [`Blob`].
+    pub fn path_of(&self, file: &Path) -> PathBuf {
+        self.root.join(file)
+    }
+
+    /// Sum of the logical bytes of every tensor (saturating).
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.nbytes().unwrap_or(u64::MAX))
+            .fold(0u64, |a, b| a.saturating_add(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_are_row_major() {
+        assert_eq!(contiguous_strides(&[2, 3, 4]), vec![12, 4, 1]);
+        assert_eq!(contiguous_strides(&[]), Vec::<u64>::new());
+        assert_eq!(numel(&[]), Some(1));
+        assert_eq!(numel(&[3, 0]), Some(0));
+        assert_eq!(numel(&[u64::MAX, 2]), None);
+    }
+}

@@ -1,0 +1,116 @@
+//! A data-only pickle reader and writer.
+//!
+//! Checkpoints carry Python pickles (`.metadata`, `data.pkl`). Unpickling them with Python would run
+//! whatever the file asks for, so ckpt never does: the reader turns opcodes into a [`Value`] tree in
+//! which a global is only a name and a call (`REDUCE`, `NEWOBJ`, `BUILD`) is only a record of what
+//! would have been called. A global is accepted only when the caller's [`Globals`] policy names it;
+//! any other is an error naming it. Format modules then read meaning out of the tree.
+
+mod read;
+mod write;
+
+pub use read::{read, Limits};
+pub use write::{write, Protocol};
+
+/// One node of an unpickled object graph, with nothing executed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    None,
+    Bool(bool),
+    /// Integers that fit in an i64 (larger ones are rejected: no checkpoint field needs them).
+    Int(i64),
+    Float(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+    Tuple(Vec<Value>),
+    List(Vec<Value>),
+    /// Key order is kept as pickled.
+    Dict(Vec<(Value, Value)>),
+    Set(Vec<Value>),
+    /// A module attribute, `module.name` (e.g. `torch.float32`, or a class).
+    Global { module: String, name: String },
+    /// `callable(*args)`: REDUCE, or NEWOBJ (`cls.__new__(cls, *args)`), recorded, never run.
+    Call { callable: Box<Value>, args: Vec<Value>, new_obj: bool },
+    /// `obj.__setstate__(state)` / `obj.__dict__.update(state)`: BUILD, recorded.
+    Build { object: Box<Value>, state: Box<Value> },
+    /// A persistent id (BINPERSID), e.g. torch.save's storage reference tuple.
+    PersistentId(Box<Value>),
+}
+
+/// Which globals a pickle may name. Anything else is refused with an error naming it.
+pub trait Globals {
+    fn allows(&self, module: &str, name: &str) -> bool;
+}
+
+/// A fixed list of `(module, name)` pairs.
+impl Globals for &[(&str, &str)] {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        self.iter().any(|&(m, n)| m == module && n == name)
+    }
+}
+
+/// Errors from reading a pickle; offsets are byte positions in the pickle stream.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PickleError {
+    #[error("pickle refers to `{module}.{name}`, which ckpt does not allow (it never runs code from a checkpoint)")]
+    ForbiddenGlobal { module: String, name: String },
+    #[error("unsupported pickle opcode 0x{opcode:02x} at byte {offset}")]
+    UnsupportedOpcode { opcode: u8, offset: usize },
+    #[error("pickle ends early at byte {offset}")]
+    Truncated { offset: usize },
+    #[error("malformed pickle at byte {offset}: {reason}")]
+    Malformed { offset: usize, reason: String },
+    #[error("pickle exceeds a safety limit at byte {offset}: {reason}")]
+    LimitExceeded { offset: usize, reason: String },
+}
+
+impl Value {
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            Value::Bool(b) => Some(*b as i64),
+            _ => None,
+        }
+    }
+
+    /// Items of a tuple or list.
+    pub fn as_seq(&self) -> Option<&[Value]> {
+        match self {
+            Value::Tuple(v) | Value::List(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Look up a string key in a dict.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        match self {
+            Value::Dict(items) => items
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .map(|(_, v)| v),
+            _ => None,
+        }
+    }
+
+    /// `(module, name)` if this is a global.
+    pub fn as_global(&self) -> Option<(&str, &str)> {
+        match self {
+            Value::Global { module, name } => Some((module, name)),
+            _ => None,
+        }
+    }
+
+    pub fn global(module: &str, name: &str) -> Value {
+        Value::Global {
+            module: module.to_string(),
+            name: name.to_string(),
+        }
+    }
+}
