@@ -1,1 +1,10 @@
 //! Readers and writers of each on-disk layout.
+//!
+//! Readers produce a [`crate::model::Checkpoint`]; writers own only headers and framing (the bytes
+//! around tensor data), which the planner places and the executor writes.
+
+pub mod dcp;
+pub mod hf_index;
+pub mod safetensors;
+pub mod torch_save;
+pub mod zip;

@@ -29,10 +29,17 @@ pub enum Value {
     Set(Vec<Value>),
     /// A module attribute, `module.name` (e.g. `torch.float32`, or a class).
     Global { module: String, name: String },
-    /// `callable(*args)`: REDUCE, or NEWOBJ (`cls.__new__(cls, *args)`), recorded, never run.
-    Call { callable: Box<Value>, args: Vec<Value>, new_obj: bool },
-    /// `obj.__setstate__(state)` / `obj.__dict__.update(state)`: BUILD, recorded.
-    Build { object: Box<Value>, state: Box<Value> },
+    /// An object made by a call that ckpt records but never runs: `callable(*args)` (REDUCE) or
+    /// `cls.__new__(cls, *args)` (NEWOBJ), then any items SETITEM(S)/APPEND(S) put into it (an
+    /// `OrderedDict`), then the state BUILD gave it (a dataclass's `__dict__`, a `__setstate__` tuple).
+    Object {
+        callable: Box<Value>,
+        args: Vec<Value>,
+        new_obj: bool,
+        dict_items: Vec<(Value, Value)>,
+        list_items: Vec<Value>,
+        state: Option<Box<Value>>,
+    },
     /// A persistent id (BINPERSID), e.g. torch.save's storage reference tuple.
     PersistentId(Box<Value>),
 }

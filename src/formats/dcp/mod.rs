@@ -1,0 +1,4 @@
+//! PyTorch Distributed Checkpoint directories.
+
+pub mod hf;
+pub mod metadata;

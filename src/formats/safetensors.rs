@@ -1,0 +1,1 @@
+//! safetensors files: header parsing (bounded, checked) and header writing.
