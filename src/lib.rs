@@ -1,13 +1,24 @@
 //! ckpt: convert PyTorch checkpoints between FULL and SHARDED state-dict layouts without torch.
 //!
-//! The data flows one way: **read → plan → execute**. Readers ([`formats`]) turn any on-disk layout
-//! into one [`model::Checkpoint`]; the planner ([`plan`]) turns a checkpoint and a target layout
-//! into a pure [`plan::Plan`] of destination files and copies; the executor ([`exec`]) runs it.
+//! The data flows one way: **read → plan → execute**. Readers ([`formats`], chosen by [`detect`])
+//! turn any on-disk layout into one [`model::Checkpoint`]; the planner ([`plan`]) turns a checkpoint
+//! and a target layout into a pure [`plan::Plan`] of destination files and copies; the executor
+//! ([`exec`]) runs it into temporary names that [`output`] renames into place.
 
+pub mod cast;
+pub mod cli;
+pub mod detect;
 pub mod dtype;
 pub mod error;
+pub mod exec;
 pub mod formats;
+pub mod geometry;
+pub mod inspect;
 pub mod model;
+pub mod output;
 pub mod pickle;
+pub mod plan;
+pub mod select;
+pub mod verify;
 
 pub use error::{Error, ErrorKind, Result};

@@ -1,1 +1,475 @@
 //! Hugging Face split checkpoints: `model.safetensors.index.json` + `model-0000i-of-0000n.safetensors`.
+//!
+//! The index maps every tensor name to the file that holds it (`weight_map`); each file is a plain
+//! safetensors file of whole tensors. Reading cross-checks the two in both directions, because a
+//! stale index next to re-saved files is a common way to lose or duplicate a tensor silently.
+//! Writing produces the index bytes exactly as `transformers`' `save_pretrained` does.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Component, Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::formats::safetensors::{
+    self, first_duplicate, json_error, python_json_string, Entries, MAX_HEADER_SIZE,
+};
+use crate::model::{Checkpoint, Format};
+
+/// The index file name `transformers` and `huggingface_hub` write.
+pub const INDEX_NAME: &str = "model.safetensors.index.json";
+
+/// The index `transformers` writes next to `pytorch_model-*.bin` files.
+const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
+
+/// Read a split checkpoint. `path` is the directory holding [`INDEX_NAME`], or an index file
+/// itself (any name, e.g. `diffusion_pytorch_model.safetensors.index.json`).
+pub fn read(path: &Path) -> Result<Checkpoint> {
+    let index_path = if path.is_dir() {
+        let index = path.join(INDEX_NAME);
+        if !index.is_file() {
+            let err = Error::usage(format!("directory has no `{INDEX_NAME}`")).file(path);
+            return Err(if path.join(BIN_INDEX_NAME).is_file() {
+                err.hint(format!(
+                    "`{BIN_INDEX_NAME}` indexes torch.save files; only safetensors indexes are read, \
+                     so pass each `.bin` file on its own"
+                ))
+            } else {
+                err
+            });
+        }
+        index
+    } else if path.is_file() {
+        path.to_path_buf()
+    } else {
+        return Err(Error::usage("no such file or directory").file(path));
+    };
+    let (root, _) = safetensors::split_path(&index_path)?;
+
+    let weight_map = read_weight_map(&index_path)?;
+
+    // Group the index by file; BTreeMap keeps files in name order, which is numeric order for
+    // `model-0000i-of-0000n` names.
+    let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (tensor, file) in &weight_map {
+        check_file_name(file).map_err(|e| e.file(&index_path).tensor(tensor))?;
+        by_file
+            .entry(file.as_str())
+            .or_default()
+            .push(tensor.as_str());
+    }
+    let mapped: HashMap<&str, &str> = weight_map
+        .iter()
+        .map(|(t, f)| (t.as_str(), f.as_str()))
+        .collect();
+
+    let mut tensors = Vec::with_capacity(weight_map.len());
+    for (file, names) in &by_file {
+        let file_path = root.join(file);
+        if !file_path.is_file() {
+            return Err(
+                Error::invalid(format!("the index names `{file}`, which does not exist"))
+                    .file(&file_path)
+                    .tensor(names.first().copied().unwrap_or_default())
+                    .hint("the checkpoint is incomplete: copy or download the missing file"),
+            );
+        }
+        let header = safetensors::read_header(&file_path)?;
+        for t in &header.tensors {
+            match mapped.get(t.name.as_str()) {
+                Some(f) if f == file => {}
+                Some(f) => {
+                    return Err(Error::invalid(format!(
+                        "tensor is in `{file}` but `{}` maps it to `{f}`",
+                        index_name(&index_path)
+                    ))
+                    .file(&file_path)
+                    .tensor(&t.name)
+                    .hint("the index and the files come from different saves"))
+                }
+                None => {
+                    return Err(Error::invalid(format!(
+                        "tensor is in `{file}` but missing from `{}`",
+                        index_name(&index_path)
+                    ))
+                    .file(&file_path)
+                    .tensor(&t.name)
+                    .hint("the index and the files come from different saves"))
+                }
+            }
+        }
+        let present: HashMap<&str, ()> = header
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), ()))
+            .collect();
+        if let Some(missing) = names.iter().find(|n| !present.contains_key(*n)) {
+            return Err(Error::invalid(format!(
+                "`{}` maps this tensor to `{file}`, which does not hold it",
+                index_name(&index_path)
+            ))
+            .file(&file_path)
+            .tensor(*missing)
+            .hint("the index and the files come from different saves"));
+        }
+        let file_name = PathBuf::from(file);
+        tensors.extend(
+            header
+                .tensors
+                .iter()
+                .map(|t| safetensors::full_tensor(t, &file_name, header.data_start)),
+        );
+    }
+
+    Ok(Checkpoint {
+        root,
+        format: Format::SafetensorsIndex,
+        world_size: None,
+        tensors,
+        values: Vec::new(),
+    })
+}
+
+/// The file name part of the index path, for messages.
+fn index_name(index_path: &Path) -> String {
+    index_path.file_name().map_or_else(
+        || INDEX_NAME.to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// Parse the index JSON into `(tensor, file)` pairs in file order.
+fn read_weight_map(index_path: &Path) -> Result<Vec<(String, String)>> {
+    let len = std::fs::metadata(index_path)
+        .map_err(|e| Error::io(index_path, e))?
+        .len();
+    // An index is a few MB even for the largest models; a bigger one is not an index.
+    if len > MAX_HEADER_SIZE {
+        return Err(Error::invalid(format!(
+            "index is {len} bytes, more than the {MAX_HEADER_SIZE}-byte limit"
+        ))
+        .file(index_path));
+    }
+    let bytes = std::fs::read(index_path).map_err(|e| Error::io(index_path, e))?;
+    // `Entries` keeps duplicate tensor names, which a plain map would silently merge.
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: Option<Entries<serde_json::Value>>,
+    }
+    let index: Index =
+        serde_json::from_slice(&bytes).map_err(|e| json_error(&e, &bytes, 0).file(index_path))?;
+    let weight_map = index.weight_map.ok_or_else(|| {
+        Error::invalid("index has no `weight_map`")
+            .file(index_path)
+            .hint("a Hugging Face index looks like {\"metadata\": {...}, \"weight_map\": {name: file}}")
+    })?;
+    let mut out = Vec::with_capacity(weight_map.0.len());
+    for (tensor, file) in weight_map.0 {
+        let Some(file) = file.as_str() else {
+            return Err(
+                Error::invalid("`weight_map` value is not a file name string")
+                    .file(index_path)
+                    .tensor(tensor),
+            );
+        };
+        out.push((tensor, file.to_string()));
+    }
+    if let Some(dup) = first_duplicate(&out) {
+        return Err(Error::invalid("`weight_map` names this tensor twice")
+            .file(index_path)
+            .tensor(dup));
+    }
+    Ok(out)
+}
+
+/// A `weight_map` file must be a plain file name in the index's directory: anything else could
+/// read outside the checkpoint.
+fn check_file_name(name: &str) -> Result<()> {
+    let plain = !name.is_empty()
+        && !name.contains(['/', '\\', '\0'])
+        && matches!(
+            Path::new(name).components().collect::<Vec<_>>().as_slice(),
+            [Component::Normal(_)]
+        );
+    if !plain {
+        return Err(Error::invalid(format!(
+            "`weight_map` names `{name}`, which is not a plain file name in the index's directory"
+        ))
+        .hint("an index may only name files next to it; fix or regenerate the index"));
+    }
+    let lower = name.to_ascii_lowercase();
+    if [".bin", ".pt", ".pth"]
+        .iter()
+        .any(|ext| lower.ends_with(ext))
+    {
+        return Err(Error::invalid(format!(
+            "`weight_map` names `{name}`, a torch.save file; only safetensors indexes are read"
+        ))
+        .hint("pass each torch.save file on its own"));
+    }
+    Ok(())
+}
+
+/// The name of split file `i` (1-based) of `n`: `model-00001-of-00003.safetensors`, as
+/// `huggingface_hub` and torch's `_gen_file_name` write it (at least 5 digits).
+pub fn split_file_name(i: usize, n: usize) -> String {
+    format!("model-{i:05}-of-{n:05}.safetensors")
+}
+
+/// The bytes of `model.safetensors.index.json` exactly as `transformers`' `save_pretrained`
+/// writes them: `json.dumps(index, indent=2, sort_keys=True) + "\n"`, so keys are sorted
+/// (by code point, which is UTF-8 byte order) and non-ASCII is `\u`-escaped.
+/// (`huggingface_hub.save_torch_state_dict` keeps insertion order and omits the newline; the
+/// sorted form is what most published checkpoints carry.)
+pub fn index_json(total_size: u64, weight_map: &[(String, String)]) -> Vec<u8> {
+    let mut sorted: Vec<&(String, String)> = weight_map.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = String::new();
+    out.push_str("{\n  \"metadata\": {\n    \"total_size\": ");
+    out.push_str(&total_size.to_string());
+    out.push_str("\n  },\n  \"weight_map\": {");
+    for (i, (tensor, file)) in sorted.iter().enumerate() {
+        out.push_str(if i == 0 { "\n    " } else { ",\n    " });
+        out.push_str(&python_json_string(tensor));
+        out.push_str(": ");
+        out.push_str(&python_json_string(file));
+    }
+    // Python writes an empty dict as `{}` on one line.
+    out.push_str(if sorted.is_empty() {
+        "}\n}\n"
+    } else {
+        "\n  }\n}\n"
+    });
+    out.into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::error::ErrorKind;
+
+    /// Write a safetensors file of zeroed tensors into `dir`.
+    fn write_st(dir: &Path, name: &str, tensors: &[(&str, DType, &[u64])]) {
+        let tensors: Vec<(String, DType, Vec<u64>)> = tensors
+            .iter()
+            .map(|(n, d, s)| (n.to_string(), *d, s.to_vec()))
+            .collect();
+        let (mut bytes, ranges) = safetensors::header_bytes(&tensors, &[]);
+        let len = bytes.len() + ranges.last().map_or(0, |r| r.1 as usize);
+        bytes.resize(len, 0);
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+
+    fn write_index(dir: &Path, map: &[(&str, &str)]) {
+        let map: Vec<(String, String)> = map
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        std::fs::write(dir.join(INDEX_NAME), index_json(0, &map)).unwrap();
+    }
+
+    fn two_files() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        write_st(
+            dir.path(),
+            &split_file_name(1, 2),
+            &[("b", DType::F32, &[2]), ("a", DType::F32, &[3])],
+        );
+        write_st(
+            dir.path(),
+            &split_file_name(2, 2),
+            &[("c", DType::BF16, &[2, 2])],
+        );
+        write_index(
+            dir.path(),
+            &[
+                ("c", "model-00002-of-00002.safetensors"),
+                ("a", "model-00001-of-00002.safetensors"),
+                ("b", "model-00001-of-00002.safetensors"),
+            ],
+        );
+        dir
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(split_file_name(1, 3), "model-00001-of-00003.safetensors");
+        assert_eq!(
+            split_file_name(123456, 123456),
+            "model-123456-of-123456.safetensors"
+        );
+    }
+
+    #[test]
+    fn reads_in_file_order() {
+        let dir = two_files();
+        for path in [dir.path().to_path_buf(), dir.path().join(INDEX_NAME)] {
+            let ckpt = read(&path).unwrap();
+            assert_eq!(ckpt.format, Format::SafetensorsIndex);
+            assert_eq!(ckpt.root, dir.path());
+            let names: Vec<&str> = ckpt.tensors.iter().map(|t| t.name.as_str()).collect();
+            assert_eq!(names, ["b", "a", "c"]);
+            let c = &ckpt.tensors[2];
+            assert_eq!(
+                c.pieces[0].data.file,
+                PathBuf::from("model-00002-of-00002.safetensors")
+            );
+            assert_eq!(c.shape, vec![2, 2]);
+            assert_eq!(c.dtype, DType::BF16);
+        }
+    }
+
+    #[test]
+    fn index_json_like_transformers() {
+        let map = vec![
+            (
+                "b.w".to_string(),
+                "model-00002-of-00002.safetensors".to_string(),
+            ),
+            (
+                "a.é".to_string(),
+                "model-00001-of-00002.safetensors".to_string(),
+            ),
+        ];
+        let text = String::from_utf8(index_json(42, &map)).unwrap();
+        assert_eq!(
+            text,
+            "{\n  \"metadata\": {\n    \"total_size\": 42\n  },\n  \"weight_map\": {\n    \
+             \"a.\\u00e9\": \"model-00001-of-00002.safetensors\",\n    \
+             \"b.w\": \"model-00002-of-00002.safetensors\"\n  }\n}\n"
+        );
+        let empty = String::from_utf8(index_json(0, &[])).unwrap();
+        assert_eq!(
+            empty,
+            "{\n  \"metadata\": {\n    \"total_size\": 0\n  },\n  \"weight_map\": {}\n}\n"
+        );
+    }
+
+    #[test]
+    fn path_escapes_are_rejected() {
+        for bad in [
+            "../x.safetensors",
+            "/etc/x.safetensors",
+            "sub/x.safetensors",
+            "a\\b.safetensors",
+            "..",
+            ".",
+            "",
+            "a\0b",
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            write_index(dir.path(), &[("w", bad)]);
+            let err = read(dir.path()).unwrap_err();
+            assert!(
+                err.message.contains("not a plain file name"),
+                "{bad}: {}",
+                err.message
+            );
+            assert_eq!(err.tensor.as_deref(), Some("w"));
+        }
+    }
+
+    #[test]
+    fn missing_file() {
+        let dir = two_files();
+        std::fs::remove_file(dir.path().join(split_file_name(2, 2))).unwrap();
+        let err = read(dir.path()).unwrap_err();
+        assert!(err.message.contains("does not exist"), "{}", err.message);
+        assert_eq!(err.tensor.as_deref(), Some("c"));
+        assert!(err.hint.is_some());
+    }
+
+    #[test]
+    fn tensor_missing_from_file_or_index() {
+        let dir = two_files();
+        write_index(
+            dir.path(),
+            &[
+                ("c", "model-00002-of-00002.safetensors"),
+                ("a", "model-00001-of-00002.safetensors"),
+                ("b", "model-00001-of-00002.safetensors"),
+                ("z", "model-00002-of-00002.safetensors"),
+            ],
+        );
+        let err = read(dir.path()).unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("z"));
+        assert!(err.message.contains("does not hold it"), "{}", err.message);
+
+        write_index(
+            dir.path(),
+            &[
+                ("c", "model-00002-of-00002.safetensors"),
+                ("a", "model-00001-of-00002.safetensors"),
+            ],
+        );
+        let err = read(dir.path()).unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("b"));
+        assert!(err.message.contains("missing from"), "{}", err.message);
+
+        write_index(
+            dir.path(),
+            &[
+                ("c", "model-00002-of-00002.safetensors"),
+                ("a", "model-00001-of-00002.safetensors"),
+                ("b", "model-00002-of-00002.safetensors"),
+            ],
+        );
+        let err = read(dir.path()).unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("b"));
+        assert!(err.message.contains("maps it to"), "{}", err.message);
+    }
+
+    #[test]
+    fn duplicate_and_malformed_indexes() {
+        let dir = two_files();
+        let index = dir.path().join(INDEX_NAME);
+        std::fs::write(
+            &index,
+            r#"{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}"#,
+        )
+        .unwrap();
+        let err = read(dir.path()).unwrap_err();
+        assert!(err.message.contains("twice"), "{}", err.message);
+
+        std::fs::write(&index, r#"{"metadata": {}}"#).unwrap();
+        assert!(read(dir.path())
+            .unwrap_err()
+            .message
+            .contains("no `weight_map`"));
+
+        std::fs::write(&index, r#"{"weight_map": {"a": 1}}"#).unwrap();
+        assert_eq!(read(dir.path()).unwrap_err().tensor.as_deref(), Some("a"));
+
+        std::fs::write(&index, r#"{"weight_map": {"a": "#).unwrap();
+        assert!(read(dir.path())
+            .unwrap_err()
+            .message
+            .starts_with("invalid JSON"));
+    }
+
+    #[test]
+    fn bin_indexes_are_refused_clearly() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(BIN_INDEX_NAME), "{}").unwrap();
+        let err = read(dir.path()).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Usage);
+        assert!(err.hint.unwrap().contains("only safetensors indexes"));
+
+        write_index(dir.path(), &[("w", "pytorch_model-00001-of-00002.bin")]);
+        let err = read(dir.path()).unwrap_err();
+        assert!(
+            err.message.contains("only safetensors indexes are read"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn missing_path_is_a_usage_error() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            read(&dir.path().join("nope")).unwrap_err().kind,
+            ErrorKind::Usage
+        );
+        assert_eq!(read(dir.path()).unwrap_err().kind, ErrorKind::Usage);
+    }
+}

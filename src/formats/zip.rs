@@ -1,3 +1,804 @@
 //! The ZIP subset torch.save uses: stored (uncompressed) entries, data aligned to 64 bytes, zip64
 //! when large. Reading locates entries inside a byte slice; writing lays out framing around data
 //! the executor fills in later.
+//!
+//! torch.save writes its archives with PyTorch's patched miniz (`caffe2/serialize/inline_container.cc`),
+//! and [`layout`] reproduces that byte for byte:
+//! - every local header has flags `0x0808` (sizes and CRC in a data descriptor, UTF-8 names),
+//!   versions 0, time and date 0, and CRC and sizes 0: they follow the data in a descriptor;
+//! - the local extra field ends with an `FB` field of `Z` bytes that pads the data start to a
+//!   multiple of 64, so tensors can be memory-mapped in place;
+//! - a record of 0xFFFFFFFF bytes or more, or one whose local header starts at 0xFFFFFFFF or
+//!   beyond, gets a zip64 extra field (sizes and/or offset) in both headers, and its descriptor
+//!   carries 8-byte sizes;
+//! - the central directory is always followed by a zip64 end record and locator, then the classic
+//!   end record with saturated fields.
+//!
+//! Reading works on a slice because each DCP tensor item is a whole archive embedded in a
+//! `.distcp` file; every offset here is relative to the start of that slice.
+
+use std::collections::HashSet;
+
+use crate::error::{Error, Result};
+
+const LOCAL_SIG: u32 = 0x0403_4b50;
+const CENTRAL_SIG: u32 = 0x0201_4b50;
+const DESCRIPTOR_SIG: u32 = 0x0807_4b50;
+const EOCD_SIG: u32 = 0x0605_4b50;
+const ZIP64_EOCD_SIG: u32 = 0x0606_4b50;
+const ZIP64_LOCATOR_SIG: u32 = 0x0706_4b50;
+
+const LOCAL_HEADER_LEN: u64 = 30;
+const CENTRAL_HEADER_LEN: u64 = 46;
+const EOCD_LEN: u64 = 22;
+const ZIP64_EOCD_LEN: u64 = 56;
+const ZIP64_LOCATOR_LEN: u64 = 20;
+/// Longest comment the classic end record can announce.
+const MAX_COMMENT_LEN: u64 = 0xFFFF;
+
+/// More entries than any checkpoint archive has (torch writes one per storage plus six); the cap
+/// keeps a corrupt count from driving a huge allocation or loop.
+pub const MAX_ENTRIES: u64 = 1 << 20;
+
+/// Where torch aligns record data (`kFieldAlignment`, also written to `.storage_alignment`).
+pub const ALIGNMENT: u64 = 64;
+
+/// Bit 3 (CRC and sizes live in a data descriptor) and bit 11 (UTF-8 names), as miniz sets them.
+const FLAGS: u16 = 0x0808;
+const FLAG_ENCRYPTED: u16 = 0x0001;
+const FLAG_DESCRIPTOR: u16 = 0x0008;
+
+/// A 32-bit size or offset at or above this moves to a zip64 field (miniz's `>= MZ_UINT32_MAX`).
+const U32_LIMIT: u64 = 0xFFFF_FFFF;
+const ZIP64_EXTRA_ID: u16 = 0x0001;
+/// The id torch gives its alignment padding field.
+const PADDING_EXTRA_ID: &[u8; 2] = b"FB";
+
+/// Zip64 end record versions as miniz writes them: made by UNIX 3.0, needs 4.5 (zip64).
+const ZIP64_VERSION_MADE_BY: u16 = 0x031e;
+const ZIP64_VERSION_NEEDED: u16 = 0x002d;
+
+/// One stored entry of an archive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ZipEntry {
+    pub name: String,
+    /// Where the entry's bytes start, relative to the start of the slice given to [`read_entries`].
+    pub data_offset: u64,
+    /// Length of the entry's bytes.
+    pub len: u64,
+}
+
+/// Find every entry of the ZIP archive that spans exactly `bytes`.
+///
+/// Only what torch.save writes is accepted: stored entries, one disk, no encryption. The archive
+/// must end at the end of the slice (an embedded DCP item located at the wrong offset or length
+/// fails here rather than yielding wrong data). Entries come back in central-directory order.
+pub fn read_entries(bytes: &[u8]) -> Result<Vec<ZipEntry>> {
+    let end = find_end_record(bytes)?;
+    let mut entries = Vec::new();
+    let mut names = HashSet::new();
+    // (local header offset, data end, index) for the overlap check.
+    let mut spans = Vec::new();
+    let mut pos = end.cd_offset;
+    let cd_end = end.cd_offset + end.cd_size;
+    for _ in 0..end.entries {
+        let central = read_central(bytes, pos, cd_end)?;
+        pos = central.next;
+        let entry = read_local(bytes, &central, end.cd_offset)?;
+        if !names.insert(entry.name.clone()) {
+            return Err(invalid(format!("duplicate zip entry `{}`", entry.name)).at(central.at));
+        }
+        spans.push((
+            central.local_offset,
+            entry.data_offset + entry.len,
+            entries.len(),
+        ));
+        entries.push(entry);
+    }
+    if pos != cd_end {
+        return Err(invalid(format!(
+            "zip central directory is {} bytes but its {} entries take {}",
+            end.cd_size,
+            end.entries,
+            pos - end.cd_offset
+        ))
+        .at(end.cd_offset));
+    }
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        if let [(_, first_end, first), (second_start, _, second)] = pair {
+            if first_end > second_start {
+                let (a, b) = (&entries[*first].name, &entries[*second].name);
+                return Err(
+                    invalid(format!("zip entries `{a}` and `{b}` overlap")).at(*second_start)
+                );
+            }
+        }
+    }
+    Ok(entries)
+}
+
+/// One record to place in an archive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ZipRecord {
+    pub name: String,
+    /// Data length; for a record with `content` it must equal `content.len()` (the content wins).
+    pub len: u64,
+    /// The bytes, for small records written with the framing; `None` for data the caller writes
+    /// at [`ZipLayout::data_offsets`] later.
+    pub content: Option<Vec<u8>>,
+}
+
+/// Every byte of an archive except the data of records without content, by position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ZipLayout {
+    /// Total archive length.
+    pub len: u64,
+    /// Per record, where its data starts.
+    pub data_offsets: Vec<u64>,
+    /// Framing bytes and the contents of literal records, as non-overlapping runs in offset order.
+    /// CRC slots of caller-filled records hold zeros until patched.
+    pub literals: Vec<(u64, Vec<u8>)>,
+    /// Per record, the offsets where its CRC-32 (4 bytes little-endian) must be written: the data
+    /// descriptor and the central header. Empty for literal records, whose CRCs are in place.
+    pub crc_slots: Vec<Vec<u64>>,
+}
+
+impl ZipLayout {
+    /// The writes that record `record`'s CRC-32 `crc` into the archive.
+    pub fn crc_patches(&self, record: usize, crc: u32) -> Vec<(u64, [u8; 4])> {
+        self.crc_slots
+            .get(record)
+            .map(|slots| slots.iter().map(|&at| (at, crc.to_le_bytes())).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Lay out an archive of `records`, in order, exactly as torch.save would write them.
+///
+/// Names must be shorter than 64 KiB (ZIP stores their length in 16 bits); torch's are short paths.
+pub fn layout(records: &[ZipRecord]) -> ZipLayout {
+    let mut out = Literals::default();
+    let mut data_offsets = Vec::with_capacity(records.len());
+    let mut crc_slots = Vec::with_capacity(records.len());
+    // (name, local header offset, length, crc) for the central directory.
+    let mut placed = Vec::with_capacity(records.len());
+
+    for record in records {
+        let local_offset = out.pos;
+        let len = record
+            .content
+            .as_ref()
+            .map_or(record.len, |c| c.len() as u64);
+        let zip64 = zip64_fields(len, local_offset);
+        let name = record.name.as_bytes();
+
+        // torch pads so that data starts on an alignment boundary, counting the zip64 field that
+        // miniz puts before the padding (`getPadding` in inline_container.cc).
+        let unpadded = local_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64.len() as u64 + 4;
+        let padding = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
+
+        let mut header = Vec::new();
+        put32(&mut header, LOCAL_SIG);
+        put16(&mut header, 0); // version needed
+        put16(&mut header, FLAGS);
+        put16(&mut header, 0); // method: stored
+        put16(&mut header, 0); // time
+        put16(&mut header, 0); // date
+        put32(&mut header, 0); // crc, in the descriptor
+        put32(&mut header, 0); // compressed size, in the descriptor
+        put32(&mut header, 0); // uncompressed size, in the descriptor
+        put16(&mut header, len16(name.len()));
+        put16(&mut header, len16(zip64.len() + 4 + padding as usize));
+        header.extend_from_slice(name);
+        header.extend_from_slice(&zip64);
+        header.extend_from_slice(PADDING_EXTRA_ID);
+        put16(&mut header, padding as u16);
+        header.resize(header.len() + padding as usize, b'Z');
+        out.emit(&header);
+
+        let data_offset = out.pos;
+        data_offsets.push(data_offset);
+        let crc = match &record.content {
+            Some(content) => {
+                out.emit(content);
+                crc32fast::hash(content)
+            }
+            None => {
+                out.skip(len);
+                0
+            }
+        };
+        let mut slots = Vec::new();
+
+        let mut descriptor = Vec::with_capacity(24);
+        put32(&mut descriptor, DESCRIPTOR_SIG);
+        put32(&mut descriptor, crc);
+        // miniz widens the descriptor's sizes whenever the local header has a zip64 field.
+        if zip64.is_empty() {
+            put32(&mut descriptor, len as u32);
+            put32(&mut descriptor, len as u32);
+        } else {
+            put64(&mut descriptor, len);
+            put64(&mut descriptor, len);
+        }
+        if record.content.is_none() {
+            slots.push(out.pos + 4);
+        }
+        crc_slots.push(slots);
+        out.emit(&descriptor);
+        placed.push((name, local_offset, len, crc, record.content.is_none()));
+    }
+
+    let cd_offset = out.pos;
+    for (index, &(name, local_offset, len, crc, filled_later)) in placed.iter().enumerate() {
+        let zip64 = zip64_fields(len, local_offset);
+        if filled_later {
+            if let Some(slots) = crc_slots.get_mut(index) {
+                slots.push(out.pos + 16);
+            }
+        }
+        let mut header = Vec::with_capacity(CENTRAL_HEADER_LEN as usize + name.len() + zip64.len());
+        put32(&mut header, CENTRAL_SIG);
+        put16(&mut header, 0); // version made by
+        put16(&mut header, 0); // version needed
+        put16(&mut header, FLAGS);
+        put16(&mut header, 0); // method: stored
+        put16(&mut header, 0); // time
+        put16(&mut header, 0); // date
+        put32(&mut header, crc);
+        put32(&mut header, len.min(U32_LIMIT) as u32);
+        put32(&mut header, len.min(U32_LIMIT) as u32);
+        put16(&mut header, len16(name.len()));
+        put16(&mut header, len16(zip64.len()));
+        put16(&mut header, 0); // comment length
+        put16(&mut header, 0); // disk
+        put16(&mut header, 0); // internal attributes
+        put32(&mut header, 0); // external attributes
+        put32(&mut header, local_offset.min(U32_LIMIT) as u32);
+        header.extend_from_slice(name);
+        header.extend_from_slice(&zip64);
+        out.emit(&header);
+    }
+    let cd_size = out.pos - cd_offset;
+    let count = records.len() as u64;
+
+    let zip64_eocd_offset = out.pos;
+    let mut tail = Vec::with_capacity((ZIP64_EOCD_LEN + ZIP64_LOCATOR_LEN + EOCD_LEN) as usize);
+    put32(&mut tail, ZIP64_EOCD_SIG);
+    put64(&mut tail, ZIP64_EOCD_LEN - 12); // size of the rest of the record
+    put16(&mut tail, ZIP64_VERSION_MADE_BY);
+    put16(&mut tail, ZIP64_VERSION_NEEDED);
+    put32(&mut tail, 0); // this disk
+    put32(&mut tail, 0); // disk of the central directory
+    put64(&mut tail, count);
+    put64(&mut tail, count);
+    put64(&mut tail, cd_size);
+    put64(&mut tail, cd_offset);
+    put32(&mut tail, ZIP64_LOCATOR_SIG);
+    put32(&mut tail, 0); // disk of the zip64 end record
+    put64(&mut tail, zip64_eocd_offset);
+    put32(&mut tail, 1); // total disks
+    put32(&mut tail, EOCD_SIG);
+    put16(&mut tail, 0); // this disk
+    put16(&mut tail, 0); // disk of the central directory
+    put16(&mut tail, count.min(0xFFFF) as u16);
+    put16(&mut tail, count.min(0xFFFF) as u16);
+    put32(&mut tail, cd_size.min(U32_LIMIT) as u32);
+    put32(&mut tail, cd_offset.min(U32_LIMIT) as u32);
+    put16(&mut tail, 0); // comment length
+    out.emit(&tail);
+
+    ZipLayout {
+        len: out.pos,
+        data_offsets,
+        literals: out.runs,
+        crc_slots,
+    }
+}
+
+/// Write a whole archive to memory. `fill` supplies, in order, the data of each record whose
+/// `content` is `None` (each exactly `len` bytes); meant for small archives such as a DCP
+/// non-tensor item.
+pub fn build(records: &[ZipRecord], fill: &[&[u8]]) -> Result<Vec<u8>> {
+    let plan = layout(records);
+    let len = usize::try_from(plan.len).map_err(|_| {
+        invalid(format!(
+            "zip archive of {} bytes does not fit in memory",
+            plan.len
+        ))
+    })?;
+    let mut bytes = vec![0u8; len];
+    for (at, run) in &plan.literals {
+        write_at(&mut bytes, *at, run);
+    }
+    let mut fill = fill.iter();
+    for (index, record) in records.iter().enumerate() {
+        if record.content.is_some() {
+            continue;
+        }
+        let Some(data) = fill.next() else {
+            return Err(invalid(format!(
+                "no data given for zip record `{}`",
+                record.name
+            )));
+        };
+        if data.len() as u64 != record.len {
+            return Err(invalid(format!(
+                "zip record `{}` is {} bytes but {} were given",
+                record.name,
+                record.len,
+                data.len()
+            )));
+        }
+        if let Some(&at) = plan.data_offsets.get(index) {
+            write_at(&mut bytes, at, data);
+        }
+        for (at, crc) in plan.crc_patches(index, crc32fast::hash(data)) {
+            write_at(&mut bytes, at, &crc);
+        }
+    }
+    if fill.next().is_some() {
+        return Err(invalid("more data given than zip records to hold it"));
+    }
+    Ok(bytes)
+}
+
+/// The zip64 extra field miniz writes for a record: sizes when the record is large, the local
+/// header offset when it lies beyond 4 GiB, nothing otherwise. Same bytes in both headers.
+fn zip64_fields(len: u64, local_offset: u64) -> Vec<u8> {
+    let big_len = len >= U32_LIMIT;
+    let big_offset = local_offset >= U32_LIMIT;
+    if !big_len && !big_offset {
+        return Vec::new();
+    }
+    let mut field = Vec::with_capacity(28);
+    put16(&mut field, ZIP64_EXTRA_ID);
+    put16(&mut field, 8 * (2 * big_len as u16 + big_offset as u16));
+    if big_len {
+        put64(&mut field, len); // uncompressed
+        put64(&mut field, len); // compressed
+    }
+    if big_offset {
+        put64(&mut field, local_offset);
+    }
+    field
+}
+
+/// Framing runs being built; adjacent pieces merge so the executor issues few writes.
+#[derive(Default)]
+struct Literals {
+    pos: u64,
+    runs: Vec<(u64, Vec<u8>)>,
+}
+
+impl Literals {
+    fn emit(&mut self, bytes: &[u8]) {
+        match self.runs.last_mut() {
+            Some((at, run)) if *at + run.len() as u64 == self.pos => run.extend_from_slice(bytes),
+            _ => self.runs.push((self.pos, bytes.to_vec())),
+        }
+        self.pos += bytes.len() as u64;
+    }
+
+    fn skip(&mut self, len: u64) {
+        self.pos = self.pos.saturating_add(len);
+    }
+}
+
+fn len16(len: usize) -> u16 {
+    u16::try_from(len).unwrap_or(u16::MAX)
+}
+
+fn put16(out: &mut Vec<u8>, v: u16) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn write_at(bytes: &mut [u8], at: u64, data: &[u8]) {
+    let start = usize::try_from(at).unwrap_or(usize::MAX);
+    if let Some(dst) = start
+        .checked_add(data.len())
+        .and_then(|end| bytes.get_mut(start..end))
+    {
+        dst.copy_from_slice(data);
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid(message)
+}
+
+/// The slice `bytes[at..at + len]`, or an error naming `what` if it runs past the end.
+fn slice<'a>(bytes: &'a [u8], at: u64, len: u64, what: &str) -> Result<&'a [u8]> {
+    usize::try_from(at)
+        .ok()
+        .zip(usize::try_from(len).ok())
+        .and_then(|(start, len)| bytes.get(start..start.checked_add(len)?))
+        .ok_or_else(|| invalid(format!("zip {what} runs past the end of the archive")).at(at))
+}
+
+/// Little-endian field reader over a header already known to be in bounds.
+struct Fields<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Fields { bytes, pos: 0 }
+    }
+
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let field = self.bytes.get(self.pos..self.pos.checked_add(N)?)?;
+        self.pos += N;
+        field.try_into().ok()
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        self.take().map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.take().map(u64::from_le_bytes)
+    }
+}
+
+/// Where the central directory is, from the (zip64) end records.
+struct EndRecord {
+    entries: u64,
+    cd_offset: u64,
+    cd_size: u64,
+}
+
+fn find_end_record(bytes: &[u8]) -> Result<EndRecord> {
+    let len = bytes.len() as u64;
+    if len < EOCD_LEN {
+        return Err(invalid(format!(
+            "not a zip archive: {len} bytes is too short for an end-of-central-directory record"
+        )));
+    }
+    // The classic end record is the last 22 bytes plus a comment; accept only a comment that
+    // reaches exactly the end of the slice, so trailing bytes are an error, not ignored.
+    let lowest = (len - EOCD_LEN).saturating_sub(MAX_COMMENT_LEN);
+    let mut eocd = None;
+    for at in (lowest..=len - EOCD_LEN).rev() {
+        let record = slice(bytes, at, EOCD_LEN, "end record")?;
+        let mut f = Fields::new(record);
+        if f.u32() != Some(EOCD_SIG) {
+            continue;
+        }
+        f.pos = 20;
+        let comment_len = u64::from(f.u16().unwrap_or(0));
+        if at + EOCD_LEN + comment_len == len {
+            eocd = Some(at);
+            break;
+        }
+    }
+    let Some(eocd_at) = eocd else {
+        return Err(invalid(
+            "not a zip archive: no end-of-central-directory record at the end of the data",
+        ));
+    };
+    let mut f = Fields::new(slice(bytes, eocd_at + 4, EOCD_LEN - 4, "end record")?);
+    let (disk, cd_disk) = (f.u16().unwrap_or(0), f.u16().unwrap_or(0));
+    let disk_entries = u64::from(f.u16().unwrap_or(0));
+    let entries = u64::from(f.u16().unwrap_or(0));
+    let cd_size = u64::from(f.u32().unwrap_or(0));
+    let cd_offset = u64::from(f.u32().unwrap_or(0));
+    if (disk != 0 && disk != 0xFFFF)
+        || (cd_disk != 0 && cd_disk != 0xFFFF)
+        || disk_entries != entries
+    {
+        return Err(invalid("multi-disk zip archives are not supported").at(eocd_at));
+    }
+
+    let locator_at = eocd_at.checked_sub(ZIP64_LOCATOR_LEN);
+    let locator = locator_at
+        .map(|at| slice(bytes, at, ZIP64_LOCATOR_LEN, "zip64 locator"))
+        .transpose()?
+        .filter(|l| l.get(..4) == Some(&ZIP64_LOCATOR_SIG.to_le_bytes()[..]));
+    let (end, records_start) = match (locator, locator_at) {
+        (Some(locator), Some(locator_at)) => {
+            let mut f = Fields::new(locator);
+            f.u32();
+            let eocd64_disk = f.u32().unwrap_or(0);
+            let eocd64_at = f.u64().unwrap_or(0);
+            let disks = f.u32().unwrap_or(1);
+            if eocd64_disk != 0 || disks > 1 {
+                return Err(invalid("multi-disk zip archives are not supported").at(locator_at));
+            }
+            if eocd64_at
+                .checked_add(ZIP64_EOCD_LEN)
+                .map_or(true, |e| e > locator_at)
+            {
+                return Err(invalid(format!(
+                    "zip64 end record offset {eocd64_at} does not fit before its locator"
+                ))
+                .at(locator_at));
+            }
+            let mut f = Fields::new(slice(bytes, eocd64_at, ZIP64_EOCD_LEN, "zip64 end record")?);
+            if f.u32() != Some(ZIP64_EOCD_SIG) {
+                return Err(invalid(
+                    "zip64 end record signature not found where its locator points",
+                )
+                .at(eocd64_at));
+            }
+            f.u64(); // record size; extensible data after the fixed part is ignored
+            f.u16(); // version made by
+            f.u16(); // version needed
+            let (disk, cd_disk) = (f.u32().unwrap_or(0), f.u32().unwrap_or(0));
+            let disk_entries64 = f.u64().unwrap_or(0);
+            let entries64 = f.u64().unwrap_or(0);
+            let cd_size64 = f.u64().unwrap_or(0);
+            let cd_offset64 = f.u64().unwrap_or(0);
+            if disk != 0 || cd_disk != 0 || disk_entries64 != entries64 {
+                return Err(invalid("multi-disk zip archives are not supported").at(eocd64_at));
+            }
+            // The classic record repeats each value unless it saturated; a mismatch is corruption.
+            let agrees =
+                |short: u64, saturated: u64, long: u64| short == saturated || short == long;
+            if !agrees(entries, 0xFFFF, entries64)
+                || !agrees(cd_size, U32_LIMIT, cd_size64)
+                || !agrees(cd_offset, U32_LIMIT, cd_offset64)
+            {
+                return Err(invalid("zip end record and zip64 end record disagree").at(eocd_at));
+            }
+            let end = EndRecord {
+                entries: entries64,
+                cd_offset: cd_offset64,
+                cd_size: cd_size64,
+            };
+            (end, eocd64_at)
+        }
+        _ => {
+            if entries == 0xFFFF || cd_size == U32_LIMIT || cd_offset == U32_LIMIT {
+                return Err(
+                    invalid("zip end record needs a zip64 end record, which is missing")
+                        .at(eocd_at),
+                );
+            }
+            (
+                EndRecord {
+                    entries,
+                    cd_offset,
+                    cd_size,
+                },
+                eocd_at,
+            )
+        }
+    };
+    if end.entries > MAX_ENTRIES {
+        return Err(invalid(format!(
+            "zip archive claims {} entries, more than the {MAX_ENTRIES} ckpt accepts",
+            end.entries
+        ))
+        .at(eocd_at));
+    }
+    let cd_end = end.cd_offset.checked_add(end.cd_size);
+    if cd_end.map_or(true, |e| e > records_start) {
+        return Err(invalid(format!(
+            "zip central directory ({} bytes at {}) runs past the end records",
+            end.cd_size, end.cd_offset
+        ))
+        .at(eocd_at));
+    }
+    if end.entries.saturating_mul(CENTRAL_HEADER_LEN) > end.cd_size {
+        return Err(invalid(format!(
+            "zip central directory of {} bytes cannot hold {} entries",
+            end.cd_size, end.entries
+        ))
+        .at(end.cd_offset));
+    }
+    Ok(end)
+}
+
+/// What a central directory header says about one entry.
+struct Central {
+    /// Where the header is.
+    at: u64,
+    /// Where the next header starts.
+    next: u64,
+    name: String,
+    name_bytes: Vec<u8>,
+    len: u64,
+    crc: u32,
+    local_offset: u64,
+}
+
+fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
+    if at
+        .checked_add(CENTRAL_HEADER_LEN)
+        .map_or(true, |e| e > cd_end)
+    {
+        return Err(invalid("zip central directory ends inside an entry header").at(at));
+    }
+    let mut f = Fields::new(slice(bytes, at, CENTRAL_HEADER_LEN, "central header")?);
+    if f.u32() != Some(CENTRAL_SIG) {
+        return Err(invalid("zip central directory header signature not found").at(at));
+    }
+    f.u16(); // version made by
+    f.u16(); // version needed
+    let flags = f.u16().unwrap_or(0);
+    let method = f.u16().unwrap_or(0);
+    f.u16(); // time
+    f.u16(); // date
+    let crc = f.u32().unwrap_or(0);
+    let compressed32 = f.u32().unwrap_or(0);
+    let len32 = f.u32().unwrap_or(0);
+    let name_len = u64::from(f.u16().unwrap_or(0));
+    let extra_len = u64::from(f.u16().unwrap_or(0));
+    let comment_len = u64::from(f.u16().unwrap_or(0));
+    let disk = f.u16().unwrap_or(0);
+    f.u16(); // internal attributes
+    f.u32(); // external attributes
+    let local32 = f.u32().unwrap_or(0);
+
+    let next = at + CENTRAL_HEADER_LEN + name_len + extra_len + comment_len;
+    if next > cd_end {
+        return Err(invalid("zip central directory ends inside an entry header").at(at));
+    }
+    let name_bytes = slice(bytes, at + CENTRAL_HEADER_LEN, name_len, "entry name")?.to_vec();
+    let name = entry_name(&name_bytes).map_err(|e| e.at(at + CENTRAL_HEADER_LEN))?;
+    let extra = slice(
+        bytes,
+        at + CENTRAL_HEADER_LEN + name_len,
+        extra_len,
+        "extra field",
+    )?;
+
+    if flags & FLAG_ENCRYPTED != 0 {
+        return Err(invalid(format!("zip entry `{name}` is encrypted")).at(at));
+    }
+    if method != 0 {
+        return Err(invalid(format!(
+            "zip entry `{name}` is compressed (method {method}); torch.save archives store entries uncompressed"
+        ))
+        .at(at));
+    }
+    if disk != 0 && disk != 0xFFFF {
+        return Err(invalid("multi-disk zip archives are not supported").at(at));
+    }
+
+    // Zip64 values appear in a fixed order, each only if its 32-bit field saturated.
+    let zip64 = find_extra(extra, ZIP64_EXTRA_ID);
+    let mut z = Fields::new(zip64.unwrap_or(&[]));
+    let mut wide = |short: u32, what: &str| -> Result<u64> {
+        if u64::from(short) != U32_LIMIT {
+            return Ok(u64::from(short));
+        }
+        z.u64().ok_or_else(|| {
+            invalid(format!(
+                "zip entry `{name}` lacks the zip64 {what} its header points to"
+            ))
+            .at(at)
+        })
+    };
+    let len = wide(len32, "size")?;
+    let compressed = wide(compressed32, "compressed size")?;
+    let local_offset = wide(local32, "offset")?;
+    if compressed != len {
+        return Err(invalid(format!(
+            "zip entry `{name}` is stored but its compressed size {compressed} differs from its size {len}"
+        ))
+        .at(at));
+    }
+    Ok(Central {
+        at,
+        next,
+        name,
+        name_bytes,
+        len,
+        crc,
+        local_offset,
+    })
+}
+
+/// Check the local header against the central one and find where the data starts.
+fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<ZipEntry> {
+    let at = central.local_offset;
+    let name = &central.name;
+    let header = slice(bytes, at, LOCAL_HEADER_LEN, "local header").map_err(|_| {
+        invalid(format!(
+            "zip entry `{name}` points past the end of the archive"
+        ))
+        .at(central.at)
+    })?;
+    let mut f = Fields::new(header);
+    if f.u32() != Some(LOCAL_SIG) {
+        return Err(invalid(format!(
+            "zip local header of `{name}` not found where the central directory points"
+        ))
+        .at(at));
+    }
+    f.u16(); // version needed
+    let flags = f.u16().unwrap_or(0);
+    let method = f.u16().unwrap_or(0);
+    f.u16(); // time
+    f.u16(); // date
+    let crc = f.u32().unwrap_or(0);
+    let compressed32 = f.u32().unwrap_or(0);
+    let len32 = f.u32().unwrap_or(0);
+    let name_len = u64::from(f.u16().unwrap_or(0));
+    let extra_len = u64::from(f.u16().unwrap_or(0));
+
+    if slice(bytes, at + LOCAL_HEADER_LEN, name_len, "entry name")? != central.name_bytes.as_slice()
+    {
+        return Err(invalid(format!(
+            "zip local header of `{name}` names a different entry"
+        ))
+        .at(at));
+    }
+    if method != 0 {
+        return Err(invalid(format!(
+            "zip entry `{name}` is compressed (method {method}); torch.save archives store entries uncompressed"
+        ))
+        .at(at));
+    }
+    // With a data descriptor the local fields may be zero (miniz writes zeros); a zip64 entry
+    // saturates them; otherwise they must repeat the central directory.
+    let descriptor = flags & FLAG_DESCRIPTOR != 0;
+    let agrees = |local: u32, central: u64| {
+        (descriptor && local == 0) || u64::from(local) == U32_LIMIT || u64::from(local) == central
+    };
+    if !agrees(len32, central.len) || !agrees(compressed32, central.len) {
+        return Err(invalid(format!(
+            "zip entry `{name}`: local header size {len32} disagrees with central directory size {}",
+            central.len
+        ))
+        .at(at));
+    }
+    if !(descriptor && crc == 0) && crc != central.crc {
+        return Err(invalid(format!(
+            "zip entry `{name}`: local header CRC {crc:08x} disagrees with central directory CRC {:08x}",
+            central.crc
+        ))
+        .at(at));
+    }
+
+    let data_offset = at + LOCAL_HEADER_LEN + name_len + extra_len;
+    let data_end = data_offset.checked_add(central.len);
+    if data_end.map_or(true, |e| e > cd_offset) {
+        return Err(invalid(format!(
+            "zip entry `{name}` ({} bytes at {data_offset}) runs into the central directory",
+            central.len
+        ))
+        .at(at));
+    }
+    Ok(ZipEntry {
+        name: name.clone(),
+        data_offset,
+        len: central.len,
+    })
+}
+
+fn entry_name(bytes: &[u8]) -> Result<String> {
+    if bytes.contains(&0) {
+        return Err(invalid("zip entry name contains a NUL byte"));
+    }
+    String::from_utf8(bytes.to_vec()).map_err(|_| invalid("zip entry name is not UTF-8"))
+}
+
+/// The data of the first extra field with id `id`, if the field list is well formed up to it.
+fn find_extra(mut extra: &[u8], id: u16) -> Option<&[u8]> {
+    while let [a, b, c, d, rest @ ..] = extra {
+        let size = usize::from(u16::from_le_bytes([*c, *d]));
+        let data = rest.get(..size)?;
+        if u16::from_le_bytes([*a, *b]) == id {
+            return Some(data);
+        }
+        extra = rest.get(size..)?;
+    }
+    None
+}

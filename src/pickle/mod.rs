@@ -28,7 +28,10 @@ pub enum Value {
     Dict(Vec<(Value, Value)>),
     Set(Vec<Value>),
     /// A module attribute, `module.name` (e.g. `torch.float32`, or a class).
-    Global { module: String, name: String },
+    Global {
+        module: String,
+        name: String,
+    },
     /// An object made by a call that ckpt records but never runs: `callable(*args)` (REDUCE) or
     /// `cls.__new__(cls, *args)` (NEWOBJ), then any items SETITEM(S)/APPEND(S) put into it (an
     /// `OrderedDict`), then the state BUILD gave it (a dataclass's `__dict__`, a `__setstate__` tuple).
@@ -71,6 +74,19 @@ pub enum PickleError {
     LimitExceeded { offset: usize, reason: String },
 }
 
+impl PickleError {
+    /// Byte offset in the pickle stream the error concerns, when it has one.
+    pub fn offset(&self) -> Option<usize> {
+        match self {
+            PickleError::ForbiddenGlobal { .. } => None,
+            PickleError::UnsupportedOpcode { offset, .. }
+            | PickleError::Truncated { offset }
+            | PickleError::Malformed { offset, .. }
+            | PickleError::LimitExceeded { offset, .. } => Some(*offset),
+        }
+    }
+}
+
 impl Value {
     pub fn as_str(&self) -> Option<&str> {
         match self {
@@ -110,6 +126,45 @@ impl Value {
     pub fn as_global(&self) -> Option<(&str, &str)> {
         match self {
             Value::Global { module, name } => Some((module, name)),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Value::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+
+    /// Pairs of a dict, in pickled order.
+    pub fn as_dict(&self) -> Option<&[(Value, Value)]> {
+        match self {
+            Value::Dict(items) => Some(items),
+            _ => None,
+        }
+    }
+
+    /// `(module, name)` of the class or function that made this object (`REDUCE`/`NEWOBJ`).
+    pub fn class(&self) -> Option<(&str, &str)> {
+        match self {
+            Value::Object { callable, .. } => callable.as_global(),
+            _ => None,
+        }
+    }
+
+    /// The state `BUILD` gave this object.
+    pub fn state(&self) -> Option<&Value> {
+        match self {
+            Value::Object { state, .. } => state.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Arguments of the call that made this object.
+    pub fn args(&self) -> Option<&[Value]> {
+        match self {
+            Value::Object { args, .. } => Some(args),
             _ => None,
         }
     }

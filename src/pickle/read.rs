@@ -1,4 +1,29 @@
 //! Pickle reader: opcodes to a [`Value`] tree, executing nothing.
+//!
+//! The reader is a small pickle machine that builds nodes in an arena instead of Python objects.
+//! The stack and the memo hold node ids, and every mutating opcode (`APPEND`, `SETITEMS`, `BUILD`,
+//! ...) changes the node in place. That gives Python's reference semantics: pickles memoize a dict
+//! or list while it is still empty and fill it afterwards, and a later `BINGET` must see the filled
+//! container. At `STOP` the root node is turned into an owned [`Value`] tree; a node reached twice
+//! is copied each time, so the copy is charged against [`Limits::max_nodes`] and a pickle that
+//! references one container from itself (a cycle) is rejected.
+//!
+//! Choices where Python's pickle leaves room:
+//! - `BINSTRING` / `SHORT_BINSTRING` (Python 2 `str`) become [`Value::Str`], decoded as UTF-8, which
+//!   is what `torch.load` does with its default `encoding="utf-8"`; other bytes are an error there too.
+//! - `BYTEARRAY8` becomes [`Value::Bytes`]: the tree does not distinguish mutable bytes.
+//! - `GLOBAL` in a protocol 0-2 pickle maps the Python 2 modules `__builtin__` and `copy_reg` to their
+//!   Python 3 names before the policy is asked, as Python's `fix_imports` does.
+//! - A dict (or set) that receives the same simple key (str, bytes, int, bool, None) twice keeps
+//!   the first position and the last value, as Python's dict does; other keys are kept as pickled.
+//! - Bytes after `STOP` are ignored, as `pickle.loads` ignores them; nothing torch writes has any,
+//!   but a reader that refuses them gains nothing.
+//! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
 use super::{Globals, PickleError, Value};
 
 /// Safety bounds on what one pickle may build.
@@ -8,19 +33,909 @@ pub struct Limits {
     pub max_stack: usize,
     /// Most memo entries.
     pub max_memo: usize,
-    /// Most nodes in total, counting those copied by memo gets.
+    /// Most nodes in total, counting those copied by memo gets. A string or bytes value also costs
+    /// one node per 64 bytes, so many references to one large string are bounded too.
     pub max_nodes: usize,
-    /// Deepest nesting of containers.
+    /// Deepest nesting of containers. This also bounds the reader's recursion when it builds the tree.
     pub max_depth: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_stack: 1 << 20, max_memo: 1 << 20, max_nodes: 1 << 24, max_depth: 256 }
+        Limits {
+            max_stack: 1 << 20,
+            max_memo: 1 << 20,
+            max_nodes: 1 << 24,
+            max_depth: 256,
+        }
     }
 }
 
 /// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into a value tree.
-pub fn read(_bytes: &[u8], _globals: &dyn Globals, _limits: Limits) -> Result<Value, PickleError> {
-    todo!("pickle reader")
+pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value, PickleError> {
+    let mut machine = Machine {
+        input: Input { bytes, pos: 0 },
+        globals,
+        limits,
+        nodes: Vec::new(),
+        origins: Vec::new(),
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+        proto: 0,
+    };
+    let root = machine.run()?;
+    let mut tree = Tree {
+        nodes: &machine.nodes,
+        origins: &machine.origins,
+        on_path: vec![false; machine.nodes.len()],
+        spent: 0,
+        limits,
+    };
+    tree.value(root, 0)
+}
+
+// Opcodes, named as in CPython's `pickle.py`.
+const MARK: u8 = b'(';
+const STOP: u8 = b'.';
+const POP: u8 = b'0';
+const POP_MARK: u8 = b'1';
+const DUP: u8 = b'2';
+const INT: u8 = b'I';
+const BININT: u8 = b'J';
+const BININT1: u8 = b'K';
+const BININT2: u8 = b'M';
+const NONE: u8 = b'N';
+const BINPERSID: u8 = b'Q';
+const REDUCE: u8 = b'R';
+const BINSTRING: u8 = b'T';
+const SHORT_BINSTRING: u8 = b'U';
+const BINUNICODE: u8 = b'X';
+const APPEND: u8 = b'a';
+const BUILD: u8 = b'b';
+const GLOBAL: u8 = b'c';
+const DICT: u8 = b'd';
+const EMPTY_DICT: u8 = b'}';
+const APPENDS: u8 = b'e';
+const GET: u8 = b'g';
+const BINGET: u8 = b'h';
+const LONG_BINGET: u8 = b'j';
+const LIST: u8 = b'l';
+const EMPTY_LIST: u8 = b']';
+const PUT: u8 = b'p';
+const BINPUT: u8 = b'q';
+const LONG_BINPUT: u8 = b'r';
+const SETITEM: u8 = b's';
+const TUPLE: u8 = b't';
+const EMPTY_TUPLE: u8 = b')';
+const SETITEMS: u8 = b'u';
+const BINFLOAT: u8 = b'G';
+const PROTO: u8 = 0x80;
+const NEWOBJ: u8 = 0x81;
+const TUPLE1: u8 = 0x85;
+const TUPLE2: u8 = 0x86;
+const TUPLE3: u8 = 0x87;
+const NEWTRUE: u8 = 0x88;
+const NEWFALSE: u8 = 0x89;
+const LONG1: u8 = 0x8a;
+const LONG4: u8 = 0x8b;
+const BINBYTES: u8 = b'B';
+const SHORT_BINBYTES: u8 = b'C';
+const SHORT_BINUNICODE: u8 = 0x8c;
+const BINUNICODE8: u8 = 0x8d;
+const BINBYTES8: u8 = 0x8e;
+const EMPTY_SET: u8 = 0x8f;
+const ADDITEMS: u8 = 0x90;
+const FROZENSET: u8 = 0x91;
+const NEWOBJ_EX: u8 = 0x92;
+const STACK_GLOBAL: u8 = 0x93;
+const MEMOIZE: u8 = 0x94;
+const FRAME: u8 = 0x95;
+const BYTEARRAY8: u8 = 0x96;
+
+/// The highest protocol Python knows; a higher `PROTO` is not a pickle we understand.
+const HIGHEST_PROTOCOL: u8 = 5;
+
+type Id = usize;
+
+/// A node under construction. Immutable scalars are finished values; containers refer to other
+/// nodes by id so that shared references stay shared until the tree is built.
+enum Node {
+    Leaf(Value),
+    Tuple(Vec<Id>),
+    List(Vec<Id>),
+    Dict(Vec<(Id, Id)>),
+    Set(Vec<Id>),
+    Object {
+        callable: Id,
+        args: Vec<Id>,
+        new_obj: bool,
+        dict_items: Vec<(Id, Id)>,
+        list_items: Vec<Id>,
+        state: Option<Id>,
+    },
+    PersistentId(Id),
+}
+
+impl Node {
+    fn kind(&self) -> &'static str {
+        match self {
+            Node::Leaf(Value::Global { .. }) => "global",
+            Node::Leaf(_) => "scalar",
+            Node::Tuple(_) => "tuple",
+            Node::List(_) => "list",
+            Node::Dict(_) => "dict",
+            Node::Set(_) => "set",
+            Node::Object { .. } => "object",
+            Node::PersistentId(_) => "persistent id",
+        }
+    }
+}
+
+/// The bytes being read and the read position.
+struct Input<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Input<'a> {
+    fn truncated(&self) -> PickleError {
+        PickleError::Truncated {
+            offset: self.bytes.len(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], PickleError> {
+        let end = self.pos.checked_add(n).ok_or_else(|| self.truncated())?;
+        let slice = self
+            .bytes
+            .get(self.pos..end)
+            .ok_or_else(|| self.truncated())?;
+        self.pos = end;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], PickleError> {
+        let slice = self.take(N)?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(slice);
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, PickleError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, PickleError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, PickleError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn i32(&mut self) -> Result<i32, PickleError> {
+        Ok(i32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, PickleError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A text argument of the protocol 0 opcodes, without its `\n`.
+    fn line(&mut self) -> Result<&'a [u8], PickleError> {
+        let rest = self.bytes.get(self.pos..).unwrap_or_default();
+        let len = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| self.truncated())?;
+        let line = self.take(len)?;
+        self.pos += 1;
+        Ok(line)
+    }
+
+    /// `n` bytes whose length came from the file as a u64.
+    fn take_u64(&mut self, n: u64) -> Result<&'a [u8], PickleError> {
+        let n = usize::try_from(n).map_err(|_| self.truncated())?;
+        self.take(n)
+    }
+}
+
+struct Machine<'a> {
+    input: Input<'a>,
+    globals: &'a dyn Globals,
+    limits: Limits,
+    nodes: Vec<Node>,
+    /// Byte offset of the opcode that created each node, for errors found when building the tree.
+    origins: Vec<usize>,
+    stack: Vec<Id>,
+    /// Stack lengths at each open `MARK`.
+    marks: Vec<usize>,
+    memo: HashMap<u64, Id>,
+    proto: u8,
+}
+
+fn malformed(offset: usize, reason: impl Into<String>) -> PickleError {
+    PickleError::Malformed {
+        offset,
+        reason: reason.into(),
+    }
+}
+
+fn limit(offset: usize, reason: impl Into<String>) -> PickleError {
+    PickleError::LimitExceeded {
+        offset,
+        reason: reason.into(),
+    }
+}
+
+fn utf8(offset: usize, bytes: &[u8]) -> Result<String, PickleError> {
+    std::str::from_utf8(bytes)
+        .map(str::to_string)
+        .map_err(|_| malformed(offset, "string is not valid UTF-8"))
+}
+
+/// A decimal integer as protocol 0 writes it (`I`, `g`, `p` arguments).
+fn decimal(offset: usize, line: &[u8]) -> Result<i64, PickleError> {
+    std::str::from_utf8(line)
+        .ok()
+        .and_then(|s| s.trim().parse::<i64>().ok())
+        .ok_or_else(|| malformed(offset, "integer argument is not a 64-bit decimal"))
+}
+
+/// A little-endian two's complement integer of any length (`LONG1`, `LONG4`), if it fits in i64.
+fn long(offset: usize, bytes: &[u8]) -> Result<i64, PickleError> {
+    let Some(&last) = bytes.last() else {
+        return Ok(0);
+    };
+    let fill = if last & 0x80 != 0 { 0xff } else { 0x00 };
+    let mut buf = [fill; 8];
+    for (i, &b) in bytes.iter().enumerate() {
+        match buf.get_mut(i) {
+            Some(slot) => *slot = b,
+            // Bytes past the eighth must only repeat the sign, and the eighth must carry it.
+            None if b == fill => {}
+            None => return Err(malformed(offset, "integer does not fit in 64 bits")),
+        }
+    }
+    let value = i64::from_le_bytes(buf);
+    if (value < 0) != (fill == 0xff) {
+        return Err(malformed(offset, "integer does not fit in 64 bits"));
+    }
+    Ok(value)
+}
+
+impl Machine<'_> {
+    fn run(&mut self) -> Result<Id, PickleError> {
+        loop {
+            let at = self.input.pos;
+            let op = self.input.u8()?;
+            match op {
+                PROTO => {
+                    let proto = self.input.u8()?;
+                    if proto > HIGHEST_PROTOCOL {
+                        return Err(malformed(at, format!("unknown pickle protocol {proto}")));
+                    }
+                    self.proto = proto;
+                }
+                FRAME => {
+                    self.input.u64()?;
+                }
+                STOP => return self.pop(at),
+                MARK => {
+                    if self.marks.len() >= self.limits.max_stack {
+                        return Err(limit(at, "too many open marks"));
+                    }
+                    self.marks.push(self.stack.len());
+                }
+                POP => {
+                    if self.stack.len() > self.base() {
+                        self.stack.pop();
+                    } else {
+                        self.pop_mark(at)?;
+                    }
+                }
+                POP_MARK => {
+                    self.pop_mark(at)?;
+                }
+                DUP => {
+                    let top = self.top(at)?;
+                    self.push(at, top)?;
+                }
+                NONE => self.leaf(at, Value::None)?,
+                NEWTRUE => self.leaf(at, Value::Bool(true))?,
+                NEWFALSE => self.leaf(at, Value::Bool(false))?,
+                INT => {
+                    let line = self.input.line()?;
+                    // Protocol 0 spells booleans as `I01` / `I00`.
+                    let value = match line {
+                        b"01" => Value::Bool(true),
+                        b"00" => Value::Bool(false),
+                        _ => Value::Int(decimal(at, line)?),
+                    };
+                    self.leaf(at, value)?;
+                }
+                BININT => {
+                    let v = self.input.i32()?;
+                    self.leaf(at, Value::Int(v.into()))?;
+                }
+                BININT1 => {
+                    let v = self.input.u8()?;
+                    self.leaf(at, Value::Int(v.into()))?;
+                }
+                BININT2 => {
+                    let v = self.input.u16()?;
+                    self.leaf(at, Value::Int(v.into()))?;
+                }
+                LONG1 => {
+                    let n = self.input.u8()?;
+                    let v = long(at, self.input.take(n.into())?)?;
+                    self.leaf(at, Value::Int(v))?;
+                }
+                LONG4 => {
+                    let n = self.input.i32()?;
+                    let n = usize::try_from(n)
+                        .map_err(|_| malformed(at, "negative length for `LONG4`"))?;
+                    let v = long(at, self.input.take(n)?)?;
+                    self.leaf(at, Value::Int(v))?;
+                }
+                BINFLOAT => {
+                    let v = f64::from_be_bytes(self.input.array()?);
+                    self.leaf(at, Value::Float(v))?;
+                }
+                BINUNICODE => {
+                    let n = self.input.u32()?;
+                    let s = utf8(at, self.input.take_u64(n.into())?)?;
+                    self.leaf(at, Value::Str(s))?;
+                }
+                SHORT_BINUNICODE => {
+                    let n = self.input.u8()?;
+                    let s = utf8(at, self.input.take(n.into())?)?;
+                    self.leaf(at, Value::Str(s))?;
+                }
+                BINUNICODE8 => {
+                    let n = self.input.u64()?;
+                    let s = utf8(at, self.input.take_u64(n)?)?;
+                    self.leaf(at, Value::Str(s))?;
+                }
+                BINSTRING => {
+                    let n = self.input.i32()?;
+                    let n = usize::try_from(n)
+                        .map_err(|_| malformed(at, "negative length for `BINSTRING`"))?;
+                    let s = utf8(at, self.input.take(n)?)?;
+                    self.leaf(at, Value::Str(s))?;
+                }
+                SHORT_BINSTRING => {
+                    let n = self.input.u8()?;
+                    let s = utf8(at, self.input.take(n.into())?)?;
+                    self.leaf(at, Value::Str(s))?;
+                }
+                BINBYTES => {
+                    let n = self.input.u32()?;
+                    let b = self.input.take_u64(n.into())?.to_vec();
+                    self.leaf(at, Value::Bytes(b))?;
+                }
+                SHORT_BINBYTES => {
+                    let n = self.input.u8()?;
+                    let b = self.input.take(n.into())?.to_vec();
+                    self.leaf(at, Value::Bytes(b))?;
+                }
+                BINBYTES8 | BYTEARRAY8 => {
+                    let n = self.input.u64()?;
+                    let b = self.input.take_u64(n)?.to_vec();
+                    self.leaf(at, Value::Bytes(b))?;
+                }
+                EMPTY_TUPLE => self.node(at, Node::Tuple(Vec::new()))?,
+                TUPLE => {
+                    let items = self.pop_mark(at)?;
+                    self.node(at, Node::Tuple(items))?;
+                }
+                TUPLE1 | TUPLE2 | TUPLE3 => {
+                    let n = usize::from(op - TUPLE1) + 1;
+                    let start = self
+                        .stack
+                        .len()
+                        .checked_sub(n)
+                        .filter(|&s| s >= self.base())
+                        .ok_or_else(|| malformed(at, "stack underflow"))?;
+                    let items = self.stack.split_off(start);
+                    self.node(at, Node::Tuple(items))?;
+                }
+                EMPTY_LIST => self.node(at, Node::List(Vec::new()))?,
+                LIST => {
+                    let items = self.pop_mark(at)?;
+                    self.node(at, Node::List(items))?;
+                }
+                APPEND => {
+                    let item = self.pop(at)?;
+                    self.append(at, vec![item])?;
+                }
+                APPENDS => {
+                    let items = self.pop_mark(at)?;
+                    self.append(at, items)?;
+                }
+                EMPTY_DICT => self.node(at, Node::Dict(Vec::new()))?,
+                DICT => {
+                    let items = self.pop_mark(at)?;
+                    let pairs = pairs(at, items)?;
+                    self.node(at, Node::Dict(pairs))?;
+                }
+                SETITEM => {
+                    let value = self.pop(at)?;
+                    let key = self.pop(at)?;
+                    self.set_items(at, vec![(key, value)])?;
+                }
+                SETITEMS => {
+                    let items = self.pop_mark(at)?;
+                    let pairs = pairs(at, items)?;
+                    self.set_items(at, pairs)?;
+                }
+                EMPTY_SET => self.node(at, Node::Set(Vec::new()))?,
+                ADDITEMS => {
+                    let items = self.pop_mark(at)?;
+                    let target = self.top(at)?;
+                    match self.nodes.get_mut(target) {
+                        Some(Node::Set(set)) => set.extend(items),
+                        other => {
+                            let kind = other.map_or("nothing", |n| n.kind());
+                            return Err(malformed(at, format!("`ADDITEMS` to a {kind}")));
+                        }
+                    }
+                }
+                FROZENSET => {
+                    let items = self.pop_mark(at)?;
+                    self.node(at, Node::Set(items))?;
+                }
+                GLOBAL => {
+                    let module = utf8(at, self.input.line()?)?;
+                    let name = utf8(at, self.input.line()?)?;
+                    let module = if self.proto < 3 {
+                        py3_module(module)
+                    } else {
+                        module
+                    };
+                    self.global(at, module, name)?;
+                }
+                STACK_GLOBAL => {
+                    let name = self.pop(at)?;
+                    let module = self.pop(at)?;
+                    let module = self.string(at, module, "module")?;
+                    let name = self.string(at, name, "name")?;
+                    self.global(at, module, name)?;
+                }
+                REDUCE => {
+                    let args = self.pop(at)?;
+                    let callable = self.pop(at)?;
+                    let args = self.tuple(at, args, "REDUCE")?;
+                    self.object(at, callable, args, false)?;
+                }
+                NEWOBJ => {
+                    let args = self.pop(at)?;
+                    let cls = self.pop(at)?;
+                    let args = self.tuple(at, args, "NEWOBJ")?;
+                    self.object(at, cls, args, true)?;
+                }
+                NEWOBJ_EX => {
+                    let kwargs = self.pop(at)?;
+                    let args = self.pop(at)?;
+                    let cls = self.pop(at)?;
+                    let args = self.tuple(at, args, "NEWOBJ_EX")?;
+                    // The tree has nowhere to keep keyword arguments; Python only writes
+                    // `NEWOBJ_EX` with empty ones for classes whose `__getnewargs_ex__` has none.
+                    match self.nodes.get(kwargs) {
+                        Some(Node::Dict(items)) if items.is_empty() => {}
+                        _ => {
+                            return Err(PickleError::UnsupportedOpcode {
+                                opcode: op,
+                                offset: at,
+                            })
+                        }
+                    }
+                    self.object(at, cls, args, true)?;
+                }
+                BUILD => {
+                    let state = self.pop(at)?;
+                    let target = self.top(at)?;
+                    match self.nodes.get_mut(target) {
+                        Some(Node::Object { state: slot, .. }) => *slot = Some(state),
+                        other => {
+                            let kind = other.map_or("nothing", |n| n.kind());
+                            return Err(malformed(at, format!("`BUILD` on a {kind}")));
+                        }
+                    }
+                }
+                BINPERSID => {
+                    let pid = self.pop(at)?;
+                    self.node(at, Node::PersistentId(pid))?;
+                }
+                PUT => {
+                    let index = decimal(at, self.input.line()?)?;
+                    let index =
+                        u64::try_from(index).map_err(|_| malformed(at, "negative memo index"))?;
+                    self.memo_put(at, index)?;
+                }
+                BINPUT => {
+                    let index = self.input.u8()?;
+                    self.memo_put(at, index.into())?;
+                }
+                LONG_BINPUT => {
+                    let index = self.input.u32()?;
+                    self.memo_put(at, index.into())?;
+                }
+                MEMOIZE => {
+                    let index = self.memo.len() as u64;
+                    self.memo_put(at, index)?;
+                }
+                GET => {
+                    let index = decimal(at, self.input.line()?)?;
+                    let index =
+                        u64::try_from(index).map_err(|_| malformed(at, "negative memo index"))?;
+                    self.memo_get(at, index)?;
+                }
+                BINGET => {
+                    let index = self.input.u8()?;
+                    self.memo_get(at, index.into())?;
+                }
+                LONG_BINGET => {
+                    let index = self.input.u32()?;
+                    self.memo_get(at, index.into())?;
+                }
+                _ => {
+                    return Err(PickleError::UnsupportedOpcode {
+                        opcode: op,
+                        offset: at,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Stack length at the innermost open mark: nothing below it may be popped without `POP_MARK`.
+    fn base(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+
+    fn push(&mut self, at: usize, id: Id) -> Result<(), PickleError> {
+        if self.stack.len() >= self.limits.max_stack {
+            return Err(limit(
+                at,
+                format!("more than {} values on the stack", self.limits.max_stack),
+            ));
+        }
+        self.stack.push(id);
+        Ok(())
+    }
+
+    fn pop(&mut self, at: usize) -> Result<Id, PickleError> {
+        if self.stack.len() <= self.base() {
+            return Err(malformed(at, "stack underflow"));
+        }
+        self.stack
+            .pop()
+            .ok_or_else(|| malformed(at, "stack underflow"))
+    }
+
+    fn top(&self, at: usize) -> Result<Id, PickleError> {
+        if self.stack.len() <= self.base() {
+            return Err(malformed(at, "stack underflow"));
+        }
+        self.stack
+            .last()
+            .copied()
+            .ok_or_else(|| malformed(at, "stack underflow"))
+    }
+
+    fn pop_mark(&mut self, at: usize) -> Result<Vec<Id>, PickleError> {
+        let mark = self
+            .marks
+            .pop()
+            .ok_or_else(|| malformed(at, "no open `MARK`"))?;
+        Ok(self.stack.split_off(mark.min(self.stack.len())))
+    }
+
+    /// Add a node to the arena and push it.
+    fn node(&mut self, at: usize, node: Node) -> Result<(), PickleError> {
+        if self.nodes.len() >= self.limits.max_nodes {
+            return Err(limit(
+                at,
+                format!("more than {} nodes", self.limits.max_nodes),
+            ));
+        }
+        let id = self.nodes.len();
+        self.nodes.push(node);
+        self.origins.push(at);
+        self.push(at, id)
+    }
+
+    fn leaf(&mut self, at: usize, value: Value) -> Result<(), PickleError> {
+        self.node(at, Node::Leaf(value))
+    }
+
+    fn global(&mut self, at: usize, module: String, name: String) -> Result<(), PickleError> {
+        if !self.globals.allows(&module, &name) {
+            return Err(PickleError::ForbiddenGlobal { module, name });
+        }
+        self.leaf(at, Value::Global { module, name })
+    }
+
+    fn object(
+        &mut self,
+        at: usize,
+        callable: Id,
+        args: Vec<Id>,
+        new_obj: bool,
+    ) -> Result<(), PickleError> {
+        let node = Node::Object {
+            callable,
+            args,
+            new_obj,
+            dict_items: Vec::new(),
+            list_items: Vec::new(),
+            state: None,
+        };
+        self.node(at, node)
+    }
+
+    fn string(&self, at: usize, id: Id, what: &str) -> Result<String, PickleError> {
+        match self.nodes.get(id) {
+            Some(Node::Leaf(Value::Str(s))) => Ok(s.clone()),
+            _ => Err(malformed(
+                at,
+                format!("`STACK_GLOBAL` {what} is not a string"),
+            )),
+        }
+    }
+
+    fn tuple(&self, at: usize, id: Id, opcode: &str) -> Result<Vec<Id>, PickleError> {
+        match self.nodes.get(id) {
+            Some(Node::Tuple(items)) => Ok(items.clone()),
+            other => {
+                let kind = other.map_or("nothing", |n| n.kind());
+                Err(malformed(
+                    at,
+                    format!("`{opcode}` arguments are a {kind}, not a tuple"),
+                ))
+            }
+        }
+    }
+
+    fn append(&mut self, at: usize, items: Vec<Id>) -> Result<(), PickleError> {
+        let target = self.top(at)?;
+        match self.nodes.get_mut(target) {
+            Some(Node::List(list))
+            | Some(Node::Object {
+                list_items: list, ..
+            }) => {
+                list.extend(items);
+                Ok(())
+            }
+            other => {
+                let kind = other.map_or("nothing", |n| n.kind());
+                Err(malformed(at, format!("`APPEND` to a {kind}")))
+            }
+        }
+    }
+
+    fn set_items(&mut self, at: usize, pairs: Vec<(Id, Id)>) -> Result<(), PickleError> {
+        let target = self.top(at)?;
+        match self.nodes.get_mut(target) {
+            Some(Node::Dict(dict))
+            | Some(Node::Object {
+                dict_items: dict, ..
+            }) => {
+                dict.extend(pairs);
+                Ok(())
+            }
+            other => {
+                let kind = other.map_or("nothing", |n| n.kind());
+                Err(malformed(at, format!("`SETITEM` on a {kind}")))
+            }
+        }
+    }
+
+    fn memo_put(&mut self, at: usize, index: u64) -> Result<(), PickleError> {
+        let top = self.top(at)?;
+        if !self.memo.contains_key(&index) && self.memo.len() >= self.limits.max_memo {
+            return Err(limit(
+                at,
+                format!("more than {} memo entries", self.limits.max_memo),
+            ));
+        }
+        self.memo.insert(index, top);
+        Ok(())
+    }
+
+    fn memo_get(&mut self, at: usize, index: u64) -> Result<(), PickleError> {
+        let id = *self
+            .memo
+            .get(&index)
+            .ok_or_else(|| malformed(at, format!("memo entry {index} was never stored")))?;
+        self.push(at, id)
+    }
+}
+
+/// Pair up `key, value, key, value, ...` as `DICT` and `SETITEMS` lay them out.
+fn pairs(at: usize, items: Vec<Id>) -> Result<Vec<(Id, Id)>, PickleError> {
+    if items.len() % 2 != 0 {
+        return Err(malformed(at, "odd number of items for a dict"));
+    }
+    let mut out = Vec::with_capacity(items.len() / 2);
+    let mut it = items.into_iter();
+    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+/// Python 2 module names that Python 3's unpickler renames under `fix_imports`.
+fn py3_module(module: String) -> String {
+    match module.as_str() {
+        "__builtin__" => "builtins".to_string(),
+        "copy_reg" => "copyreg".to_string(),
+        _ => module,
+    }
+}
+
+/// Turns the arena into an owned tree, charging every node emitted (copies included).
+struct Tree<'a> {
+    nodes: &'a [Node],
+    origins: &'a [usize],
+    /// Nodes on the path from the root to the node being built: reaching one again is a cycle.
+    on_path: Vec<bool>,
+    spent: usize,
+    limits: Limits,
+}
+
+impl Tree<'_> {
+    fn value(&mut self, id: Id, depth: usize) -> Result<Value, PickleError> {
+        let at = self.origins.get(id).copied().unwrap_or(0);
+        let node = self
+            .nodes
+            .get(id)
+            .ok_or_else(|| malformed(at, "dangling node"))?;
+        let cost = match node {
+            Node::Leaf(Value::Str(s)) => 1 + s.len() / 64,
+            Node::Leaf(Value::Bytes(b)) => 1 + b.len() / 64,
+            _ => 1,
+        };
+        self.spent = self.spent.saturating_add(cost);
+        if self.spent > self.limits.max_nodes {
+            return Err(limit(
+                at,
+                format!(
+                    "more than {} nodes once shared references are copied",
+                    self.limits.max_nodes
+                ),
+            ));
+        }
+        if let Node::Leaf(v) = node {
+            return Ok(v.clone());
+        }
+        if self.on_path.get(id).copied().unwrap_or(false) {
+            return Err(malformed(at, "a container contains itself"));
+        }
+        if depth >= self.limits.max_depth {
+            return Err(limit(
+                at,
+                format!("containers nested deeper than {}", self.limits.max_depth),
+            ));
+        }
+        if let Some(flag) = self.on_path.get_mut(id) {
+            *flag = true;
+        }
+        let value = self.container(node, depth + 1);
+        if let Some(flag) = self.on_path.get_mut(id) {
+            *flag = false;
+        }
+        value
+    }
+
+    fn container(&mut self, node: &Node, depth: usize) -> Result<Value, PickleError> {
+        Ok(match node {
+            Node::Leaf(v) => v.clone(),
+            Node::Tuple(items) => Value::Tuple(self.values(items, depth)?),
+            Node::List(items) => Value::List(self.values(items, depth)?),
+            Node::Set(items) => Value::Set(dedup_set(self.values(items, depth)?)),
+            Node::Dict(items) => Value::Dict(self.pairs(items, depth)?),
+            Node::Object {
+                callable,
+                args,
+                new_obj,
+                dict_items,
+                list_items,
+                state,
+            } => Value::Object {
+                callable: Box::new(self.value(*callable, depth)?),
+                args: self.values(args, depth)?,
+                new_obj: *new_obj,
+                dict_items: self.pairs(dict_items, depth)?,
+                list_items: self.values(list_items, depth)?,
+                state: match state {
+                    Some(s) => Some(Box::new(self.value(*s, depth)?)),
+                    None => None,
+                },
+            },
+            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(*pid, depth)?)),
+        })
+    }
+
+    fn values(&mut self, ids: &[Id], depth: usize) -> Result<Vec<Value>, PickleError> {
+        ids.iter().map(|&id| self.value(id, depth)).collect()
+    }
+
+    fn pairs(
+        &mut self,
+        ids: &[(Id, Id)],
+        depth: usize,
+    ) -> Result<Vec<(Value, Value)>, PickleError> {
+        let mut out = Vec::with_capacity(ids.len());
+        for &(k, v) in ids {
+            out.push((self.value(k, depth)?, self.value(v, depth)?));
+        }
+        Ok(dedup_pairs(out))
+    }
+}
+
+/// A dict or set key whose equality ckpt can decide the way Python would.
+#[derive(PartialEq, Eq, Hash)]
+enum SimpleKey<'a> {
+    None,
+    Int(i64),
+    Str(&'a str),
+    Bytes(&'a [u8]),
+}
+
+fn simple_key(v: &Value) -> Option<SimpleKey<'_>> {
+    match v {
+        Value::None => Some(SimpleKey::None),
+        // In Python `True == 1`, so they are the same key.
+        Value::Bool(b) => Some(SimpleKey::Int(i64::from(*b))),
+        Value::Int(i) => Some(SimpleKey::Int(*i)),
+        Value::Str(s) => Some(SimpleKey::Str(s)),
+        Value::Bytes(b) => Some(SimpleKey::Bytes(b)),
+        _ => None,
+    }
+}
+
+fn key_hash(k: &SimpleKey<'_>) -> u64 {
+    let mut h = DefaultHasher::new();
+    k.hash(&mut h);
+    h.finish()
+}
+
+/// Python dict semantics for repeated keys: first position, last value.
+fn dedup_pairs(items: Vec<(Value, Value)>) -> Vec<(Value, Value)> {
+    if items.len() < 2 {
+        return items;
+    }
+    let mut out: Vec<(Value, Value)> = Vec::with_capacity(items.len());
+    // Hash -> positions in `out`; hashes are compared first so keys need not be copied.
+    let mut seen: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (k, v) in items {
+        if let Some(key) = simple_key(&k) {
+            let slots = seen.entry(key_hash(&key)).or_default();
+            let found = slots
+                .iter()
+                .copied()
+                .find(|&i| out.get(i).and_then(|(ok, _)| simple_key(ok)).as_ref() == Some(&key));
+            if let Some(i) = found {
+                if let Some(slot) = out.get_mut(i) {
+                    slot.1 = v;
+                }
+                continue;
+            }
+            slots.push(out.len());
+        }
+        out.push((k, v));
+    }
+    out
+}
+
+/// Python set semantics for repeated simple items: the first is kept.
+fn dedup_set(items: Vec<Value>) -> Vec<Value> {
+    if items.len() < 2 {
+        return items;
+    }
+    let pairs = items.into_iter().map(|v| (v, Value::None)).collect();
+    dedup_pairs(pairs).into_iter().map(|(v, _)| v).collect()
 }

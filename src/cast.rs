@@ -1,0 +1,172 @@
+//! Element casts for `--dtype`, bit-for-bit as PyTorch's `Tensor.to(dtype)` does them on CPU.
+//!
+//! Floats go through f32 the way torch's CPU kernels do: to bf16 by round-to-nearest-even on the
+//! f32 bits, to f16 by IEEE round-to-nearest-even, fp8 decoded exactly. Only floating-point tensors
+//! are cast; the planner leaves integer and bool tensors alone.
+
+use crate::dtype::DType;
+
+/// Convert `count` elements from `src` (of type `from`) into `dst` (of type `to`).
+/// Both slices must hold exactly `count` elements; the caller guarantees it.
+pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
+    if from == to {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let n = src.len() / from.size();
+    debug_assert_eq!(dst.len(), n * to.size());
+    if from == DType::F64 && to == DType::F32 {
+        for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(4)) {
+            let v = f64::from_le_bytes(s.try_into().unwrap_or_default()) as f32;
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        return;
+    }
+    // Everything else pivots through f32 in small batches so both loops stay simple and vectorisable.
+    let mut tmp = [0f32; 1024];
+    let (ss, ds) = (from.size(), to.size());
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(tmp.len());
+        decode(&src[done * ss..(done + k) * ss], from, &mut tmp[..k]);
+        encode(&tmp[..k], &mut dst[done * ds..(done + k) * ds], to);
+        done += k;
+    }
+}
+
+fn decode(src: &[u8], from: DType, out: &mut [f32]) {
+    match from {
+        DType::F32 => {
+            for (s, o) in src.chunks_exact(4).zip(out) {
+                *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        DType::F64 => {
+            for (s, o) in src.chunks_exact(8).zip(out) {
+                *o = f64::from_le_bytes(s.try_into().unwrap_or_default()) as f32;
+            }
+        }
+        DType::BF16 => {
+            for (s, o) in src.chunks_exact(2).zip(out) {
+                *o = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            }
+        }
+        DType::F16 => {
+            for (s, o) in src.chunks_exact(2).zip(out) {
+                *o = half::f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+            }
+        }
+        DType::F8E4M3 => {
+            for (s, o) in src.iter().zip(out) {
+                *o = f8e4m3_to_f32(*s);
+            }
+        }
+        DType::F8E5M2 => {
+            // e5m2 is the top byte of an f16.
+            for (s, o) in src.iter().zip(out) {
+                *o = half::f16::from_bits((*s as u16) << 8).to_f32();
+            }
+        }
+        // Not reached: only floating-point tensors are cast.
+        _ => out.fill(0.0),
+    }
+}
+
+fn encode(vals: &[f32], dst: &mut [u8], to: DType) {
+    match to {
+        DType::F32 => {
+            for (v, d) in vals.iter().zip(dst.chunks_exact_mut(4)) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F64 => {
+            for (v, d) in vals.iter().zip(dst.chunks_exact_mut(8)) {
+                d.copy_from_slice(&(*v as f64).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for (v, d) in vals.iter().zip(dst.chunks_exact_mut(2)) {
+                d.copy_from_slice(&f32_to_bf16(*v).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (v, d) in vals.iter().zip(dst.chunks_exact_mut(2)) {
+                d.copy_from_slice(&half::f16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        }
+        // `--dtype` offers bf16, fp16 and fp32 only.
+        _ => dst.fill(0),
+    }
+}
+
+/// Count NaN and infinite elements in `bytes` of `dtype` (zero for non-float types).
+pub fn count_non_finite(bytes: &[u8], dtype: DType) -> (u64, u64) {
+    if !dtype.is_float() {
+        return (0, 0);
+    }
+    let mut tmp = [0f32; 1024];
+    let (mut nan, mut inf) = (0, 0);
+    for chunk in bytes.chunks(tmp.len() * dtype.size()) {
+        let n = chunk.len() / dtype.size();
+        decode(chunk, dtype, &mut tmp[..n]);
+        for v in &tmp[..n] {
+            nan += v.is_nan() as u64;
+            inf += v.is_infinite() as u64;
+        }
+    }
+    (nan, inf)
+}
+
+/// torch's `c10::BFloat16` rounding: NaN becomes the canonical quiet NaN, everything else rounds
+/// to nearest, ties to even, on the raw bits (so overflow correctly reaches infinity).
+pub fn f32_to_bf16(v: f32) -> u16 {
+    if v.is_nan() {
+        return 0x7FC0;
+    }
+    let bits = v.to_bits();
+    let bias = ((bits >> 16) & 1) + 0x7FFF;
+    (bits.wrapping_add(bias) >> 16) as u16
+}
+
+/// `float8_e4m3fn`: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, NaN is S.1111.111.
+pub fn f8e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = (b >> 3) & 0x0F;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0F && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp as i32 - 7)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3F80);
+        // 1 + 2^-8 is exactly between two bf16 values: ties go to the even one (1.0).
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F80_8000)), 0x3F80);
+        // 1 + 3*2^-8 ties to the even neighbour above.
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F81_8000)), 0x3F82);
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7F80);
+        assert_eq!(f32_to_bf16(f32::NAN), 0x7FC0);
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7F80);
+    }
+
+    #[test]
+    fn fp8_decodes() {
+        assert_eq!(f8e4m3_to_f32(0x38), 1.0);
+        assert_eq!(f8e4m3_to_f32(0x7E), 448.0);
+        assert!(f8e4m3_to_f32(0x7F).is_nan());
+        assert_eq!(f8e4m3_to_f32(0x01), 2f32.powi(-9));
+        let mut out = [0u8; 4];
+        convert(&[0x3C], DType::F8E5M2, &mut out, DType::F32);
+        assert_eq!(f32::from_le_bytes(out), 1.0);
+    }
+}

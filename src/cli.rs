@@ -1,0 +1,448 @@
+//! Command-line interface: flags (clap derive) in, library calls, printing and exit codes out.
+//! clap types stay in this module.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::exec::{self, ExecOptions, IoMode};
+use crate::geometry::Placement;
+use crate::inspect::human_bytes;
+use crate::output::{OutputKind, Staging};
+use crate::plan::{self, MeshSpec, PlanOptions, Target};
+use crate::select::Selection;
+use crate::verify::{self, VerifyOptions};
+
+#[derive(Parser, Debug)]
+#[command(name = "ckpt", version, about = "Convert PyTorch checkpoints between FULL and SHARDED layouts, without torch")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Describe a checkpoint: layout, world size, every tensor and non-tensor entry.
+    Inspect {
+        path: PathBuf,
+        /// Print the stable JSON document instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Only entries whose name matches this glob (repeatable).
+        #[arg(long = "filter", value_name = "GLOB")]
+        filters: Vec<String>,
+    },
+    /// Check that a checkpoint is sound. Exit 0 sound, 1 problems found, 2 usage error.
+    Verify {
+        path: PathBuf,
+        #[arg(long)]
+        json: bool,
+        /// Read every byte: per-tensor checksums, NaN/Inf warnings.
+        #[arg(long)]
+        deep: bool,
+        /// Compare the logical tensors with another checkpoint, in any layout.
+        #[arg(long, value_name = "OTHER")]
+        against: Option<PathBuf>,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+    /// Write a FULL state dict: safetensors (one file or Hugging Face split files) or torch.save.
+    Consolidate {
+        path: PathBuf,
+        /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
+        /// `--format torch`.
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long, value_enum)]
+        format: Option<FullFormat>,
+        /// Split into files of at most this size (`5GB`, `500MB`, `2GiB`); implies a directory.
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        max_shard_size: Option<u64>,
+        #[command(flatten)]
+        select: SelectArgs,
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        write: WriteArgs,
+    },
+    /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
+    Reshard {
+        path: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Shorthand for `--mesh N --placements 'S(0)'`.
+        #[arg(long, conflicts_with = "mesh")]
+        world_size: Option<usize>,
+        /// Mesh shape, e.g. `4` or `2x4`.
+        #[arg(long, requires = "placements")]
+        mesh: Option<String>,
+        /// One placement per mesh dimension: `S(d)` shards tensor dim d, `R` replicates.
+        #[arg(long)]
+        placements: Option<String>,
+        /// Store tensors matching this glob whole, once (repeatable).
+        #[arg(long, value_name = "GLOB")]
+        replicate: Vec<String>,
+        #[arg(long, value_enum, default_value = "dcp")]
+        format: ShardedFormat,
+        #[command(flatten)]
+        select: SelectArgs,
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        write: WriteArgs,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FullFormat {
+    Safetensors,
+    Torch,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ShardedFormat {
+    Dcp,
+    DcpSafetensors,
+}
+
+#[derive(clap::Args, Debug)]
+struct SelectArgs {
+    /// Keep only tensors whose name matches (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    include: Vec<String>,
+    /// Drop tensors whose name matches (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
+    /// Remove this prefix from names, e.g. `model.` or `_orig_mod.` (repeatable; first match wins).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Vec<String>,
+    /// Cast floating-point tensors (integer and bool tensors are left alone).
+    #[arg(long, value_enum)]
+    dtype: Option<CastTo>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum CastTo {
+    Bf16,
+    Fp16,
+    Fp32,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// How inputs are read: `mmap` (local disks) or `read` (network filesystems).
+    #[arg(long, value_enum, default_value = "mmap")]
+    io: Io,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Io {
+    Mmap,
+    Read,
+}
+
+#[derive(clap::Args, Debug)]
+struct WriteArgs {
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+    /// No progress bar and no summary.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+/// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
+pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+    match cli.command {
+        Command::Inspect { path, json, filters } => {
+            let ckpt = crate::detect::read(&path)?;
+            let sel = Selection::new(&filters, &[], &[])?;
+            let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+            } else {
+                print!("{}", crate::inspect::render(&report));
+            }
+            Ok(0)
+        }
+        Command::Verify { path, json, deep, against, run } => {
+            let opts = VerifyOptions { deep: deep || against.is_some(), threads: run.threads, io: run.io.into() };
+            let mut report = verify::verify(&path, &opts)?;
+            if let Some(other) = &against {
+                if report.is_sound() {
+                    let a = crate::detect::read(&path)?;
+                    let b = crate::detect::read(other)?;
+                    report.problems.extend(verify::compare(&a, &b, &opts, 20)?);
+                }
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+            } else {
+                for p in &report.problems {
+                    println!("{}", p.line());
+                }
+                let verdict = if report.is_sound() { "sound" } else { "NOT sound" };
+                println!(
+                    "{}: {verdict} ({} tensors, {} pieces, {}{})",
+                    path.display(),
+                    report.tensors,
+                    report.pieces,
+                    human_bytes(report.bytes),
+                    if deep { ", every byte read" } else { "" }
+                );
+            }
+            Ok(if report.is_sound() { 0 } else { 1 })
+        }
+        Command::Consolidate { path, output, format, max_shard_size, select, run, write } => {
+            let name = output.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+            let (target, kind) = match (format, max_shard_size) {
+                (Some(FullFormat::Torch), Some(_)) => {
+                    return Err(Error::usage("--max-shard-size applies to safetensors output only"))
+                }
+                (Some(FullFormat::Torch), None) => (Target::TorchSave { file_name: name }, OutputKind::File),
+                (_, Some(max)) => (Target::SafetensorsSplit { max_shard_bytes: max }, OutputKind::Dir),
+                (_, None) if name.ends_with(".safetensors") => {
+                    (Target::Safetensors { file_name: name }, OutputKind::File)
+                }
+                (None, None) if name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth") => {
+                    (Target::TorchSave { file_name: name }, OutputKind::File)
+                }
+                // Hugging Face's default shard size.
+                (_, None) => (Target::SafetensorsSplit { max_shard_bytes: 5_000_000_000 }, OutputKind::Dir),
+            };
+            convert(&path, &output, &target, kind, &select, &run, &write, &cancel)
+        }
+        Command::Reshard { path, output, world_size, mesh, placements, replicate, format, select, run, write } => {
+            let (shape, placements) = match (world_size, mesh) {
+                (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
+                (None, Some(m)) => (parse_mesh(&m)?, parse_placements(placements.as_deref().unwrap_or_default())?),
+                (None, None) => return Err(Error::usage("give --world-size N or --mesh AxB --placements ...")),
+            };
+            if shape.len() != placements.len() || shape.contains(&0) {
+                return Err(Error::usage(format!(
+                    "the mesh {shape:?} needs one placement per dimension and no zero size, got {} placements",
+                    placements.len()
+                )));
+            }
+            let ckpt_names = Selection::new(&replicate, &[], &[])?;
+            let mut spec = MeshSpec { shape, placements, replicated: Default::default() };
+            // Resolved after selection (names may be renamed), in `convert`.
+            let target_of = move |ckpt: &crate::model::Checkpoint| {
+                if !replicate.is_empty() {
+                    spec.replicated = ckpt.tensors.iter().filter(|t| ckpt_names.keeps(&t.name)).map(|t| t.name.clone()).collect();
+                }
+                match format {
+                    ShardedFormat::Dcp => Target::Dcp(spec.clone()),
+                    ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec.clone()),
+                }
+            };
+            convert_with(&path, &output, target_of, OutputKind::Dir, &select, &run, &write, &cancel)
+        }
+    }
+}
+
+impl From<Io> for IoMode {
+    fn from(io: Io) -> IoMode {
+        match io {
+            Io::Mmap => IoMode::Mmap,
+            Io::Read => IoMode::Read,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn convert(
+    path: &Path,
+    output: &Path,
+    target: &Target,
+    kind: OutputKind,
+    select: &SelectArgs,
+    run: &RunArgs,
+    write: &WriteArgs,
+    cancel: &Arc<AtomicBool>,
+) -> Result<i32> {
+    convert_with(path, output, |_| target.clone(), kind, select, run, write, cancel)
+}
+
+/// Read, select, plan, execute into a staging name, commit: the one path every conversion takes.
+#[allow(clippy::too_many_arguments)]
+fn convert_with(
+    path: &Path,
+    output: &Path,
+    target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
+    kind: OutputKind,
+    select: &SelectArgs,
+    run: &RunArgs,
+    write: &WriteArgs,
+    cancel: &Arc<AtomicBool>,
+) -> Result<i32> {
+    let started = Instant::now();
+    let ckpt = crate::detect::read(path)?;
+    let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
+    let ckpt = selection.apply(ckpt)?;
+    let cast = select.dtype.map(|d| match d {
+        CastTo::Bf16 => DType::BF16,
+        CastTo::Fp16 => DType::F16,
+        CastTo::Fp32 => DType::F32,
+    });
+    let target = target_of(&ckpt);
+    let plan = plan::plan(&ckpt, &target, &PlanOptions { cast })?;
+    let staging = Staging::prepare(output, path, kind, write.force)?;
+    let relative: Vec<PathBuf> = plan.files.iter().map(|f| f.path.clone()).collect();
+    let dest = staging.paths(&relative);
+    let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
+    let opts = ExecOptions { threads: run.threads, io: run.io.into(), progress: &bar, cancel };
+    exec::execute(&plan, &dest, &opts)?;
+    if cancel.load(Ordering::Relaxed) {
+        return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+    }
+    let final_path = staging.final_path().to_path_buf();
+    staging.commit()?;
+    if !write.quiet {
+        for note in &plan.notes {
+            eprintln!("note: {note}");
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let bytes = plan.data_bytes();
+        eprintln!(
+            "wrote {} tensors ({}) to `{}` in {} files, {:.2} s, {}/s",
+            ckpt.tensors.len(),
+            human_bytes(bytes),
+            final_path.display(),
+            plan.files.len(),
+            secs,
+            human_bytes((bytes as f64 / secs.max(1e-9)) as u64)
+        );
+    }
+    Ok(0)
+}
+
+/// An indicatif bar on stderr, or nothing.
+struct Bar(Option<indicatif::ProgressBar>);
+
+impl Bar {
+    fn new(show: bool) -> Bar {
+        Bar(show.then(|| {
+            let bar = indicatif::ProgressBar::new(0);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        }))
+    }
+}
+
+impl exec::Progress for Bar {
+    fn start(&self, total: u64) {
+        if let Some(b) = &self.0 {
+            b.set_length(total);
+        }
+    }
+    fn advance(&self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.inc(bytes);
+        }
+    }
+    fn finish(&self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// `5GB`, `500MB`, `20KB` (decimal), `2GiB`, `512MiB`, `64KiB` (binary), or plain bytes.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size like 5GB or 512MiB"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(format!("`{s}`: unknown unit (use KB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let bytes = n * mult as f64;
+    if bytes < 1.0 || !bytes.is_finite() {
+        return Err(format!("`{s}` must be at least one byte"));
+    }
+    Ok(bytes as u64)
+}
+
+/// `4`, `2x4`, `2x2x2`.
+pub fn parse_mesh(s: &str) -> Result<Vec<usize>> {
+    s.split(['x', 'X', ','])
+        .map(|d| {
+            d.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| Error::usage(format!("bad mesh `{s}`: expected sizes like 2x4")))
+        })
+        .collect()
+}
+
+/// `S(0),S(1)`, `R,S(0)`, `Shard(0),Replicate()`.
+pub fn parse_placements(s: &str) -> Result<Vec<Placement>> {
+    s.split(',')
+        .map(|p| {
+            let p = p.trim();
+            let lower = p.to_ascii_lowercase();
+            if lower == "r" || lower == "replicate" || lower == "replicate()" {
+                return Ok(Placement::Replicate);
+            }
+            let inner = lower
+                .strip_prefix("shard(")
+                .or_else(|| lower.strip_prefix("s("))
+                .and_then(|r| r.strip_suffix(')'));
+            inner
+                .and_then(|d| d.trim().parse::<usize>().ok())
+                .map(Placement::Shard)
+                .ok_or_else(|| Error::usage(format!("bad placement `{p}`: use S(d) or R")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("20KB"), Ok(20_000));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1.5MB"), Ok(1_500_000));
+        assert_eq!(parse_size("123"), Ok(123));
+        assert!(parse_size("5 parsecs").is_err());
+        assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn meshes_and_placements_parse() {
+        assert_eq!(parse_mesh("2x4").unwrap(), vec![2, 4]);
+        assert!(parse_mesh("2x0").is_err());
+        assert_eq!(
+            parse_placements("S(0), R ,Shard(1)").unwrap(),
+            vec![Placement::Shard(0), Placement::Replicate, Placement::Shard(1)]
+        );
+        assert!(parse_placements("S(x)").is_err());
+    }
+}

@@ -1,0 +1,172 @@
+//! Layout detection: which reader a path needs, and a helpful error when none fits.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::formats::torch_save::{self, Leaf};
+use crate::formats::{dcp, hf_index, safetensors};
+use crate::model::{Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor};
+
+/// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
+/// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
+pub fn read(path: &Path) -> Result<Checkpoint> {
+    let meta = std::fs::metadata(path).map_err(|_| {
+        Error::usage(format!("`{}` does not exist", path.display()))
+    })?;
+    if meta.is_file() {
+        return read_file(path);
+    }
+    if dcp::looks_like(path) {
+        return dcp::read(path);
+    }
+    if path.join(hf_index::INDEX_NAME).is_file() {
+        return hf_index::read(path);
+    }
+    if dcp::hf::looks_like(path) {
+        return dcp::hf::read(path);
+    }
+    let entries = list(path)?;
+    let safetensors: Vec<&PathBuf> = entries.iter().filter(|p| has_ext(p, "safetensors")).collect();
+    if let [only] = safetensors.as_slice() {
+        return safetensors::read(only);
+    }
+    for name in ["pytorch_model.bin", "model.pt", "consolidated.pth"] {
+        if path.join(name).is_file() {
+            return read_file(&path.join(name));
+        }
+    }
+    Err(no_layout(path, &entries))
+}
+
+fn read_file(path: &Path) -> Result<Checkpoint> {
+    if has_ext(path, "safetensors") {
+        return safetensors::read(path);
+    }
+    if path.file_name().is_some_and(|n| n == hf_index::INDEX_NAME) {
+        return hf_index::read(path);
+    }
+    if path.file_name().is_some_and(|n| n == dcp::METADATA) {
+        if let Some(dir) = path.parent() {
+            return dcp::read(dir);
+        }
+    }
+    let mut magic = [0u8; 4];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
+        .map_err(|e| Error::io(path, e))?;
+    if n >= 2 && (magic.starts_with(b"PK") || magic[0] == 0x80) {
+        return read_torch_save(path);
+    }
+    Err(Error::invalid("not a checkpoint ckpt knows")
+        .file(path)
+        .hint("ckpt reads .safetensors, torch.save (.bin/.pt) files, model.safetensors.index.json and DCP directories"))
+}
+
+/// A full `torch.save` file: every tensor one piece, every other leaf a value.
+pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    // SAFETY: read-only map of an input ckpt never writes.
+    let map = if len == 0 {
+        None
+    } else {
+        Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
+    };
+    let bytes = map.as_deref().unwrap_or(&[]);
+    let archive = torch_save::read(bytes).map_err(|e| e.file(path))?;
+    let file_name = PathBuf::from(path.file_name().unwrap_or_default());
+    let mut tensors = Vec::new();
+    let mut values = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    for (key_path, leaf) in &archive.leaves {
+        let name = flat_name(key_path);
+        if !names.insert(name.clone()) {
+            return Err(Error::invalid("two entries flatten to the same name")
+                .file(path)
+                .tensor(&name));
+        }
+        match leaf {
+            Leaf::Tensor(t) => {
+                let entry = archive.storage(&t.storage_key).ok_or_else(|| {
+                    Error::invalid(format!("no storage record `{}`", t.storage_key))
+                        .file(path)
+                        .tensor(&name)
+                })?;
+                tensors.push(Tensor {
+                    name,
+                    key_path: key_path.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    pieces: vec![Piece {
+                        offsets: vec![0; t.shape.len()],
+                        sizes: t.shape.clone(),
+                        data: DataRef {
+                            file: file_name.clone(),
+                            offset: entry.data_offset + t.storage_offset * t.dtype.size() as u64,
+                            strides: t.strides.clone(),
+                            encoding: Encoding::Raw,
+                        },
+                    }],
+                });
+            }
+            Leaf::Value(v) => values.push(NonTensor {
+                name,
+                key_path: key_path.clone(),
+                value: Some(v.clone()),
+                raw: None,
+            }),
+        }
+    }
+    Ok(Checkpoint {
+        root: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+        format: Format::TorchSave,
+        world_size: None,
+        tensors,
+        values,
+    })
+}
+
+/// DCP's flattening of a nested key: parts joined with dots.
+pub fn flat_name(path: &[KeyPart]) -> String {
+    path.iter()
+        .map(|p| match p {
+            KeyPart::Key(k) => k.clone(),
+            KeyPart::Index(i) => i.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+fn has_ext(path: &Path, ext: &str) -> bool {
+    path.extension().is_some_and(|e| e == ext)
+}
+
+fn list(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// The error for a directory no reader recognises, pointing at a likely checkpoint inside it.
+fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
+    let err = Error::invalid("no checkpoint layout recognised in this directory").file(dir);
+    let nested = entries.iter().find(|p| {
+        p.is_dir() && (dcp::looks_like(p) || p.join(hf_index::INDEX_NAME).is_file() || dcp::hf::looks_like(p))
+    });
+    if let Some(inner) = nested {
+        return err.hint(format!("it holds a checkpoint in `{}`: point ckpt at that", inner.display()));
+    }
+    let many: Vec<&PathBuf> = entries.iter().filter(|p| has_ext(p, "safetensors")).collect();
+    if many.len() > 1 {
+        return err.hint(format!(
+            "it holds {} .safetensors files but no `{}`: pass one file, or restore the index",
+            many.len(),
+            hf_index::INDEX_NAME
+        ));
+    }
+    err.hint("ckpt reads DCP directories (`.metadata`), Hugging Face split files (`model.safetensors.index.json`), DCP safetensors shards, .safetensors and torch.save files")
+}

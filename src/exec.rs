@@ -1,0 +1,530 @@
+//! The executor: runs a [`Plan`], copying bytes and nothing else.
+//!
+//! Destination files are created at the paths the caller gives (temporary names: see
+//! [`crate::output`]), sized up front and written positionally, so work units can run in parallel in
+//! any order. A unit is one block of one region: a contiguous run of destination bytes, at most
+//! [`BLOCK_BYTES`] unless one row is larger, gathered from the source boxes that meet it. Memory is
+//! one block buffer per thread whatever the checkpoint size.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use memmap2::Mmap;
+use rayon::prelude::*;
+
+use crate::cast;
+use crate::error::{Error, ErrorKind, Result};
+use crate::model::{contiguous_strides, Encoding};
+use crate::plan::{Fill, Plan, Region};
+
+/// Largest destination run one work unit gathers.
+pub const BLOCK_BYTES: u64 = 8 << 20;
+
+/// How source bytes are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum IoMode {
+    /// Memory-map inputs: fewest copies on local disks.
+    #[default]
+    Mmap,
+    /// Positional reads: better on network filesystems, where page faults are slow.
+    Read,
+}
+
+/// Receives progress; the library never prints.
+pub trait Progress: Sync {
+    fn start(&self, _total_bytes: u64) {}
+    fn advance(&self, _bytes: u64) {}
+    fn finish(&self) {}
+}
+
+/// Progress that goes nowhere.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+pub struct ExecOptions<'a> {
+    /// Worker threads; 0 means one per core.
+    pub threads: usize,
+    pub io: IoMode,
+    pub progress: &'a dyn Progress,
+    /// Set (e.g. by a Ctrl-C handler) to stop early with an error.
+    pub cancel: &'a AtomicBool,
+}
+
+/// An input file, opened once.
+struct Source {
+    path: PathBuf,
+    file: File,
+    len: u64,
+    map: Option<Mmap>,
+}
+
+impl Source {
+    fn open(path: &Path, io: IoMode) -> Result<Source> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let map = if io == IoMode::Mmap && len > 0 {
+            // SAFETY: the map is read-only and lives no longer than this run. ckpt never writes its
+            // inputs (the output module refuses outputs inside them); a file truncated by another
+            // process while mapped would fault, which is why sizes are re-checked at the end and
+            // `--io read` exists for filesystems where that is a risk.
+            Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
+        } else {
+            None
+        };
+        Ok(Source { path: path.to_path_buf(), file, len, map })
+    }
+
+    /// Fill `buf` from `offset`; the caller has checked the range against `len`.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        if let Some(map) = &self.map {
+            let start = usize::try_from(offset).ok();
+            let src = start.and_then(|s| map.get(s..s.checked_add(buf.len())?));
+            return match src {
+                Some(src) => {
+                    buf.copy_from_slice(src);
+                    Ok(())
+                }
+                None => Err(Error::invalid("read past the end of the file")
+                    .file(&self.path)
+                    .at(offset)),
+            };
+        }
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Error::invalid("file ended early: did it change during the run?")
+            } else {
+                Error::io(&self.path, e)
+            };
+            e.file(&self.path).at(offset)
+        })
+    }
+}
+
+/// A block of a region: a box of the region whose destination bytes are contiguous.
+#[derive(Clone, Debug)]
+struct Unit {
+    file: usize,
+    region: usize,
+    start: Vec<u64>,
+    sizes: Vec<u64>,
+}
+
+/// What a region's bytes hashed to, and what its floats held.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionDigest {
+    /// xxh3-64 of the bytes when they fit one block, else of the blocks' xxh3-64s in order. Blocks
+    /// depend only on shape and dtype, so the same tensor digests the same in any layout.
+    pub xxh3: u64,
+    /// Non-finite elements seen (only counted by [`digest`]).
+    pub nan: u64,
+    pub inf: u64,
+}
+
+/// Write every file of `plan` at `dest[i]` (one path per `plan.files[i]`).
+pub fn execute(plan: &Plan, dest: &[PathBuf], opts: &ExecOptions) -> Result<()> {
+    run(plan, Some(dest), opts).map(|_| ())
+}
+
+/// Read everything `plan` would write without writing it: one digest per region, file by file.
+pub fn digest(plan: &Plan, opts: &ExecOptions) -> Result<Vec<RegionDigest>> {
+    run(plan, None, opts)
+}
+
+fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<RegionDigest>> {
+    let sources = plan
+        .inputs
+        .iter()
+        .map(|p| Source::open(p, opts.io))
+        .collect::<Result<Vec<_>>>()?;
+    for f in &plan.files {
+        for r in &f.regions {
+            for fill in &r.fills {
+                check_fill(fill, r, &sources)?;
+            }
+        }
+    }
+    let dest = dest.unwrap_or(&[]);
+    let outputs = plan
+        .files
+        .iter()
+        .zip(dest)
+        .map(|(f, path)| create_output(path, f.len))
+        .collect::<Result<Vec<_>>>()?;
+    for ((f, out), path) in plan.files.iter().zip(&outputs).zip(dest) {
+        for (offset, bytes) in &f.literals {
+            out.write_all_at(bytes, *offset).map_err(|e| Error::io(path, e).at(*offset))?;
+        }
+    }
+
+    let mut units = Vec::new();
+    for (fi, f) in plan.files.iter().enumerate() {
+        for (ri, r) in f.regions.iter().enumerate() {
+            for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
+                units.push(Unit { file: fi, region: ri, start, sizes });
+            }
+        }
+    }
+    opts.progress.start(plan.data_bytes());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads)
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
+    let results: Vec<UnitResult> = pool.install(|| {
+        units
+            .par_iter()
+            .map(|u| {
+                if opts.cancel.load(Ordering::Relaxed) {
+                    return Err(Error::new(ErrorKind::Io, "interrupted"));
+                }
+                let region = &plan.files[u.file].regions[u.region];
+                let out = outputs.get(u.file).zip(dest.get(u.file));
+                let result = run_unit(u, region, &sources, out)?;
+                opts.progress.advance(result.len);
+                Ok(result)
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+
+    // Units were listed region by region in order, so each region's CRC is its units' combined.
+    let mut digests = Vec::new();
+    let mut k = 0;
+    for (fi, f) in plan.files.iter().enumerate() {
+        for ri in 0..f.regions.len() {
+            let mut crc = crc32fast::Hasher::new();
+            let mut parts = Vec::new();
+            let mut digest = RegionDigest::default();
+            while k < units.len() && units[k].file == fi && units[k].region == ri {
+                let r = &results[k];
+                crc.combine(&crc32fast::Hasher::new_with_initial_len(r.crc, r.len));
+                parts.extend_from_slice(&r.xxh3.to_le_bytes());
+                digest.nan += r.nan;
+                digest.inf += r.inf;
+                k += 1;
+            }
+            digest.xxh3 = match parts.len() {
+                0 => xxhash_rust::xxh3::xxh3_64(&[]),
+                8 => u64::from_le_bytes(parts[..8].try_into().unwrap_or_default()),
+                _ => xxhash_rust::xxh3::xxh3_64(&parts),
+            };
+            digests.push(digest);
+            if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
+                let crc = crc.finalize().to_le_bytes();
+                for slot in &f.regions[ri].crc_slots {
+                    out.write_all_at(&crc, *slot).map_err(|e| Error::io(path, e))?;
+                }
+            }
+        }
+    }
+    for (out, path) in outputs.iter().zip(dest) {
+        out.sync_all().map_err(|e| Error::io(path, e))?;
+    }
+    for s in &sources {
+        let now = std::fs::metadata(&s.path).map_err(|e| Error::io(&s.path, e))?.len();
+        if now != s.len {
+            return Err(Error::invalid(format!(
+                "input changed size during the run ({} bytes, now {now})",
+                s.len
+            ))
+            .file(&s.path)
+            .hint("let the writer finish, then run ckpt again"));
+        }
+    }
+    opts.progress.finish();
+    Ok(digests)
+}
+
+fn create_output(path: &Path, len: u64) -> Result<File> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    file.set_len(len).map_err(|e| Error::io(path, e))?;
+    Ok(file)
+}
+
+/// Check that every byte a fill reads lies inside its source file.
+fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
+    let src = sources.get(fill.input).ok_or_else(|| Error::invalid("internal: bad input index"))?;
+    if fill.sizes.contains(&0) {
+        return Ok(());
+    }
+    let elem = fill.dtype.size() as u64;
+    let last = fill
+        .sizes
+        .iter()
+        .zip(&fill.strides)
+        .try_fold(0u64, |acc, (&n, &s)| acc.checked_add((n - 1).checked_mul(s)?));
+    let limit = match fill.encoding {
+        Encoding::Raw => src.len,
+        // The decoded length is checked when the item is decompressed.
+        Encoding::Zstd { .. } => u64::MAX,
+    };
+    let end = last
+        .and_then(|l| l.checked_mul(elem))
+        .and_then(|b| b.checked_add(fill.offset))
+        .and_then(|b| b.checked_add(elem));
+    match end {
+        Some(end) if end <= limit => Ok(()),
+        _ => Err(Error::invalid(format!(
+            "data runs past the end of the file ({} bytes)",
+            src.len
+        ))
+        .file(&src.path)
+        .tensor(&region.name)
+        .at(fill.offset)
+        .hint("the file is truncated or the metadata is wrong: run `ckpt verify`")),
+    }
+}
+
+/// Split a region of `shape` into boxes whose bytes are contiguous and at most `max_bytes` (or one
+/// row of the innermost dimension). Boxes fix the leading dims, take a range of dim `k` and all of
+/// the dims after it, with `k` the outermost dim whose trailing rows fit.
+fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
+    if shape.contains(&0) {
+        return Vec::new();
+    }
+    if shape.is_empty() {
+        return vec![(Vec::new(), Vec::new())];
+    }
+    let strides = contiguous_strides(shape);
+    let k = (0..shape.len())
+        .find(|&d| strides[d].saturating_mul(elem) <= max_bytes)
+        .unwrap_or(shape.len() - 1);
+    let rows_per_block = (max_bytes / strides[k].saturating_mul(elem).max(1)).max(1);
+    let mut out = Vec::new();
+    let mut outer = vec![0u64; k];
+    loop {
+        let mut row = 0;
+        while row < shape[k] {
+            let n = rows_per_block.min(shape[k] - row);
+            let mut start = outer.clone();
+            start.push(row);
+            start.extend(std::iter::repeat(0).take(shape.len() - k - 1));
+            let mut sizes = vec![1u64; k];
+            sizes.push(n);
+            sizes.extend_from_slice(&shape[k + 1..]);
+            out.push((start, sizes));
+            row += n;
+        }
+        // Odometer over the fixed leading dims.
+        let mut d = k;
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            outer[d] += 1;
+            if outer[d] < shape[d] {
+                break;
+            }
+            outer[d] = 0;
+        }
+    }
+}
+
+thread_local! {
+    static BUFFERS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static DECODED: RefCell<Option<((usize, u64), Vec<u8>)>> = const { RefCell::new(None) };
+}
+
+/// What one unit produced.
+struct UnitResult {
+    len: u64,
+    crc: u32,
+    xxh3: u64,
+    nan: u64,
+    inf: u64,
+}
+
+/// Gather one unit into a buffer, then write it to `out` or, without `out`, count its non-finite
+/// floats.
+fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathBuf)>) -> Result<UnitResult> {
+    let de = r.dtype.size() as u64;
+    let rstrides = contiguous_strides(&r.shape);
+    let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
+    let len = crate::model::numel(&u.sizes).unwrap_or(0) * de;
+    let dest_offset = r.offset + first * de;
+    BUFFERS.with(|bufs| {
+        let (buf, scratch) = &mut *bufs.borrow_mut();
+        buf.resize(len as usize, 0);
+        let mut written = 0u64;
+        for fill in &r.fills {
+            written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
+        }
+        if written != len {
+            return Err(Error::invalid(format!(
+                "internal: {written} of {len} bytes of a block were filled"
+            ))
+            .tensor(&r.name));
+        }
+        let mut result = UnitResult { len, crc: 0, xxh3: 0, nan: 0, inf: 0 };
+        match out {
+            Some((file, path)) => {
+                file.write_all_at(buf, dest_offset)
+                    .map_err(|e| Error::io(path, e).tensor(&r.name).at(dest_offset))?;
+                if !r.crc_slots.is_empty() {
+                    result.crc = crc32fast::hash(buf);
+                }
+            }
+            None => {
+                result.xxh3 = xxhash_rust::xxh3::xxh3_64(buf);
+                (result.nan, result.inf) = cast::count_non_finite(buf, r.dtype);
+            }
+        }
+        Ok(result)
+    })
+}
+
+/// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
+/// of destination bytes written.
+fn gather(
+    fill: &Fill,
+    r: &Region,
+    u: &Unit,
+    rstrides: &[u64],
+    sources: &[Source],
+    buf: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<u64> {
+    let nd = r.shape.len();
+    let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
+    // Intersect the fill's box with the unit's box, in region coordinates.
+    let mut lo = vec![0u64; nd];
+    let mut ext = vec![0u64; nd];
+    for d in 0..nd {
+        let a = fill.start[d].max(u.start[d]);
+        let b = (fill.start[d] + fill.sizes[d]).min(u.start[d] + u.sizes[d]);
+        if b <= a {
+            return Ok(0);
+        }
+        lo[d] = a;
+        ext[d] = b - a;
+    }
+    let src0 = fill.offset
+        + se * (0..nd).map(|d| (lo[d] - fill.start[d]) * fill.strides[d]).sum::<u64>();
+    let dst0 = de * (0..nd).map(|d| (lo[d] - u.start[d]) * rstrides[d]).sum::<u64>();
+
+    // Merge trailing dims that are contiguous on both sides into one run.
+    let mut run = 1u64;
+    let mut outer = nd;
+    while outer > 0 {
+        let d = outer - 1;
+        if fill.strides[d] == run && rstrides[d] == run {
+            run *= ext[d];
+            outer -= 1;
+        } else if ext[d] == 1 {
+            outer -= 1;
+        } else {
+            break;
+        }
+    }
+    let src = source_of(fill, sources)?;
+    let mut idx = vec![0u64; outer];
+    let mut total = 0u64;
+    loop {
+        let s = src0 + se * (0..outer).map(|d| idx[d] * fill.strides[d]).sum::<u64>();
+        let t = dst0 + de * (0..outer).map(|d| idx[d] * rstrides[d]).sum::<u64>();
+        let dst = buf
+            .get_mut(t as usize..(t + run * de) as usize)
+            .ok_or_else(|| Error::invalid("internal: block overflow").tensor(&r.name))?;
+        if fill.dtype == r.dtype {
+            src.read(s, dst)?;
+        } else {
+            scratch.resize((run * se) as usize, 0);
+            src.read(s, scratch)?;
+            cast::convert(scratch, fill.dtype, dst, r.dtype);
+        }
+        total += run * de;
+        // Odometer over the dims that are not part of the run.
+        let mut d = outer;
+        loop {
+            if d == 0 {
+                return Ok(total);
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < ext[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Where a fill's bytes are read from: the file itself, or a decompressed item.
+enum FillSource<'a> {
+    File(&'a Source),
+    Decoded(&'a Source, u64),
+}
+
+impl FillSource<'_> {
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        match self {
+            FillSource::File(s) => s.read_at(offset, dst),
+            FillSource::Decoded(s, item) => DECODED.with(|cell| {
+                let cell = cell.borrow();
+                let data = cell.as_ref().map(|c| &c.1);
+                let src = usize::try_from(offset)
+                    .ok()
+                    .and_then(|o| data?.get(o..o.checked_add(dst.len())?));
+                match src {
+                    Some(src) => {
+                        dst.copy_from_slice(src);
+                        Ok(())
+                    }
+                    None => Err(Error::invalid("tensor data lies outside its decompressed item")
+                        .file(&s.path)
+                        .at(*item)),
+                }
+            }),
+        }
+    }
+}
+
+fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
+    let src = sources.get(fill.input).ok_or_else(|| Error::invalid("internal: bad input index"))?;
+    let Encoding::Zstd { item_offset, item_length } = fill.encoding else {
+        return Ok(FillSource::File(src));
+    };
+    DECODED.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.as_ref().map(|c| c.0) != Some((fill.input, item_offset)) {
+            let mut item = vec![0u8; item_length as usize];
+            src.read_at(item_offset, &mut item)?;
+            let decoded = zstd::stream::decode_all(&item[..]).map_err(|e| {
+                Error::invalid(format!("cannot decompress zstd item: {e}"))
+                    .file(&src.path)
+                    .at(item_offset)
+            })?;
+            *cell = Some(((fill.input, item_offset), decoded));
+        }
+        Ok(FillSource::Decoded(src, item_offset))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_tile_the_region() {
+        let shape = [3, 5, 4];
+        let bs = blocks(&shape, 4, 40);
+        // Rows of 4 f32 are 16 bytes; two rows fit in 40 bytes, so k = 1 with 2 rows per block.
+        assert_eq!(bs[0], (vec![0, 0, 0], vec![1, 2, 4]));
+        assert_eq!(bs[2], (vec![0, 4, 0], vec![1, 1, 4]));
+        let total: u64 = bs.iter().map(|(_, s)| s.iter().product::<u64>()).sum();
+        assert_eq!(total, 60);
+        assert_eq!(blocks(&[], 4, 40), vec![(vec![], vec![])]);
+        assert!(blocks(&[0, 3], 4, 40).is_empty());
+        assert_eq!(blocks(&[10], 1, 4).len(), 3);
+    }
+}

@@ -1,0 +1,241 @@
+//! Boxes of tensors: intersection, DTensor sharding geometry, and coverage checks.
+//!
+//! A box is an N-d hyper-rectangle given by per-dimension offsets and sizes, exactly DCP's
+//! `ChunkStorageMetadata`. Everything here is pure arithmetic; callers decide what a result means.
+
+use crate::model::numel;
+
+/// An N-d box: `offsets[d] .. offsets[d] + sizes[d]` in each dimension.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Box {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+impl Box {
+    /// The box covering a whole tensor of `shape`.
+    pub fn whole(shape: &[u64]) -> Box {
+        Box { offsets: vec![0; shape.len()], sizes: shape.to_vec() }
+    }
+
+    /// Number of elements, `None` on overflow.
+    pub fn numel(&self) -> Option<u64> {
+        numel(&self.sizes)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sizes.contains(&0)
+    }
+
+    /// The common part of two boxes of the same rank, or `None` when they do not meet.
+    pub fn intersect(&self, other: &Box) -> Option<Box> {
+        if self.offsets.len() != other.offsets.len() {
+            return None;
+        }
+        let mut offsets = Vec::with_capacity(self.offsets.len());
+        let mut sizes = Vec::with_capacity(self.offsets.len());
+        for d in 0..self.offsets.len() {
+            let lo = self.offsets[d].max(other.offsets[d]);
+            let hi = self.end(d).min(other.end(d));
+            if hi <= lo {
+                return None;
+            }
+            offsets.push(lo);
+            sizes.push(hi - lo);
+        }
+        if self.offsets.is_empty() && (self.is_empty() || other.is_empty()) {
+            return None;
+        }
+        Some(Box { offsets, sizes })
+    }
+
+    /// Exclusive end in dimension `d` (saturating: boxes are validated before use).
+    pub fn end(&self, d: usize) -> u64 {
+        self.offsets[d].saturating_add(self.sizes[d])
+    }
+
+    /// True when this box lies inside a tensor of `shape`.
+    pub fn fits_in(&self, shape: &[u64]) -> bool {
+        self.offsets.len() == shape.len()
+            && self.sizes.len() == shape.len()
+            && (0..shape.len()).all(|d| {
+                self.offsets[d].checked_add(self.sizes[d]).is_some_and(|end| end <= shape[d])
+            })
+    }
+}
+
+/// `torch.chunk` geometry for one dimension: the part of `len` that chunk `index` of `count` gets,
+/// as `(offset, size)`. Chunks are `ceil(len / count)` long; trailing ones may be short or empty.
+pub fn chunk_1d(len: u64, count: u64, index: u64) -> (u64, u64) {
+    if count == 0 {
+        return (0, len);
+    }
+    let chunk = len.div_ceil(count);
+    let start = chunk.saturating_mul(index).min(len);
+    let end = start.saturating_add(chunk).min(len);
+    (start, end - start)
+}
+
+/// How one mesh dimension places a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// `Shard(d)`: split tensor dim `d` across this mesh dimension.
+    Shard(usize),
+    /// `Replicate()`: every coordinate along this mesh dimension holds the same data.
+    Replicate,
+}
+
+/// The box rank `rank` of a `mesh` holds under `placements`, following DTensor: mesh dimensions are
+/// applied in order, each `Shard(d)` chunking what the previous ones left of dim `d`. A `Shard(d)` for
+/// a dim the tensor lacks acts as `Replicate`.
+pub fn local_box(shape: &[u64], mesh: &[usize], placements: &[Placement], rank: usize) -> Box {
+    let mut b = Box::whole(shape);
+    let coords = mesh_coords(mesh, rank);
+    for (i, p) in placements.iter().enumerate() {
+        if let (Placement::Shard(d), Some(&size), Some(&c)) = (p, mesh.get(i), coords.get(i)) {
+            if *d < shape.len() {
+                let (off, len) = chunk_1d(b.sizes[*d], size as u64, c as u64);
+                b.offsets[*d] += off;
+                b.sizes[*d] = len;
+            }
+        }
+    }
+    b
+}
+
+/// Row-major coordinates of `rank` in a mesh.
+pub fn mesh_coords(mesh: &[usize], rank: usize) -> Vec<usize> {
+    let mut coords = vec![0; mesh.len()];
+    let mut r = rank;
+    for i in (0..mesh.len()).rev() {
+        let m = mesh[i].max(1);
+        coords[i] = r % m;
+        r /= m;
+    }
+    coords
+}
+
+/// What is wrong with how a set of boxes covers a tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CoverageProblem {
+    /// Box `index` is not inside the tensor.
+    OutOfBounds { index: usize },
+    /// Boxes `a` and `b` share elements.
+    Overlap { a: usize, b: usize },
+    /// Some elements are in no box: `missing` of them.
+    Gap { missing: u64 },
+}
+
+/// Check that `boxes` cover a tensor of `shape` exactly once: every box inside, no two overlapping,
+/// and the volumes adding up to the whole (which, with no overlap, means no gap).
+pub fn check_coverage(shape: &[u64], boxes: &[Box]) -> Vec<CoverageProblem> {
+    let mut problems = Vec::new();
+    let mut inside = Vec::new();
+    for (i, b) in boxes.iter().enumerate() {
+        if b.fits_in(shape) {
+            inside.push(i);
+        } else {
+            problems.push(CoverageProblem::OutOfBounds { index: i });
+        }
+    }
+    // Sorting by the first offset lets the overlap scan stop early: boxes that start at or after
+    // the end of box `a` in dim 0 cannot meet it.
+    inside.sort_by_key(|&i| boxes[i].offsets.first().copied().unwrap_or(0));
+    for (k, &a) in inside.iter().enumerate() {
+        for &b in &inside[k + 1..] {
+            let (ba, bb) = (&boxes[a], &boxes[b]);
+            if !ba.offsets.is_empty() && bb.offsets[0] >= ba.end(0) {
+                break;
+            }
+            let empty = ba.is_empty() || bb.is_empty();
+            if !empty && ba.intersect(bb).is_some() {
+                problems.push(CoverageProblem::Overlap { a: a.min(b), b: a.max(b) });
+            }
+        }
+    }
+    let total = numel(shape).unwrap_or(u64::MAX);
+    let covered = inside
+        .iter()
+        .map(|&i| boxes[i].numel().unwrap_or(u64::MAX))
+        .fold(0u64, |acc, n| acc.saturating_add(n));
+    let overlapping = problems.iter().any(|p| matches!(p, CoverageProblem::Overlap { .. }));
+    if !overlapping && covered < total {
+        problems.push(CoverageProblem::Gap { missing: total - covered });
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bx(offsets: &[u64], sizes: &[u64]) -> Box {
+        Box { offsets: offsets.to_vec(), sizes: sizes.to_vec() }
+    }
+
+    #[test]
+    fn chunk_matches_torch_chunk() {
+        // torch.arange(10).chunk(4) -> sizes 3,3,3,1
+        let parts: Vec<_> = (0..4).map(|i| chunk_1d(10, 4, i)).collect();
+        assert_eq!(parts, vec![(0, 3), (3, 3), (6, 3), (9, 1)]);
+        // torch.arange(5).chunk(4) -> sizes 2,2,1 and nothing for the last rank
+        let parts: Vec<_> = (0..4).map(|i| chunk_1d(5, 4, i)).collect();
+        assert_eq!(parts, vec![(0, 2), (2, 2), (4, 1), (5, 0)]);
+    }
+
+    #[test]
+    fn two_d_mesh_composes_placements() {
+        let shape = [5, 7];
+        let mesh = [2, 2];
+        let pl = [Placement::Shard(0), Placement::Shard(1)];
+        assert_eq!(local_box(&shape, &mesh, &pl, 0), bx(&[0, 0], &[3, 4]));
+        assert_eq!(local_box(&shape, &mesh, &pl, 1), bx(&[0, 4], &[3, 3]));
+        assert_eq!(local_box(&shape, &mesh, &pl, 3), bx(&[3, 4], &[2, 3]));
+        // Shard(0) twice nests the chunking.
+        let pl = [Placement::Shard(0), Placement::Shard(0)];
+        assert_eq!(local_box(&[8], &mesh, &pl, 3), bx(&[6], &[2]));
+        // A dim the tensor lacks replicates.
+        let pl = [Placement::Shard(1), Placement::Replicate];
+        assert_eq!(local_box(&[6], &mesh, &pl, 2), bx(&[0], &[6]));
+    }
+
+    #[test]
+    fn coverage_finds_gap_and_overlap() {
+        let shape = [4, 4];
+        let good = [bx(&[0, 0], &[2, 4]), bx(&[2, 0], &[2, 4])];
+        assert!(check_coverage(&shape, &good).is_empty());
+        let gap = [bx(&[0, 0], &[2, 4])];
+        assert_eq!(check_coverage(&shape, &gap), vec![CoverageProblem::Gap { missing: 8 }]);
+        let overlap = [bx(&[0, 0], &[3, 4]), bx(&[2, 0], &[2, 4])];
+        assert_eq!(check_coverage(&shape, &overlap), vec![CoverageProblem::Overlap { a: 0, b: 1 }]);
+        let outside = [bx(&[0, 0], &[5, 4])];
+        assert_eq!(check_coverage(&shape, &outside)[0], CoverageProblem::OutOfBounds { index: 0 });
+        // A 0-dim tensor is covered by one empty-offset box.
+        assert!(check_coverage(&[], &[bx(&[], &[])]).is_empty());
+        assert_eq!(check_coverage(&[], &[]), vec![CoverageProblem::Gap { missing: 1 }]);
+    }
+
+    proptest! {
+        #[test]
+        fn every_mesh_layout_covers_exactly_once(
+            shape in prop::collection::vec(0u64..9, 0..4),
+            mesh in prop::collection::vec(1usize..4, 1..3),
+            dims in prop::collection::vec(0usize..4, 1..3),
+        ) {
+            let placements: Vec<Placement> = mesh.iter().zip(dims.iter().cycle())
+                .map(|(_, &d)| if d == 3 { Placement::Replicate } else { Placement::Shard(d) })
+                .collect();
+            let world: usize = mesh.iter().product();
+            let mut boxes: Vec<Box> = (0..world)
+                .map(|r| local_box(&shape, &mesh, &placements, r))
+                .filter(|b| !b.is_empty() || shape.is_empty())
+                .collect();
+            boxes.sort();
+            boxes.dedup();
+            if numel(&shape) != Some(0) {
+                prop_assert!(check_coverage(&shape, &boxes).is_empty());
+            }
+        }
+    }
+}

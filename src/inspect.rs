@@ -1,0 +1,234 @@
+//! `ckpt inspect`: a description of a checkpoint, as a stable JSON document or a table.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::model::{Checkpoint, Encoding};
+use crate::pickle::Value;
+
+/// The `--json` document. Field names and meanings are a stable contract (see README).
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub format: &'static str,
+    pub state_dict_type: &'static str,
+    pub world_size: Option<usize>,
+    pub tensor_count: usize,
+    pub total_bytes: u64,
+    /// Logical bytes per dtype code.
+    pub bytes_per_dtype: BTreeMap<String, u64>,
+    pub tensors: Vec<TensorReport>,
+    pub non_tensors: Vec<ValueReport>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TensorReport {
+    pub name: String,
+    /// safetensors dtype code: `F32`, `BF16`, `F8_E4M3`, `BOOL`, ...
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub bytes: u64,
+    pub pieces: Vec<PieceReport>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PieceReport {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    /// File relative to the checkpoint root.
+    pub file: String,
+    /// Byte offset of the first element in `file` (in the decompressed item for zstd items).
+    pub byte_offset: u64,
+    /// Logical bytes of the piece: its elements times the dtype size.
+    pub byte_length: u64,
+    /// Present for a non-contiguous view (torch.save), in elements.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strides: Option<Vec<u64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ValueReport {
+    pub name: String,
+    /// The value as JSON when it is plain data, else null.
+    pub value: Option<serde_json::Value>,
+    /// Size of its serialized form where it has one (DCP), else null.
+    pub bytes: Option<u64>,
+}
+
+/// Describe `ckpt`, keeping only tensors and values whose name `keep` accepts.
+pub fn report(ckpt: &Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report {
+    let mut bytes_per_dtype = BTreeMap::new();
+    let tensors: Vec<TensorReport> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| keep(&t.name))
+        .map(|t| {
+            let bytes = t.nbytes().unwrap_or(u64::MAX);
+            *bytes_per_dtype.entry(t.dtype.to_string()).or_insert(0u64) += bytes;
+            let elem = t.dtype.size() as u64;
+            TensorReport {
+                name: t.name.clone(),
+                dtype: t.dtype.to_string(),
+                shape: t.shape.clone(),
+                bytes,
+                pieces: t
+                    .pieces
+                    .iter()
+                    .map(|p| PieceReport {
+                        offsets: p.offsets.clone(),
+                        sizes: p.sizes.clone(),
+                        file: p.data.file.display().to_string(),
+                        byte_offset: p.data.offset,
+                        byte_length: crate::model::numel(&p.sizes).unwrap_or(0) * elem,
+                        strides: (p.data.strides != crate::model::contiguous_strides(&p.sizes))
+                            .then(|| p.data.strides.clone()),
+                        encoding: match p.data.encoding {
+                            Encoding::Raw => None,
+                            Encoding::Zstd { .. } => Some("zstd"),
+                        },
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let non_tensors = ckpt
+        .values
+        .iter()
+        .filter(|v| keep(&v.name))
+        .map(|v| ValueReport {
+            name: v.name.clone(),
+            value: v.value.as_ref().map(to_json),
+            bytes: v.raw.as_ref().map(|b| b.length),
+        })
+        .collect();
+    Report {
+        format: ckpt.format.name(),
+        state_dict_type: ckpt.format.state_dict_type().name(),
+        world_size: ckpt.world_size,
+        tensor_count: tensors.len(),
+        total_bytes: tensors.iter().map(|t| t.bytes).fold(0, u64::saturating_add),
+        bytes_per_dtype,
+        tensors,
+        non_tensors,
+    }
+}
+
+/// Plain data as JSON; anything else (a recorded call) as a short description.
+pub fn to_json(v: &Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Int(i) => J::from(*i),
+        Value::Float(f) => serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number),
+        Value::Str(s) => J::String(s.clone()),
+        Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => J::Array(items.iter().map(to_json).collect()),
+        Value::Dict(items) => J::Object(
+            items
+                .iter()
+                .map(|(k, v)| (key_string(k), to_json(v)))
+                .collect(),
+        ),
+        Value::Global { module, name } => J::String(format!("{module}.{name}")),
+        Value::Object { callable, dict_items, .. } if !dict_items.is_empty() || is_ordered_dict(callable) => J::Object(
+            dict_items.iter().map(|(k, v)| (key_string(k), to_json(v))).collect(),
+        ),
+        Value::Object { callable, .. } => J::String(format!("<object {}>", key_string(callable))),
+        Value::PersistentId(_) => J::String("<persistent id>".into()),
+    }
+}
+
+fn is_ordered_dict(v: &Value) -> bool {
+    v.as_global() == Some(("collections", "OrderedDict"))
+}
+
+fn key_string(k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.clone(),
+        Value::Global { module, name } => format!("{module}.{name}"),
+        other => to_json(other).to_string(),
+    }
+}
+
+/// Human-readable bytes: `1.50 GiB`.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// The table `ckpt inspect` prints.
+pub fn render(report: &Report) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "format:          {}", report.format);
+    let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
+    let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
+    let _ = writeln!(s, "world size:      {ws}");
+    let _ = writeln!(s, "tensors:         {} ({})", report.tensor_count, human_bytes(report.total_bytes));
+    let per: Vec<String> = report
+        .bytes_per_dtype
+        .iter()
+        .map(|(d, b)| format!("{d} {}", human_bytes(*b)))
+        .collect();
+    let _ = writeln!(s, "by dtype:        {}", per.join(", "));
+    let _ = writeln!(s, "non-tensors:     {}", report.non_tensors.len());
+    if !report.tensors.is_empty() {
+        let rows: Vec<[String; 5]> = report
+            .tensors
+            .iter()
+            .map(|t| {
+                [
+                    t.name.clone(),
+                    t.dtype.clone(),
+                    format!("{:?}", t.shape),
+                    t.pieces.len().to_string(),
+                    human_bytes(t.bytes),
+                ]
+            })
+            .collect();
+        let header = ["name", "dtype", "shape", "pieces", "bytes"].map(String::from);
+        let mut widths = header.clone().map(|h| h.len());
+        for row in &rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+        let _ = writeln!(s);
+        for row in std::iter::once(&header).chain(&rows) {
+            let _ = writeln!(
+                s,
+                "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {:>w4$}",
+                row[0], row[1], row[2], row[3], row[4],
+                w0 = widths[0], w1 = widths[1], w2 = widths[2], w3 = widths[3], w4 = widths[4]
+            );
+        }
+    }
+    if !report.non_tensors.is_empty() {
+        let _ = writeln!(s);
+        for v in &report.non_tensors {
+            let shown = v.value.as_ref().map_or("<not plain data>".to_string(), |j| {
+                let text = j.to_string();
+                if text.chars().count() > 60 {
+                    format!("{}...", text.chars().take(57).collect::<String>())
+                } else {
+                    text
+                }
+            });
+            let _ = writeln!(s, "{}  {shown}", v.name);
+        }
+    }
+    s
+}

@@ -1,0 +1,151 @@
+//! Safe output: nothing appears under the final name until it is complete.
+//!
+//! Files are written under a temporary name beside the destination (`.NAME.ckpt-tmp-PID`), synced,
+//! then renamed into place. A run that dies leaves only such a temporary, which the next run into
+//! the same destination removes once the process that made it is gone. ckpt refuses to overwrite
+//! without `--force`, and refuses outright any output that is, contains or sits inside an input.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+const TMP_MARK: &str = ".ckpt-tmp-";
+const OLD_MARK: &str = ".ckpt-old-";
+
+/// Whether the output is one file or a directory of files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputKind {
+    File,
+    Dir,
+}
+
+/// A destination being written.
+#[derive(Debug)]
+pub struct Staging {
+    final_path: PathBuf,
+    temp_path: PathBuf,
+    kind: OutputKind,
+    force: bool,
+    committed: bool,
+}
+
+impl Staging {
+    /// Check `out` against the input and existing files, clean stale temporaries, and pick the
+    /// temporary name.
+    pub fn prepare(out: &Path, input: &Path, kind: OutputKind, force: bool) -> Result<Staging> {
+        let name = out
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| !n.is_empty() && *n != "." && *n != "..")
+            .ok_or_else(|| Error::usage(format!("`{}` is not a usable output name", out.display())))?;
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let parent = parent.canonicalize().map_err(|_| {
+            Error::usage(format!("the output's directory `{}` does not exist", parent.display()))
+        })?;
+        let final_path = parent.join(name);
+        let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
+        if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
+            return Err(Error::usage(format!(
+                "the output `{}` is, contains or lies inside the input `{}`",
+                out.display(),
+                input.display()
+            ))
+            .hint("write the output somewhere else: ckpt never modifies its input"));
+        }
+        if final_path.symlink_metadata().is_ok() && !force {
+            return Err(Error::usage(format!("`{}` already exists", out.display()))
+                .hint("pass --force to replace it"));
+        }
+        remove_stale(&parent, name);
+        let temp_path = parent.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
+        if kind == OutputKind::Dir {
+            std::fs::create_dir(&temp_path).map_err(|e| Error::io(&temp_path, e))?;
+        }
+        Ok(Staging { final_path, temp_path, kind, force, committed: false })
+    }
+
+    /// Where each planned file is written: the temporary file itself, or files inside the
+    /// temporary directory.
+    pub fn paths(&self, relative: &[PathBuf]) -> Vec<PathBuf> {
+        match self.kind {
+            OutputKind::File => relative.iter().map(|_| self.temp_path.clone()).collect(),
+            OutputKind::Dir => relative.iter().map(|p| self.temp_path.join(p)).collect(),
+        }
+    }
+
+    pub fn final_path(&self) -> &Path {
+        &self.final_path
+    }
+
+    /// Move the finished output into place (replacing an old one under `--force`).
+    pub fn commit(mut self) -> Result<()> {
+        let parent = self.final_path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        if self.kind == OutputKind::Dir {
+            sync_dir(&self.temp_path)?;
+        }
+        let mut old = None;
+        if self.force && self.final_path.symlink_metadata().is_ok() {
+            let name = self.final_path.file_name().unwrap_or_default().to_string_lossy();
+            let aside = parent.join(format!(".{name}{OLD_MARK}{}", std::process::id()));
+            std::fs::rename(&self.final_path, &aside).map_err(|e| Error::io(&self.final_path, e))?;
+            old = Some(aside);
+        }
+        std::fs::rename(&self.temp_path, &self.final_path).map_err(|e| Error::io(&self.final_path, e))?;
+        self.committed = true;
+        sync_dir(&parent)?;
+        if let Some(old) = old {
+            remove_path(&old);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            remove_path(&self.temp_path);
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))
+}
+
+fn remove_path(path: &Path) {
+    let _ = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+}
+
+/// Remove `.NAME.ckpt-tmp-PID` and `.NAME.ckpt-old-PID` left by runs whose process is gone.
+fn remove_stale(parent: &Path, name: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(file_name) = file_name.to_str() else { continue };
+        let Some(rest) = file_name.strip_prefix('.').and_then(|r| r.strip_prefix(name)) else { continue };
+        let pid = rest.strip_prefix(TMP_MARK).or_else(|| rest.strip_prefix(OLD_MARK));
+        if let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                remove_path(&entry.path());
+            }
+        }
+    }
+}
+
+/// Names of leftover temporaries beside `out` (for tests and messages).
+pub fn leftovers(out: &Path) -> Vec<PathBuf> {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = out.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let prefix = format!(".{name}{TMP_MARK}");
+    std::fs::read_dir(parent)
+        .map(|list| {
+            list.flatten()
+                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}

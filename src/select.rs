@@ -1,0 +1,86 @@
+//! Choosing and renaming entries before planning: `--include`, `--exclude`, `--strip-prefix`.
+
+use std::collections::BTreeSet;
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+
+use crate::error::{Error, Result};
+use crate::model::Checkpoint;
+
+/// Which entries to keep and how to rename them.
+#[derive(Clone, Debug, Default)]
+pub struct Selection {
+    include: Option<GlobSet>,
+    exclude: Option<GlobSet>,
+    strip_prefixes: Vec<String>,
+}
+
+impl Selection {
+    /// Globs match whole names (`*` crosses dots: `model.*.bias` matches `model.layers.0.bias`).
+    pub fn new(include: &[String], exclude: &[String], strip_prefixes: &[String]) -> Result<Selection> {
+        Ok(Selection {
+            include: glob_set(include)?,
+            exclude: glob_set(exclude)?,
+            strip_prefixes: strip_prefixes.to_vec(),
+        })
+    }
+
+    /// True when `name` passes the include and exclude globs.
+    pub fn keeps(&self, name: &str) -> bool {
+        self.include.as_ref().is_none_or(|g| g.is_match(name))
+            && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
+    }
+
+    fn rename(&self, name: &str) -> String {
+        for p in &self.strip_prefixes {
+            if let Some(rest) = name.strip_prefix(p.as_str()) {
+                if !rest.is_empty() {
+                    return rest.to_string();
+                }
+            }
+        }
+        name.to_string()
+    }
+
+    /// Apply to a checkpoint. Renamed entries lose their nesting (they become top-level keys).
+    pub fn apply(&self, mut ckpt: Checkpoint) -> Result<Checkpoint> {
+        ckpt.tensors.retain(|t| self.keeps(&t.name));
+        ckpt.values.retain(|v| self.keeps(&v.name));
+        if !self.strip_prefixes.is_empty() {
+            for t in &mut ckpt.tensors {
+                let new = self.rename(&t.name);
+                if new != t.name {
+                    t.name = new;
+                    t.key_path.clear();
+                }
+            }
+            for v in &mut ckpt.values {
+                let new = self.rename(&v.name);
+                if new != v.name {
+                    v.name = new;
+                    v.key_path.clear();
+                }
+            }
+        }
+        let mut seen = BTreeSet::new();
+        for name in ckpt.tensors.iter().map(|t| &t.name).chain(ckpt.values.iter().map(|v| &v.name)) {
+            if !seen.insert(name.clone()) {
+                return Err(Error::usage(format!("two entries would both be called `{name}`"))
+                    .hint("use a longer --strip-prefix, or --exclude one of them"));
+            }
+        }
+        Ok(ckpt)
+    }
+}
+
+fn glob_set(patterns: &[String]) -> Result<Option<GlobSet>> {
+    if patterns.is_empty() {
+        return Ok(None);
+    }
+    let mut b = GlobSetBuilder::new();
+    for p in patterns {
+        let glob = Glob::new(p).map_err(|e| Error::usage(format!("bad glob `{p}`: {e}")))?;
+        b.add(glob);
+    }
+    b.build().map(Some).map_err(|e| Error::usage(format!("bad glob: {e}")))
+}

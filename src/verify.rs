@@ -1,0 +1,266 @@
+//! `ckpt verify`: is a checkpoint sound? Every check that can be made from the files, each problem
+//! named by file, tensor and byte offset.
+//!
+//! Readers already refuse what they cannot parse (truncated items, bad headers, hostile pickles,
+//! paths that climb out); those refusals become problems here. On top, the verifier checks what
+//! a reader accepts but a loader would trip on: pieces that overlap, leave gaps or fall outside the
+//! tensor, and data ranges past the end of their file. `--deep` reads every byte.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::exec::{self, ExecOptions};
+use crate::geometry::{check_coverage, Box, CoverageProblem};
+use crate::model::{Checkpoint, Encoding};
+use crate::plan::{self, PlanOptions, Target};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// One finding.
+#[derive(Clone, Debug, Serialize)]
+pub struct Problem {
+    pub severity: Severity,
+    pub message: String,
+    pub file: Option<String>,
+    pub tensor: Option<String>,
+    pub offset: Option<u64>,
+    pub hint: Option<String>,
+}
+
+impl Problem {
+    fn error(message: impl Into<String>) -> Problem {
+        Problem { severity: Severity::Error, message: message.into(), file: None, tensor: None, offset: None, hint: None }
+    }
+
+    fn from_error(e: &Error) -> Problem {
+        Problem {
+            severity: Severity::Error,
+            message: e.message.clone(),
+            file: e.file.as_ref().map(|f| f.display().to_string()),
+            tensor: e.tensor.clone(),
+            offset: e.offset,
+            hint: e.hint.clone(),
+        }
+    }
+
+    /// One line: ``error: `file`, tensor `x`, at byte 3: message``.
+    pub fn line(&self) -> String {
+        let e = Error {
+            kind: crate::ErrorKind::Invalid,
+            message: self.message.clone(),
+            file: self.file.clone().map(Into::into),
+            tensor: self.tensor.clone(),
+            offset: self.offset,
+            hint: None,
+            source: None,
+        };
+        let sev = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        format!("{sev}: {}", e.headline())
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct VerifyOptions {
+    /// Read every byte: checksums, NaN/Inf warnings.
+    pub deep: bool,
+    pub threads: usize,
+    pub io: exec::IoMode,
+}
+
+/// The outcome, serialised by `--json`.
+#[derive(Debug, Default, Serialize)]
+pub struct VerifyReport {
+    pub path: String,
+    pub format: Option<&'static str>,
+    pub tensors: usize,
+    pub pieces: usize,
+    pub bytes: u64,
+    /// xxh3 digest of each tensor's logical bytes (with `--deep`), by name.
+    pub checksums: BTreeMap<String, String>,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    pub fn is_sound(&self) -> bool {
+        !self.problems.iter().any(|p| p.severity == Severity::Error)
+    }
+}
+
+/// Verify the checkpoint at `path`.
+pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
+    let mut report = VerifyReport { path: path.display().to_string(), ..VerifyReport::default() };
+    let ckpt = match crate::detect::read(path) {
+        Ok(c) => c,
+        Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
+        Err(e) => {
+            report.problems.push(Problem::from_error(&e));
+            return Ok(report);
+        }
+    };
+    report.format = Some(ckpt.format.name());
+    report.tensors = ckpt.tensors.len();
+    report.pieces = ckpt.tensors.iter().map(|t| t.pieces.len()).sum();
+    report.bytes = ckpt.total_bytes();
+    report.problems.extend(structural_problems(&ckpt));
+    if opts.deep && report.is_sound() {
+        match digests(&ckpt, opts) {
+            Ok(per_tensor) => {
+                for (name, d) in per_tensor {
+                    report.checksums.insert(name.clone(), format!("{:016x}", d.xxh3));
+                    if d.nan + d.inf > 0 {
+                        let mut p = Problem::error(format!("{} NaN and {} infinite values", d.nan, d.inf));
+                        p.severity = Severity::Warning;
+                        p.tensor = Some(name);
+                        report.problems.push(p);
+                    }
+                }
+            }
+            Err(e) => report.problems.push(Problem::from_error(&e)),
+        }
+    }
+    Ok(report)
+}
+
+/// Per-tensor digests of a checkpoint's logical bytes, in tensor order.
+pub fn digests(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Vec<(String, exec::RegionDigest)>> {
+    let p = plan::plan(ckpt, &Target::Safetensors { file_name: "digest".into() }, &PlanOptions::default())?;
+    let cancel = std::sync::atomic::AtomicBool::new(false);
+    let exec_opts = ExecOptions { threads: opts.threads, io: opts.io, progress: &exec::NoProgress, cancel: &cancel };
+    let digests = exec::digest(&p, &exec_opts)?;
+    let regions = p.files.iter().flat_map(|f| &f.regions);
+    Ok(regions.zip(digests).map(|(r, d)| (r.name.clone(), d)).collect())
+}
+
+/// Checks that need no tensor data: coverage and byte ranges.
+pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut file_lens: BTreeMap<&Path, Option<u64>> = BTreeMap::new();
+    for t in &ckpt.tensors {
+        let rank = t.shape.len();
+        let mut boxes = Vec::new();
+        for p in &t.pieces {
+            if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
+                let mut pr = Problem::error(format!("a piece has {} dims but the tensor has {rank}", p.offsets.len()));
+                pr.tensor = Some(t.name.clone());
+                pr.file = Some(p.data.file.display().to_string());
+                problems.push(pr);
+                continue;
+            }
+            boxes.push(Box { offsets: p.offsets.clone(), sizes: p.sizes.clone() });
+            if p.data.encoding != Encoding::Raw || p.sizes.contains(&0) {
+                continue;
+            }
+            let len = *file_lens
+                .entry(&p.data.file)
+                .or_insert_with(|| std::fs::metadata(ckpt.path_of(&p.data.file)).ok().map(|m| m.len()));
+            let elem = t.dtype.size() as u64;
+            let end = p
+                .sizes
+                .iter()
+                .zip(&p.data.strides)
+                .try_fold(0u64, |acc, (&n, &s)| acc.checked_add((n - 1).checked_mul(s)?))
+                .and_then(|last| last.checked_add(1)?.checked_mul(elem))
+                .and_then(|b| b.checked_add(p.data.offset));
+            match (len, end) {
+                (None, _) => {
+                    let mut pr = Problem::error("file is missing");
+                    pr.file = Some(p.data.file.display().to_string());
+                    pr.tensor = Some(t.name.clone());
+                    problems.push(pr);
+                }
+                (Some(len), Some(end)) if end <= len => {}
+                (Some(len), _) => {
+                    let mut pr = Problem::error(format!("data runs past the end of the file ({len} bytes)"));
+                    pr.file = Some(p.data.file.display().to_string());
+                    pr.tensor = Some(t.name.clone());
+                    pr.offset = Some(p.data.offset);
+                    problems.push(pr);
+                }
+            }
+        }
+        // Identical boxes are replicas (saved by several ranks); only partial overlaps are wrong.
+        boxes.sort();
+        boxes.dedup();
+        for c in check_coverage(&t.shape, &boxes) {
+            let message = match c {
+                CoverageProblem::OutOfBounds { index } => format!(
+                    "piece at offsets {:?} with sizes {:?} lies outside the shape {:?}",
+                    boxes[index].offsets, boxes[index].sizes, t.shape
+                ),
+                CoverageProblem::Overlap { a, b } => format!(
+                    "pieces at offsets {:?} and {:?} overlap",
+                    boxes[a].offsets, boxes[b].offsets
+                ),
+                CoverageProblem::Gap { missing } => format!(
+                    "{missing} elements of shape {:?} are in no piece (a rank's data is missing?)",
+                    t.shape
+                ),
+            };
+            let mut pr = Problem::error(message);
+            pr.tensor = Some(t.name.clone());
+            problems.push(pr);
+        }
+    }
+    for v in &ckpt.values {
+        if let Some(blob) = &v.raw {
+            let len = std::fs::metadata(ckpt.path_of(&blob.file)).ok().map(|m| m.len());
+            if len.is_none_or(|len| blob.offset.saturating_add(blob.length) > len) {
+                let mut pr = Problem::error("value bytes run past the end of the file");
+                pr.file = Some(blob.file.display().to_string());
+                pr.tensor = Some(v.name.clone());
+                pr.offset = Some(blob.offset);
+                problems.push(pr);
+            }
+        }
+    }
+    problems
+}
+
+/// Compare the logical tensors of two checkpoints in any layouts. Returns the differences found,
+/// at most `limit`.
+pub fn compare(a: &Checkpoint, b: &Checkpoint, opts: &VerifyOptions, limit: usize) -> Result<Vec<Problem>> {
+    let mut diffs = Vec::new();
+    let by_name: BTreeMap<&str, &crate::model::Tensor> = b.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let a_names: std::collections::BTreeSet<&str> = a.tensors.iter().map(|t| t.name.as_str()).collect();
+    for t in &a.tensors {
+        let mut pr = match by_name.get(t.name.as_str()) {
+            None => Problem::error("only in the first checkpoint"),
+            Some(o) if o.dtype != t.dtype => Problem::error(format!("dtype {} vs {}", t.dtype, o.dtype)),
+            Some(o) if o.shape != t.shape => Problem::error(format!("shape {:?} vs {:?}", t.shape, o.shape)),
+            Some(_) => continue,
+        };
+        pr.tensor = Some(t.name.clone());
+        diffs.push(pr);
+    }
+    for t in &b.tensors {
+        if !a_names.contains(t.name.as_str()) {
+            let mut pr = Problem::error("only in the second checkpoint");
+            pr.tensor = Some(t.name.clone());
+            diffs.push(pr);
+        }
+    }
+    if diffs.is_empty() {
+        let da = digests(a, opts)?;
+        let db: BTreeMap<String, exec::RegionDigest> = digests(b, opts)?.into_iter().collect();
+        for (name, d) in da {
+            if db.get(&name).map(|o| o.xxh3) != Some(d.xxh3) {
+                let mut pr = Problem::error("contents differ");
+                pr.tensor = Some(name);
+                diffs.push(pr);
+            }
+        }
+    }
+    diffs.truncate(limit);
+    Ok(diffs)
+}

@@ -1,0 +1,152 @@
+"""Shared helpers of the interop suite: dtype codes, bitwise comparison, and reading any fixture
+layout back with PyTorch's own tools (the reference ckpt is held to)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES_DIR = REPO / "fixtures"
+
+# Every fixture fixtures/generate.py writes (expected/<name>.{pt,json}); keep in step with its FIXTURES.
+FIXTURE_NAMES = [
+    "fsdp2_adamw",
+    "mesh_2x2",
+    "dtypes",
+    "dcp_hf",
+    "dcp_zstd",
+    "single",
+    "hf_split",
+    "torch_save",
+]
+
+# safetensors dtype code <-> torch dtype
+CODE_TO_DTYPE = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_TO_CODE = {v: k for k, v in CODE_TO_DTYPE.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    return DTYPE_TO_CODE[dtype]
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's elements in row-major order, as little-endian bytes (any dtype, any strides)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bits (NaN payloads, -0.0 and fp8 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_same_state(got: dict, want: dict, what: str = "") -> None:
+    """Flat dicts hold the same keys, bitwise-equal tensors and equal plain values."""
+    assert sorted(got) == sorted(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
+    bad = []
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, torch.Tensor):
+            ok = isinstance(g, torch.Tensor) and bitwise_equal(g, w)
+        else:
+            ok = not isinstance(g, torch.Tensor) and g == w
+        if not ok:
+            bad.append(k)
+    assert not bad, f"{what}: differ at {bad}"
+
+
+def load_expected(fixtures_dir: Path, name: str) -> tuple[dict, dict]:
+    """(expected/<name>.pt as a flat dict, expected/<name>.json)."""
+    exp = Path(fixtures_dir) / "expected"
+    flat = torch.load(exp / f"{name}.pt", weights_only=True)
+    doc = json.loads((exp / f"{name}.json").read_text())
+    return flat, doc
+
+
+def expected_tensors(flat: dict) -> dict:
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def expected_non_tensors(flat: dict) -> list:
+    return [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]
+
+
+def layout_of(path: Path) -> str:
+    """Which on-disk layout a checkpoint path is: dcp, dcp_hf, hf_split, safetensors or torch_save."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / ".metadata").exists():
+            return "dcp"
+        if (path / "model.safetensors.index.json").exists():
+            return "hf_split"
+        if any(path.glob("shard-*.safetensors")):
+            return "dcp_hf"
+        raise ValueError(f"unknown checkpoint directory {path}")
+    if path.suffix == ".safetensors":
+        return "safetensors"
+    return "torch_save"
+
+
+def load_with_torch(path: Path) -> dict:
+    """Read any supported checkpoint with PyTorch / safetensors only, as a flat {fqn: value} dict
+    (DCP keys flattened the way DCP flattens them)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    path = Path(path)
+    layout = layout_of(path)
+    if layout == "dcp":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "full.pt")
+            nested = torch.load(Path(tmp) / "full.pt", weights_only=True)
+        return flatten_state_dict(nested)[0]
+    if layout == "dcp_hf":
+        from safetensors import safe_open
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+        names = set()
+        for f in path.glob("shard-*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                names.update(st.keys())
+        with tempfile.TemporaryDirectory() as tmp:
+            consolidate_safetensors_files(str(path), tmp, dict.fromkeys(names, 1))
+            out = {}
+            for f in Path(tmp).glob("*.safetensors"):
+                out.update(load_file(str(f)))
+        return out
+    if layout == "hf_split":
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        out = {}
+        for f in sorted(set(index["weight_map"].values())):
+            part = load_file(str(path / f))
+            for k in part:
+                assert index["weight_map"][k] == f, f"{k} is in {f}, index says {index['weight_map'][k]}"
+            out.update(part)
+        assert sorted(out) == sorted(index["weight_map"]), "index and files disagree"
+        return out
+    if layout == "safetensors":
+        return load_file(str(path))
+    return torch.load(path, weights_only=True)

@@ -1,0 +1,112 @@
+"""The committed fixtures are what fixtures/generate.py says they are: PyTorch's own readers load
+each one and give back exactly fixtures/expected/<name>.pt. Needs torch only, not ckpt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckpt_helpers import (
+    FIXTURE_NAMES,
+    assert_same_state,
+    dtype_code,
+    expected_non_tensors,
+    expected_tensors,
+    layout_of,
+    load_expected,
+    load_with_torch,
+)
+
+
+def test_every_fixture_is_committed(fixtures_dir):
+    names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
+    assert names == sorted(FIXTURE_NAMES)
+    for name in FIXTURE_NAMES:
+        assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
+
+
+def test_fixtures_stay_small(fixtures_dir):
+    files = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    assert sum(f.stat().st_size for f in files) < 2_000_000
+    assert len(files) < 120
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_torch_reads_fixture_as_expected(fixtures_dir, name):
+    want, doc = load_expected(fixtures_dir, name)
+    got = load_with_torch(fixtures_dir / doc["path"])
+    assert_same_state(got, want, name)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_expected_json_matches_expected_pt(fixtures_dir, name):
+    flat, doc = load_expected(fixtures_dir, name)
+    tensors = expected_tensors(flat)
+    assert sorted(doc["tensors"]) == sorted(tensors)
+    for fqn, t in tensors.items():
+        assert doc["tensors"][fqn]["dtype"] == dtype_code(t.dtype), fqn
+        assert doc["tensors"][fqn]["shape"] == list(t.shape), fqn
+    assert sorted(doc["non_tensors"]) == sorted(expected_non_tensors(flat))
+    sharded = layout_of(fixtures_dir / doc["path"]) in ("dcp", "dcp_hf")
+    assert doc["state_dict_type"] == ("SHARDED_STATE_DICT" if sharded else "FULL_STATE_DICT")
+    assert doc["world_size"] == (4 if sharded else None)
+
+
+def test_dcp_chunks_are_recorded_as_in_metadata(fixtures_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for name in FIXTURE_NAMES:
+        _, doc = load_expected(fixtures_dir, name)
+        path = fixtures_dir / doc["path"]
+        if layout_of(path) != "dcp":
+            continue
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+        for fqn, m in md.state_dict_metadata.items():
+            if isinstance(m, TensorStorageMetadata):
+                boxes = sorted([list(c.offsets), list(c.sizes)] for c in m.chunks)
+                assert doc["tensors"][fqn]["chunks"] == boxes, (name, fqn)
+                assert list(m.size) == doc["tensors"][fqn]["shape"]
+
+
+def test_zstd_items_are_compressed(fixtures_dir):
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(fixtures_dir / "dcp_zstd")).read_metadata()
+    descriptors = {tuple(s.transform_descriptors or ()) for s in md.storage_data.values()}
+    assert descriptors == {("stream.zstd/1",)}
+
+
+def test_dcp_hf_files_carry_sharding_info(fixtures_dir):
+    from safetensors import safe_open
+
+    files = sorted((fixtures_dir / "dcp_hf").glob("shard-*.safetensors"))
+    assert {f.name.split("-")[1] for f in files} == {"00001", "00002", "00003", "00004"}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata()
+            info = json.loads(meta["DCP_SHARDING_INFO"])
+            assert set(info) == set(st.keys())
+            assert all("saved_offsets" in v for v in info.values())
+
+
+def test_hf_split_index_is_as_hugging_face_writes_it(fixtures_dir):
+    path = fixtures_dir / "hf_split"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert sorted(f.name for f in path.glob("*.safetensors")) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    flat, _ = load_expected(fixtures_dir, "hf_split")
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in flat.values())
+    assert sorted(index["weight_map"]) == sorted(flat)
+
+
+def test_torch_save_keeps_shared_storage_and_views(fixtures_dir):
+    sd = torch.load(fixtures_dir / "torch_save.bin", weights_only=True)
+    ptr = lambda k: sd[k].untyped_storage().data_ptr()  # noqa: E731
+    assert ptr("embed.weight") == ptr("lm_head.weight")
+    assert ptr("proj.weight") == ptr("proj.weight_t") == ptr("proj.weight_tail") == ptr("proj.row_strided")
+    assert not sd["proj.weight_t"].is_contiguous()
+    assert sd["proj.weight_tail"].storage_offset() == 8
+    assert sd["proj.row_strided"].stride() == (4,) and sd["proj.row_strided"].storage_offset() == 1
+    assert isinstance(sd["config"], dict) and sd["version"] == 2
