@@ -77,22 +77,18 @@ pub fn read_entries(bytes: &[u8]) -> Result<Vec<ZipEntry>> {
     let end = find_end_record(bytes)?;
     let mut entries = Vec::new();
     let mut names = HashSet::new();
-    // (local header offset, data end, index) for the overlap check.
+    // (local header offset, end of data and descriptor, index) for the overlap check.
     let mut spans = Vec::new();
     let mut pos = end.cd_offset;
     let cd_end = end.cd_offset + end.cd_size;
     for _ in 0..end.entries {
         let central = read_central(bytes, pos, cd_end)?;
         pos = central.next;
-        let entry = read_local(bytes, &central, end.cd_offset)?;
+        let (entry, entry_end) = read_local(bytes, &central, end.cd_offset)?;
         if !names.insert(entry.name.clone()) {
             return Err(invalid(format!("duplicate zip entry `{}`", entry.name)).at(central.at));
         }
-        spans.push((
-            central.local_offset,
-            entry.data_offset + entry.len,
-            entries.len(),
-        ));
+        spans.push((central.local_offset, entry_end, entries.len()));
         entries.push(entry);
     }
     if pos != cd_end {
@@ -705,8 +701,9 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     })
 }
 
-/// Check the local header against the central one and find where the data starts.
-fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<ZipEntry> {
+/// Check the local header (and data descriptor) against the central one; returns the entry and
+/// where its descriptor ends.
+fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEntry, u64)> {
     let at = central.local_offset;
     let name = &central.name;
     let header = slice(bytes, at, LOCAL_HEADER_LEN, "local header").map_err(|_| {
@@ -768,19 +765,61 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<ZipEntr
     }
 
     let data_offset = at + LOCAL_HEADER_LEN + name_len + extra_len;
-    let data_end = data_offset.checked_add(central.len);
-    if data_end.map_or(true, |e| e > cd_offset) {
-        return Err(invalid(format!(
-            "zip entry `{name}` ({} bytes at {data_offset}) runs into the central directory",
-            central.len
-        ))
-        .at(at));
+    let data_end = data_offset
+        .checked_add(central.len)
+        .filter(|&e| e <= cd_offset)
+        .ok_or_else(|| {
+            invalid(format!(
+                "zip entry `{name}` ({} bytes at {data_offset}) runs into the central directory",
+                central.len
+            ))
+            .at(at)
+        })?;
+    let mut end = data_end;
+    if descriptor {
+        // torch's local headers hold zeros, so the descriptor is the only other witness of the
+        // size: a central directory that claims more or less than was written is caught here.
+        let extra = slice(
+            bytes,
+            at + LOCAL_HEADER_LEN + name_len,
+            extra_len,
+            "extra field",
+        )?;
+        let wide = find_extra(extra, ZIP64_EXTRA_ID).is_some();
+        let descriptor_len = if wide { 24 } else { 16 };
+        let bad = || {
+            invalid(format!(
+                "zip entry `{name}`: data descriptor disagrees with the central directory (size {}, CRC {:08x})",
+                central.len, central.crc
+            ))
+            .at(data_end)
+        };
+        let window = (data_end + descriptor_len).min(cd_offset) - data_end;
+        let mut f = Fields::new(slice(bytes, data_end, window, "data descriptor")?);
+        // The signature is optional in the spec; miniz always writes it.
+        let has_sig = f.bytes.get(..4) == Some(&DESCRIPTOR_SIG.to_le_bytes()[..]);
+        if has_sig {
+            f.pos = 4;
+        }
+        let crc = f.u32().ok_or_else(bad)?;
+        let (len, compressed) = if wide {
+            (f.u64(), f.u64())
+        } else {
+            (f.u32().map(u64::from), f.u32().map(u64::from))
+        };
+        if crc != central.crc || len != Some(central.len) || compressed != Some(central.len) {
+            return Err(bad());
+        }
+        end = data_end + f.pos as u64;
     }
-    Ok(ZipEntry {
-        name: name.clone(),
-        data_offset,
-        len: central.len,
-    })
+    Ok((
+        ZipEntry {
+            name: name.clone(),
+            data_offset,
+            len: central.len,
+        },
+        end,
+    ))
 }
 
 fn entry_name(bytes: &[u8]) -> Result<String> {
@@ -801,4 +840,342 @@ fn find_extra(mut extra: &[u8], id: u16) -> Option<&[u8]> {
         extra = rest.get(size..)?;
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const VIEWS: &[u8] = include_bytes!("testdata/views.pt");
+    const DTYPES: &[u8] = include_bytes!("testdata/dtypes.pt");
+    const BARE: &[u8] = include_bytes!("testdata/bare.pt");
+    const NESTED: &[u8] = include_bytes!("testdata/nested.pt");
+    /// A real > 4 GiB torch.save archive without the data of its big record (see `make.py`).
+    const ZIP64_FRAMING: &[u8] = include_bytes!("testdata/zip64_framing.bin");
+
+    fn literal(name: &str, content: &[u8]) -> ZipRecord {
+        ZipRecord {
+            name: name.into(),
+            len: content.len() as u64,
+            content: Some(content.to_vec()),
+        }
+    }
+
+    fn data<'a>(bytes: &'a [u8], e: &ZipEntry) -> &'a [u8] {
+        &bytes[e.data_offset as usize..(e.data_offset + e.len) as usize]
+    }
+
+    #[test]
+    fn reads_real_archive() {
+        // Offsets as Python's zipfile reports them for this file.
+        let entries = read_entries(BARE).unwrap();
+        let names: Vec<_> = entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "archive/data.pkl",
+                "archive/.format_version",
+                "archive/.storage_alignment",
+                "archive/byteorder",
+                "archive/data/0",
+                "archive/version",
+                "archive/.data/serialization_id",
+            ]
+        );
+        for e in &entries {
+            assert_eq!(e.data_offset % ALIGNMENT, 0, "{} is aligned", e.name);
+        }
+        assert_eq!(data(BARE, &entries[1]), b"1");
+        assert_eq!(data(BARE, &entries[2]), b"64");
+        assert_eq!(data(BARE, &entries[3]), b"little");
+        assert_eq!(data(BARE, &entries[5]), b"3\n");
+        // arange(6) in bf16: 0, 1, 2, 3, 4, 5.
+        assert_eq!(entries[4].len, 12);
+        assert_eq!(&data(BARE, &entries[4])[..4], &[0x00, 0x00, 0x80, 0x3f]);
+        assert_eq!(entries[6].len, 40);
+    }
+
+    #[test]
+    fn layout_reproduces_torch_byte_for_byte() {
+        for real in [VIEWS, DTYPES, BARE, NESTED] {
+            let records: Vec<_> = read_entries(real)
+                .unwrap()
+                .iter()
+                .map(|e| literal(&e.name, data(real, e)))
+                .collect();
+            assert_eq!(build(&records, &[]).unwrap(), real);
+        }
+    }
+
+    #[test]
+    fn caller_filled_records_round_trip() {
+        let big: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let records = vec![
+            literal("a/data.pkl", b"pickle"),
+            ZipRecord {
+                name: "a/data/0".into(),
+                len: big.len() as u64,
+                content: None,
+            },
+            ZipRecord {
+                name: "a/data/1".into(),
+                len: 0,
+                content: None,
+            },
+            literal("a/version", b"3\n"),
+        ];
+        let plan = layout(&records);
+        assert!(plan.crc_slots[0].is_empty() && plan.crc_slots[3].is_empty());
+        assert_eq!(plan.crc_slots[1].len(), 2);
+        // Literal runs never overlap the data the caller writes.
+        for (at, run) in &plan.literals {
+            let end = at + run.len() as u64;
+            assert!(end <= plan.data_offsets[1] || *at >= plan.data_offsets[1] + big.len() as u64);
+        }
+        let bytes = build(&records, &[&big, &[]]).unwrap();
+        assert_eq!(bytes.len() as u64, plan.len);
+        let entries = read_entries(&bytes).unwrap();
+        assert_eq!(entries.len(), 4);
+        assert_eq!(data(&bytes, &entries[1]), &big[..]);
+        assert_eq!(entries[1].data_offset, plan.data_offsets[1]);
+        assert_eq!(entries[2].len, 0);
+        // The CRC the central directory holds is the one patched in.
+        let central = plan.crc_slots[1][1] as usize;
+        assert_eq!(
+            &bytes[central..central + 4],
+            &crc32fast::hash(&big).to_le_bytes()
+        );
+        let descriptor = plan.crc_slots[1][0] as usize;
+        assert_eq!(
+            &bytes[descriptor - 4..descriptor],
+            &DESCRIPTOR_SIG.to_le_bytes()
+        );
+        assert!(build(&records, &[&big]).is_err());
+        assert!(build(&records, &[&big, &[1]]).is_err());
+    }
+
+    #[test]
+    fn zip64_layout_matches_torch() {
+        // The records of the real archive (`make.py --zip64`), its 4 GiB record left for the
+        // caller; sizes, CRC and offsets as Python's zipfile reports them.
+        let (big_index, big_len, big_crc) = (5, (1u64 << 32) + 100, 2_838_121_701u32);
+        let head_len = 1024u64;
+        // Framing positions past the big record sit `big_len` earlier in the fixture.
+        let squeeze = |at: u64| {
+            if at < head_len {
+                at as usize
+            } else {
+                (at - big_len) as usize
+            }
+        };
+        let pickle = &ZIP64_FRAMING[64..64 + 316];
+        let id_at = squeeze(4_294_968_666 + 30 + 26 + 46);
+        let serialization_id = &ZIP64_FRAMING[id_at..id_at + 40];
+        let one = [0, 0, 0x80, 0x3f];
+        let records = vec![
+            literal("big/data.pkl", pickle),
+            literal("big/.format_version", b"1"),
+            literal("big/.storage_alignment", b"64"),
+            literal("big/byteorder", b"little"),
+            literal("big/data/0", &one.repeat(3)),
+            ZipRecord {
+                name: "big/data/1".into(),
+                len: big_len,
+                content: None,
+            },
+            literal("big/data/2", &one.repeat(2)),
+            literal("big/version", b"3\n"),
+            literal("big/.data/serialization_id", serialization_id),
+        ];
+        let plan = layout(&records);
+        assert_eq!(plan.len, ZIP64_FRAMING.len() as u64 + big_len);
+        assert_eq!(plan.data_offsets[big_index], head_len);
+        let mut expected = vec![0u8; ZIP64_FRAMING.len()];
+        let mut covered = vec![false; ZIP64_FRAMING.len()];
+        for (at, run) in &plan.literals {
+            let at = squeeze(*at);
+            expected[at..at + run.len()].copy_from_slice(run);
+            covered[at..at + run.len()]
+                .iter_mut()
+                .for_each(|c| *c = true);
+        }
+        for (at, crc) in plan.crc_patches(big_index, big_crc) {
+            expected[squeeze(at)..squeeze(at) + 4].copy_from_slice(&crc);
+        }
+        assert!(
+            covered.iter().all(|&c| c),
+            "every framing byte is a literal"
+        );
+        assert_eq!(expected, ZIP64_FRAMING);
+    }
+
+    #[test]
+    fn zip64_fields_in_headers() {
+        let big = 0x1_0000_0005u64;
+        let records = vec![
+            ZipRecord {
+                name: "a/data/0".into(),
+                len: big,
+                content: None,
+            },
+            literal("a/version", b"3\n"),
+        ];
+        let plan = layout(&records);
+        let run = |at: u64| {
+            plan.literals
+                .iter()
+                .find(|(s, r)| *s <= at && at < s + r.len() as u64)
+                .unwrap()
+        };
+        let local = &plan.literals[0].1;
+        // Local header: sizes zero, then a zip64 field with both sizes before the padding.
+        assert_eq!(&local[18..26], &[0; 8]);
+        assert_eq!(&local[30 + 8..30 + 8 + 4], &[1, 0, 16, 0]);
+        assert_eq!(&local[42..50], &big.to_le_bytes());
+        assert_eq!(plan.data_offsets[0] % ALIGNMENT, 0);
+        // The record after it starts beyond 4 GiB: its local header carries its offset.
+        let second = plan.data_offsets[0] + big + 24;
+        let (start, bytes) = run(second);
+        let local2 = &bytes[(second - start) as usize..];
+        assert_eq!(&local2[..4], &LOCAL_SIG.to_le_bytes());
+        assert_eq!(
+            &local2[30 + 9..30 + 9 + 12],
+            &[&[1, 0, 8, 0][..], &second.to_le_bytes()].concat()[..]
+        );
+        // Descriptor of the big record: 8-byte sizes.
+        let (start, bytes) = run(plan.data_offsets[0] + big);
+        let descriptor = &bytes[(plan.data_offsets[0] + big - start) as usize..][..24];
+        assert_eq!(
+            &descriptor[8..],
+            &[big.to_le_bytes(), big.to_le_bytes()].concat()[..]
+        );
+        // Central headers saturate what moved to zip64 fields.
+        let cd = plan.crc_slots[0][1] - 16;
+        let (start, bytes) = run(cd);
+        let central = &bytes[(cd - start) as usize..];
+        assert_eq!(&central[20..28], &[0xff; 8]);
+        assert_eq!(&central[42..46], &[0, 0, 0, 0]);
+        let central2 = &central[46 + 8 + 20..];
+        assert_eq!(&central2[20..28], &[2, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(&central2[42..46], &[0xff; 4]);
+        // The classic end record saturates the directory offset.
+        let tail = &plan.literals.last().unwrap().1;
+        assert_eq!(&tail[tail.len() - 6..tail.len() - 2], &[0xff; 4]);
+    }
+
+    #[test]
+    fn rejects_what_torch_never_writes() {
+        let bytes = build(&[literal("a/data.pkl", b"x"), literal("a/b", b"yy")], &[]).unwrap();
+        let err = |b: &[u8]| read_entries(b).unwrap_err().to_string();
+        let cd = read_entries(&bytes).unwrap()[1].data_offset as usize + 2 + 16;
+
+        let mut compressed = bytes.clone();
+        compressed[cd + 10] = 8; // deflate in the first central header
+        assert!(
+            err(&compressed).contains("`a/data.pkl` is compressed (method 8)"),
+            "{}",
+            err(&compressed)
+        );
+
+        let mut nul = bytes.clone();
+        nul[cd + 46 + 1] = 0;
+        assert!(err(&nul).contains("NUL"));
+
+        let mut size = bytes.clone();
+        size[cd + 20] = 2; // central sizes say 2 while the local header is at 64 - 2
+        size[cd + 24] = 2;
+        assert!(
+            err(&size).contains("overlap") || err(&size).contains("disagree"),
+            "{}",
+            err(&size)
+        );
+
+        let mut local = bytes.clone();
+        local[22] = 5; // local uncompressed size neither 0 nor the central one
+        assert!(
+            err(&local).contains("disagrees with central directory size 1"),
+            "{}",
+            err(&local)
+        );
+
+        let mut dup = build(&[literal("a/x", b"1"), literal("a/x", b"2")], &[]).unwrap();
+        assert!(err(&dup).contains("duplicate zip entry `a/x`"));
+        dup.push(0);
+        assert!(err(&dup).contains("no end-of-central-directory record"));
+
+        assert!(err(&bytes[..bytes.len() - 1]).contains("not a zip archive"));
+        assert!(err(b"").contains("too short"));
+        // A stray offset past the slice is an error, not a panic.
+        let mut far = bytes.clone();
+        far[cd + 42..cd + 46].copy_from_slice(&0xFFFF_FFF0u32.to_le_bytes());
+        assert!(err(&far).contains("points past the end"), "{}", err(&far));
+    }
+
+    #[test]
+    fn errors_carry_offsets() {
+        let bytes = build(&[literal("a/data.pkl", b"x")], &[]).unwrap();
+        let mut bad = bytes.clone();
+        bad[0] = b'Q';
+        let e = read_entries(&bad).unwrap_err();
+        assert_eq!(e.offset, Some(0));
+        assert_eq!(
+            e.message,
+            "zip local header of `a/data.pkl` not found where the central directory points"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn mutations_never_panic(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+            cut in any::<prop::sample::Index>(),
+            truncate in any::<bool>(),
+        ) {
+            let mut bytes = NESTED.to_vec();
+            for (at, byte) in edits {
+                let at = at.index(bytes.len());
+                bytes[at] = byte;
+            }
+            if truncate {
+                bytes.truncate(cut.index(bytes.len()));
+            }
+            if let Ok(entries) = read_entries(&bytes) {
+                for e in entries {
+                    prop_assert!(e.data_offset + e.len <= bytes.len() as u64);
+                }
+            }
+        }
+
+        #[test]
+        fn layouts_read_back(
+            lens in prop::collection::vec(0u64..300, 1..12),
+            literal_mask in any::<u16>(),
+        ) {
+            let records: Vec<_> = lens.iter().enumerate().map(|(i, &len)| {
+                let name = format!("p/data/{i}");
+                if literal_mask >> (i % 16) & 1 == 1 {
+                    ZipRecord { name, len, content: Some(vec![i as u8; len as usize]) }
+                } else {
+                    ZipRecord { name, len, content: None }
+                }
+            }).collect();
+            let fills: Vec<Vec<u8>> = records.iter().enumerate()
+                .filter(|(_, r)| r.content.is_none())
+                .map(|(i, r)| vec![!(i as u8); r.len as usize])
+                .collect();
+            let fill_refs: Vec<&[u8]> = fills.iter().map(|f| f.as_slice()).collect();
+            let bytes = build(&records, &fill_refs).unwrap();
+            let entries = read_entries(&bytes).unwrap();
+            prop_assert_eq!(entries.len(), records.len());
+            let plan = layout(&records);
+            for (i, e) in entries.iter().enumerate() {
+                prop_assert_eq!(e.data_offset, plan.data_offsets[i]);
+                prop_assert_eq!(e.data_offset % ALIGNMENT, 0);
+                prop_assert_eq!(e.len, lens[i]);
+            }
+        }
+    }
 }

@@ -939,3 +939,408 @@ fn dedup_set(items: Vec<Value>) -> Vec<Value> {
     let pairs = items.into_iter().map(|v| (v, Value::None)).collect();
     dedup_pairs(pairs).into_iter().map(|(v, _)| v).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Reference pickles written by CPython 3.11's `pickle.dumps` (and torch 2.15's `torch.save` for
+    // `TORCH_DATA_PKL`), embedded byte for byte.
+
+    /// `{"a": [1, -2, 300, 70000, -70000, 2**40, -2**63, 2**63-1], "b": (True, False, None),
+    /// "c": 1.5, "s": "héllo", "t": (), "u": (1,), "v": (1, 2), "w": (1, 2, 3), "x": (1, 2, 3, 4)}`
+    const PLAIN_P2: &[u8] = b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01]q\x02(K\x01J\xfe\xff\xff\xffM,\x01Jp\x11\x01\x00J\x90\xee\xfe\xff\x8a\x06\x00\x00\x00\x00\x00\x01\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7feX\x01\x00\x00\x00bq\x03\x88\x89N\x87q\x04X\x01\x00\x00\x00cq\x05G?\xf8\x00\x00\x00\x00\x00\x00X\x01\x00\x00\x00sq\x06X\x06\x00\x00\x00h\xc3\xa9lloq\x07X\x01\x00\x00\x00tq\x08)X\x01\x00\x00\x00uq\x09K\x01\x85q\x0aX\x01\x00\x00\x00vq\x0bK\x01K\x02\x86q\x0cX\x01\x00\x00\x00wq\x0dK\x01K\x02K\x03\x87q\x0eX\x01\x00\x00\x00xq\x0f(K\x01K\x02K\x03K\x04tq\x10u.";
+    /// The same object at protocol 4.
+    const PLAIN_P4: &[u8] = b"\x80\x04\x95\x92\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x01a\x94]\x94(K\x01J\xfe\xff\xff\xffM,\x01Jp\x11\x01\x00J\x90\xee\xfe\xff\x8a\x06\x00\x00\x00\x00\x00\x01\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7fe\x8c\x01b\x94\x88\x89N\x87\x94\x8c\x01c\x94G?\xf8\x00\x00\x00\x00\x00\x00\x8c\x01s\x94\x8c\x06h\xc3\xa9llo\x94\x8c\x01t\x94)\x8c\x01u\x94K\x01\x85\x94\x8c\x01v\x94K\x01K\x02\x86\x94\x8c\x01w\x94K\x01K\x02K\x03\x87\x94\x8c\x01x\x94(K\x01K\x02K\x03K\x04t\x94u.";
+    /// `{"by": b"\x00\x01", "ba": bytearray(b"xy"), "set": {3}, "fs": frozenset({4}), "long": "z" * 300}`
+    const BYTES_SETS_P5: &[u8] = b"\x80\x05\x95o\x01\x00\x00\x00\x00\x00\x00}\x94(\x8c\x02by\x94C\x02\x00\x01\x94\x8c\x02ba\x94\x96\x02\x00\x00\x00\x00\x00\x00\x00xy\x94\x8c\x03set\x94\x8f\x94(K\x03\x90\x8c\x02fs\x94(K\x04\x91\x94\x8c\x04long\x94X,\x01\x00\x00zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz\x94u.";
+    /// `s = [1]; {"p": s, "q": s}`: the list is memoized empty, filled, then fetched again.
+    const SHARED_P4: &[u8] = b"\x80\x04\x95\x14\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x01p\x94]\x94K\x01a\x8c\x01q\x94h\x02u.";
+    /// `OrderedDict([("k", 1), ("j", 2)])`
+    const ODICT_P2: &[u8] = b"\x80\x02ccollections\x0aOrderedDict\x0aq\x00)Rq\x01(X\x01\x00\x00\x00kq\x02K\x01X\x01\x00\x00\x00jq\x03K\x02u.";
+    /// `2**64`
+    const BIG_INT_P4: &[u8] = b"\x80\x04\x95\x0c\x00\x00\x00\x00\x00\x00\x00\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01.";
+    /// `l = []; l.append(l)`
+    const CYCLE_P4: &[u8] = b"\x80\x04\x95\x06\x00\x00\x00\x00\x00\x00\x00]\x94h\x00a.";
+    /// `data.pkl` of `torch.save(torch.arange(4.0)[1:])`: a view with storage offset 1.
+    const TORCH_DATA_PKL: &[u8] = b"\x80\x02ctorch._utils\x0a_rebuild_tensor_v2\x0aq\x00((X\x07\x00\x00\x00storageq\x01ctorch\x0aFloatStorage\x0aq\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04K\x04tq\x05QK\x01K\x03\x85q\x06K\x01\x85q\x07\x89ccollections\x0aOrderedDict\x0aq\x08)Rq\x09tq\x0aRq\x0b.";
+    /// `[Point(1, "a")]` for `@dataclass class Point: x: int; y: str` defined in `__main__`.
+    const DATACLASS_P4: &[u8] = b"\x80\x04\x95/\x00\x00\x00\x00\x00\x00\x00]\x94\x8c\x08__main__\x94\x8c\x05Point\x94\x93\x94)\x81\x94}\x94(\x8c\x01x\x94K\x01\x8c\x01y\x94\x8c\x01a\x94uba.";
+
+    const NOTHING: &[(&str, &str)] = &[];
+
+    fn read_with(bytes: &[u8], allowed: &[(&str, &str)]) -> Result<Value, PickleError> {
+        read(bytes, &allowed, Limits::default())
+    }
+
+    fn s(v: &str) -> Value {
+        Value::Str(v.to_string())
+    }
+
+    fn int(i: i64) -> Value {
+        Value::Int(i)
+    }
+
+    #[test]
+    fn plain_data_matches_python_at_protocols_2_and_4() {
+        let expected = Value::Dict(vec![
+            (
+                s("a"),
+                Value::List(vec![
+                    int(1),
+                    int(-2),
+                    int(300),
+                    int(70000),
+                    int(-70000),
+                    int(1 << 40),
+                    int(i64::MIN),
+                    int(i64::MAX),
+                ]),
+            ),
+            (
+                s("b"),
+                Value::Tuple(vec![Value::Bool(true), Value::Bool(false), Value::None]),
+            ),
+            (s("c"), Value::Float(1.5)),
+            (s("s"), s("héllo")),
+            (s("t"), Value::Tuple(vec![])),
+            (s("u"), Value::Tuple(vec![int(1)])),
+            (s("v"), Value::Tuple(vec![int(1), int(2)])),
+            (s("w"), Value::Tuple(vec![int(1), int(2), int(3)])),
+            (s("x"), Value::Tuple(vec![int(1), int(2), int(3), int(4)])),
+        ]);
+        assert_eq!(read_with(PLAIN_P2, NOTHING), Ok(expected.clone()));
+        assert_eq!(read_with(PLAIN_P4, NOTHING), Ok(expected));
+    }
+
+    #[test]
+    fn bytes_sets_and_long_strings_at_protocol_5() {
+        let v = read_with(BYTES_SETS_P5, NOTHING).unwrap();
+        assert_eq!(v.get("by"), Some(&Value::Bytes(vec![0, 1])));
+        assert_eq!(v.get("ba"), Some(&Value::Bytes(b"xy".to_vec())));
+        assert_eq!(v.get("set"), Some(&Value::Set(vec![int(3)])));
+        assert_eq!(v.get("fs"), Some(&Value::Set(vec![int(4)])));
+        assert_eq!(v.get("long"), Some(&s(&"z".repeat(300))));
+    }
+
+    #[test]
+    fn memo_gets_see_containers_filled_after_they_were_memoized() {
+        let v = read_with(SHARED_P4, NOTHING).unwrap();
+        assert_eq!(v.get("p"), Some(&Value::List(vec![int(1)])));
+        assert_eq!(v.get("q"), Some(&Value::List(vec![int(1)])));
+    }
+
+    #[test]
+    fn reduce_then_setitems_fills_an_ordered_dict() {
+        let v = read_with(ODICT_P2, &[("collections", "OrderedDict")]).unwrap();
+        assert_eq!(
+            v,
+            Value::Object {
+                callable: Box::new(Value::global("collections", "OrderedDict")),
+                args: vec![],
+                new_obj: false,
+                dict_items: vec![(s("k"), int(1)), (s("j"), int(2))],
+                list_items: vec![],
+                state: None,
+            }
+        );
+    }
+
+    #[test]
+    fn torch_save_data_pkl_reads_as_a_rebuild_call() {
+        let allowed = [
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch", "FloatStorage"),
+            ("collections", "OrderedDict"),
+        ];
+        let v = read_with(TORCH_DATA_PKL, &allowed).unwrap();
+        assert_eq!(v.class(), Some(("torch._utils", "_rebuild_tensor_v2")));
+        let args = v.args().unwrap();
+        assert_eq!(
+            args.first(),
+            Some(&Value::PersistentId(Box::new(Value::Tuple(vec![
+                s("storage"),
+                Value::global("torch", "FloatStorage"),
+                s("0"),
+                s("cpu"),
+                int(4),
+            ]))))
+        );
+        assert_eq!(args.get(1), Some(&int(1)));
+        assert_eq!(args.get(2), Some(&Value::Tuple(vec![int(3)])));
+        assert_eq!(args.get(3), Some(&Value::Tuple(vec![int(1)])));
+        assert_eq!(args.get(4), Some(&Value::Bool(false)));
+        assert_eq!(
+            args.get(5).and_then(Value::class),
+            Some(("collections", "OrderedDict"))
+        );
+    }
+
+    #[test]
+    fn newobj_and_build_record_a_dataclass() {
+        let v = read_with(DATACLASS_P4, &[("__main__", "Point")]).unwrap();
+        let point = v.as_seq().and_then(|items| items.first()).unwrap();
+        assert_eq!(point.class(), Some(("__main__", "Point")));
+        assert!(matches!(point, Value::Object { new_obj: true, .. }));
+        assert_eq!(
+            point.state(),
+            Some(&Value::Dict(vec![(s("x"), int(1)), (s("y"), s("a"))]))
+        );
+    }
+
+    #[test]
+    fn globals_outside_the_policy_are_refused_by_name() {
+        assert_eq!(
+            read_with(DATACLASS_P4, NOTHING),
+            Err(PickleError::ForbiddenGlobal {
+                module: "__main__".into(),
+                name: "Point".into()
+            })
+        );
+        // `os.system("true")` at protocol 2; nothing may run, the global alone is refused.
+        let evil = b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R.";
+        assert_eq!(
+            read_with(evil, NOTHING),
+            Err(PickleError::ForbiddenGlobal {
+                module: "posix".into(),
+                name: "system".into()
+            })
+        );
+    }
+
+    #[test]
+    fn python2_module_names_are_mapped_under_protocol_2() {
+        let p2 = b"\x80\x02c__builtin__\nset\n.";
+        assert_eq!(
+            read_with(p2, &[("builtins", "set")]),
+            Ok(Value::global("builtins", "set"))
+        );
+        // At protocol 3 and above Python does not rename, so neither does the reader.
+        let p3 = b"\x80\x03c__builtin__\nset\n.";
+        assert!(read_with(p3, &[("builtins", "set")]).is_err());
+    }
+
+    #[test]
+    fn integers_outside_i64_are_errors() {
+        assert!(matches!(
+            read_with(BIG_INT_P4, NOTHING),
+            Err(PickleError::Malformed { offset: 11, .. })
+        ));
+        // 2**63 needs nine bytes with a zero sign byte; -2**63 - 1 likewise with 0xff.
+        assert!(read_with(b"\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00.", NOTHING).is_err());
+        assert!(read_with(b"\x8a\x09\xff\xff\xff\xff\xff\xff\xff\x7f\xff.", NOTHING).is_err());
+        // Redundant sign bytes are fine, and so is the empty encoding of 0.
+        assert_eq!(
+            read_with(
+                b"\x8a\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff.",
+                NOTHING
+            ),
+            Ok(int(-1))
+        );
+        assert_eq!(read_with(b"\x8a\x00.", NOTHING), Ok(int(0)));
+        assert_eq!(
+            read_with(b"\x8b\x02\x00\x00\x00\x00\x80.", NOTHING),
+            Ok(int(-32768))
+        );
+        assert!(read_with(b"\x8b\xff\xff\xff\xff.", NOTHING).is_err());
+    }
+
+    #[test]
+    fn cycles_are_rejected() {
+        assert!(matches!(
+            read_with(CYCLE_P4, NOTHING),
+            Err(PickleError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn billion_laughs_hits_the_node_limit_not_memory() {
+        // A list of ten references to the previous list, nine times over: 10^9 leaves.
+        let mut p = b"\x80\x04K\x00\x94".to_vec();
+        for level in 0u8..9 {
+            p.push(b'(');
+            for _ in 0..10 {
+                p.extend_from_slice(&[b'h', level]);
+            }
+            p.extend_from_slice(b"l\x94");
+        }
+        p.push(b'.');
+        let err = read(
+            &p,
+            &NOTHING,
+            Limits {
+                max_depth: 64,
+                ..Limits::default()
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, PickleError::LimitExceeded { .. }), "{err}");
+    }
+
+    #[test]
+    fn limits_are_enforced() {
+        let tight = Limits {
+            max_stack: 4,
+            max_memo: 2,
+            max_nodes: 100,
+            max_depth: 3,
+        };
+        // Five values on the stack.
+        let err = read(b"(NNNNNt.", &NOTHING, tight).unwrap_err();
+        assert!(
+            matches!(err, PickleError::LimitExceeded { offset: 5, .. }),
+            "{err}"
+        );
+        // Three memo entries.
+        let err = read(b"N\x94\x94q\x05.", &NOTHING, tight).unwrap_err();
+        assert!(
+            matches!(err, PickleError::LimitExceeded { offset: 3, .. }),
+            "{err}"
+        );
+        // Re-storing an existing memo key does not count again.
+        assert_eq!(
+            read(b"N\x94\x94q\x01q\x00.", &NOTHING, tight),
+            Ok(Value::None)
+        );
+        // Four nested lists, three allowed.
+        assert!(read(b"]]]].", &NOTHING, tight).is_err());
+        let nested = read(b"(((]\x85\x85\x85.", &NOTHING, tight);
+        assert!(matches!(nested, Err(PickleError::LimitExceeded { .. })));
+        assert!(read(b"((]\x85\x85.", &NOTHING, tight).is_ok());
+        // More than 100 nodes in the arena.
+        let mut p = vec![b'('];
+        p.extend(std::iter::repeat(b'N').take(101));
+        p.extend_from_slice(b"l.");
+        let big = Limits {
+            max_stack: 1000,
+            ..tight
+        };
+        assert!(matches!(
+            read(&p, &NOTHING, big),
+            Err(PickleError::LimitExceeded { .. })
+        ));
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        for input in [PLAIN_P2, PLAIN_P4, BYTES_SETS_P5, TORCH_DATA_PKL] {
+            for end in 0..input.len() {
+                let err = read(input.get(..end).unwrap(), &NOTHING, Limits::default());
+                assert!(err.is_err(), "prefix of {end} bytes read");
+            }
+        }
+        assert_eq!(
+            read_with(&PLAIN_P4[..20], NOTHING),
+            Err(PickleError::Truncated { offset: 20 })
+        );
+        // A length prefix far past the end is truncation, not an allocation.
+        let huge = b"\x80\x04\x8e\xff\xff\xff\xff\xff\xff\xff\x7f";
+        assert_eq!(
+            read_with(huge, NOTHING),
+            Err(PickleError::Truncated { offset: huge.len() })
+        );
+    }
+
+    #[test]
+    fn bytes_after_stop_are_ignored() {
+        assert_eq!(read_with(b"K\x07.garbage", NOTHING), Ok(int(7)));
+    }
+
+    #[test]
+    fn unsupported_opcodes_name_their_offset() {
+        for (op, p) in [
+            (b'i', b"\x80\x02imod\nname\n.".as_slice()),
+            (b'o', b"\x80\x02(o.".as_slice()),
+            (0x82, b"\x80\x02\x82\x01.".as_slice()),
+            (b'P', b"\x80\x02P1\n.".as_slice()),
+            (b'S', b"\x80\x02S'a'\n.".as_slice()),
+            (b'F', b"\x80\x02F1.0\n.".as_slice()),
+        ] {
+            let offset = if op == b'o' { 3 } else { 2 };
+            assert_eq!(
+                read_with(p, NOTHING),
+                Err(PickleError::UnsupportedOpcode { opcode: op, offset })
+            );
+        }
+    }
+
+    #[test]
+    fn stack_misuse_is_malformed_with_offset() {
+        for p in [
+            &b"."[..],
+            b"(.",
+            b"N(a.",
+            b"Nu.",
+            b"N1.",
+            b"h\x00.",
+            b"K\x01K\x02R.",
+            b"N\x85b.",
+        ] {
+            let err = read_with(p, NOTHING).unwrap_err();
+            assert!(matches!(err, PickleError::Malformed { .. }), "{p:?}: {err}");
+            assert!(err.offset().is_some());
+        }
+        // POP on an empty frame drops the mark, as in Python.
+        assert_eq!(read_with(b"N(0.", NOTHING), Ok(Value::None));
+    }
+
+    #[test]
+    fn protocol_0_text_arguments() {
+        let p = b"(I01\nI00\nI-12\np3\n0g3\nt.";
+        let want = Value::Tuple(vec![
+            Value::Bool(true),
+            Value::Bool(false),
+            int(-12),
+            int(-12),
+        ]);
+        assert_eq!(read_with(p, NOTHING), Ok(want));
+        // Python 2 `str` reads as text.
+        assert_eq!(
+            read_with(b"U\x02hiT\x01\x00\x00\x00!\x86.", NOTHING),
+            Ok(Value::Tuple(vec![s("hi"), s("!")]))
+        );
+        assert!(read_with(b"U\x01\xff.", NOTHING).is_err());
+    }
+
+    #[test]
+    fn repeated_dict_keys_keep_first_position_and_last_value() {
+        let p = b"}(K\x01K\x0aK\x02K\x14\x88K\x1eu.";
+        assert_eq!(
+            read_with(p, NOTHING),
+            Ok(Value::Dict(vec![(int(1), int(30)), (int(2), int(20))]))
+        );
+        assert_eq!(
+            read_with(b"\x8f(K\x01K\x01\x90.", NOTHING),
+            Ok(Value::Set(vec![int(1)]))
+        );
+    }
+
+    #[test]
+    fn newobj_ex_without_keywords_is_newobj() {
+        let allowed = [("m", "C")];
+        let p = b"\x8c\x01m\x8c\x01C\x93K\x01\x85}\x92.";
+        let v = read_with(p, &allowed).unwrap();
+        assert!(matches!(v, Value::Object { new_obj: true, ref args, .. } if args == &[int(1)]));
+        let with_kwargs = b"\x8c\x01m\x8c\x01C\x93)}(\x8c\x01kK\x01u\x92.";
+        assert!(matches!(
+            read_with(with_kwargs, &allowed),
+            Err(PickleError::UnsupportedOpcode { opcode: 0x92, .. })
+        ));
+    }
+
+    #[test]
+    fn random_bytes_never_panic() {
+        // A cheap deterministic xorshift so the test needs no seed handling.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = (x % 24) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| (x >> ((i % 8) * 8)) as u8 ^ (i as u8))
+                .collect();
+            let _ = read(&bytes, &NOTHING, Limits::default());
+        }
+    }
+}

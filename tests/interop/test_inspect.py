@@ -21,6 +21,7 @@ or absolute. Where the piece lives in a safetensors file its byte range holds ex
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import json
 from math import prod
 from pathlib import Path
@@ -52,13 +53,23 @@ def inspect_json(path: str) -> dict:
         raise AssertionError(f"ckpt inspect --json printed no JSON ({e}):\n{proc.stdout[:2000]}") from None
 
 
+@dataclass
+class Case:
+    name: str
+    path: Path
+    flat: dict  # expected/<name>.pt
+    doc: dict  # expected/<name>.json
+
+    @property
+    def report(self) -> dict:
+        # ckpt runs inside the test (not in fixture setup) so its failure counts as a test failure
+        return inspect_json(str(self.path))
+
+
 @pytest.fixture(params=FIXTURE_NAMES)
-def case(request, fresh_fixtures, ckpt):
-    """(fixture name, checkpoint path, expected flat dict, expected json, inspect report)."""
-    name = request.param
-    flat, doc = load_expected(fresh_fixtures, name)
-    path = fresh_fixtures / doc["path"]
-    return name, path, flat, doc, inspect_json(str(path))
+def case(request, fresh_fixtures, ckpt) -> Case:
+    flat, doc = load_expected(fresh_fixtures, request.param)
+    return Case(request.param, fresh_fixtures / doc["path"], flat, doc)
 
 
 def by_name(report: dict) -> dict:
@@ -68,7 +79,7 @@ def by_name(report: dict) -> dict:
 
 
 def test_top_level_schema(case):
-    _, _, _, doc, report = case
+    report, doc = case.report, case.doc
     assert TOP_LEVEL <= set(report), f"missing keys {TOP_LEVEL - set(report)}"
     assert isinstance(report["format"], str) and report["format"]
     assert report["state_dict_type"] == doc["state_dict_type"]
@@ -77,7 +88,7 @@ def test_top_level_schema(case):
 
 
 def test_tensor_names_dtypes_shapes(case):
-    _, _, flat, _, report = case
+    report, flat = case.report, case.flat
     want = expected_tensors(flat)
     got = by_name(report)
     assert sorted(got) == sorted(want), f"names differ: {sorted(set(got) ^ set(want))}"
@@ -87,19 +98,19 @@ def test_tensor_names_dtypes_shapes(case):
 
 
 def test_non_tensor_entries(case):
-    _, _, flat, _, report = case
+    report, flat = case.report, case.flat
     names = [e["name"] for e in report["non_tensors"]]
     assert len(names) == len(set(names)), "a non-tensor name is listed twice"
     assert sorted(names) == sorted(expected_non_tensors(flat))
 
 
 def test_total_bytes(case):
-    _, _, flat, _, report = case
+    report, flat = case.report, case.flat
     assert report["total_bytes"] == sum(t.numel() * t.element_size() for t in expected_tensors(flat).values())
 
 
 def test_pieces_tile_each_tensor(case):
-    _, _, _, _, report = case
+    report = case.report
     for t in report["tensors"]:
         shape = t["shape"]
         count = np.zeros(shape, dtype=np.int32)
@@ -118,7 +129,7 @@ def nonempty_boxes(boxes) -> list:
 
 
 def test_pieces_are_the_boxes_on_disk(case):
-    name, _, _, doc, report = case
+    name, doc, report = case.name, case.doc, case.report
     for fqn, t in by_name(report).items():
         got = nonempty_boxes((p["offsets"], p["sizes"]) for p in t["pieces"])
         if doc["state_dict_type"] == "SHARDED_STATE_DICT":
@@ -136,7 +147,7 @@ def resolve(ckpt_path: Path, file: str) -> Path:
 
 
 def test_pieces_point_into_files(case):
-    name, path, flat, _, report = case
+    name, path, flat, report = case.name, case.path, case.flat, case.report
     tensors = expected_tensors(flat)
     for t in report["tensors"]:
         full = tensors[t["name"]]

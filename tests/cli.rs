@@ -1,0 +1,327 @@
+//! Integration tests of the `ckpt` binary on the committed fixtures (written by real PyTorch, see
+//! `fixtures/generate.py`). Every test works in its own temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// Every checkpoint fixture, by the name of its `fixtures/expected/<name>.json`.
+const FIXTURES: &[(&str, &str)] = &[
+    ("fsdp2_adamw", "fsdp2_adamw"),
+    ("mesh_2x2", "mesh_2x2"),
+    ("dtypes", "dtypes"),
+    ("dcp_hf", "dcp_hf"),
+    ("dcp_zstd", "dcp_zstd"),
+    ("single", "single.safetensors"),
+    ("hf_split", "hf_split"),
+    ("torch_save", "torch_save.bin"),
+];
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// A temporary directory for one test, removed at the end.
+struct TestEnv {
+    dir: tempfile::TempDir,
+}
+
+impl TestEnv {
+    fn new() -> TestEnv {
+        TestEnv { dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Copy a fixture (file or directory) into the temp dir, to damage it safely.
+    fn copy_fixture(&self, name: &str) -> PathBuf {
+        let src = fixtures().join(name);
+        let dst = self.path(name);
+        copy_tree(&src, &dst);
+        dst
+    }
+}
+
+fn copy_tree(src: &Path, dst: &Path) {
+    if src.is_dir() {
+        std::fs::create_dir_all(dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            copy_tree(&e.path(), &dst.join(e.file_name()));
+        }
+    } else {
+        std::fs::copy(src, dst).unwrap();
+    }
+}
+
+fn ckpt(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd.output().expect("run ckpt")
+}
+
+fn code(out: &Output) -> i32 {
+    out.status.code().unwrap_or(-1)
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn inspect_json(path: &Path) -> Value {
+    let out = ckpt(&[&"inspect", &path, &"--json"]);
+    assert_eq!(code(&out), 0, "inspect {}: {}", path.display(), stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("inspect --json prints JSON")
+}
+
+#[test]
+fn inspect_reports_every_tensor_as_pytorch_saved_it() {
+    for (expected, path) in FIXTURES {
+        let want: Value = serde_json::from_slice(
+            &std::fs::read(fixtures().join("expected").join(format!("{expected}.json"))).unwrap(),
+        )
+        .unwrap();
+        let got = inspect_json(&fixtures().join(path));
+        assert_eq!(got["state_dict_type"], want["state_dict_type"], "{path}");
+        if want["world_size"].is_number() {
+            assert_eq!(got["world_size"], want["world_size"], "{path}");
+        }
+        let want_tensors = want["tensors"].as_object().unwrap();
+        let got_tensors = got["tensors"].as_array().unwrap();
+        assert_eq!(got_tensors.len(), want_tensors.len(), "{path}: tensor count");
+        for t in got_tensors {
+            let name = t["name"].as_str().unwrap();
+            let w = &want_tensors[name];
+            assert_eq!(t["dtype"], w["dtype"], "{path}: {name}");
+            assert_eq!(t["shape"], w["shape"], "{path}: {name}");
+        }
+        let mut want_values: Vec<&str> =
+            want["non_tensors"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let mut got_values: Vec<&str> =
+            got["non_tensors"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+        want_values.sort();
+        got_values.sort();
+        assert_eq!(got_values, want_values, "{path}: non-tensor entries");
+    }
+}
+
+#[test]
+fn inspect_table_filters_by_glob() {
+    let out = ckpt(&[&"inspect", &fixtures().join("fsdp2_adamw"), &"--filter", &"model.*"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("SHARDED_STATE_DICT"));
+    assert!(text.contains("model.embed.weight"));
+    assert!(!text.contains("exp_avg"));
+}
+
+#[test]
+fn verify_passes_every_fixture_deeply() {
+    for (_, path) in FIXTURES {
+        let out = ckpt(&[&"verify", &fixtures().join(path), &"--deep"]);
+        assert_eq!(code(&out), 0, "{path}: {}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    }
+}
+
+/// Run verify and expect exit 1 with `needle` in its report.
+fn assert_unsound(path: &Path, needle: &str) {
+    let out = ckpt(&[&"verify", &path]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
+    assert_eq!(code(&out), 1, "{}: {text}", path.display());
+    assert!(text.contains(needle), "expected `{needle}` in: {text}");
+}
+
+#[test]
+fn verify_finds_a_truncated_distcp() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("fsdp2_adamw");
+    let file = dir.join("__2_0.distcp");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len - 100).unwrap();
+    assert_unsound(&dir, "__2_0.distcp");
+}
+
+#[test]
+fn verify_finds_a_missing_distcp() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("mesh_2x2");
+    std::fs::remove_file(dir.join("__1_0.distcp")).unwrap();
+    assert_unsound(&dir, "__1_0.distcp");
+}
+
+#[test]
+fn verify_finds_a_missing_middle_rank_in_dcp_safetensors() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("dcp_hf");
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name().unwrap().to_str().unwrap().starts_with("shard-00002-") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    assert_unsound(&dir, "in no piece");
+}
+
+#[test]
+fn verify_refuses_a_metadata_pickle_that_would_run_a_command() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("dtypes");
+    let marker = env.path("pwned");
+    // pickle protocol 2: posix.system("touch <marker>")
+    let command = format!("touch {}", marker.display());
+    let mut evil = b"\x80\x02cposix\nsystem\nX".to_vec();
+    evil.extend_from_slice(&(command.len() as u32).to_le_bytes());
+    evil.extend_from_slice(command.as_bytes());
+    evil.extend_from_slice(b"\x85R.");
+    std::fs::write(dir.join(".metadata"), evil).unwrap();
+    assert_unsound(&dir, "posix.system");
+    assert!(!marker.exists(), "the pickle's command ran");
+}
+
+#[test]
+fn verify_finds_a_safetensors_file_shorter_than_its_header() {
+    let env = TestEnv::new();
+    let file = env.copy_fixture("single.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len - 10).unwrap();
+    assert_unsound(&file, "single.safetensors");
+}
+
+#[test]
+fn verify_refuses_an_index_that_climbs_out() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("hf_split");
+    let index_path = dir.join("model.safetensors.index.json");
+    let mut index: Value = serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+    let map = index["weight_map"].as_object_mut().unwrap();
+    let first = map.keys().next().unwrap().clone();
+    map[&first] = Value::String("../model-00001-of-00003.safetensors".into());
+    std::fs::write(&index_path, serde_json::to_vec(&index).unwrap()).unwrap();
+    assert_unsound(&dir, "../model-00001-of-00003.safetensors");
+}
+
+#[test]
+fn verify_exits_2_on_a_missing_path() {
+    let env = TestEnv::new();
+    let out = ckpt(&[&"verify", &env.path("nothing-here")]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(stderr(&out).contains("does not exist"));
+}
+
+#[test]
+fn a_directory_holding_a_checkpoint_gets_a_hint() {
+    let env = TestEnv::new();
+    let outer = env.path("run");
+    std::fs::create_dir(&outer).unwrap();
+    copy_tree(&fixtures().join("dtypes"), &outer.join("pytorch_model_fsdp_0"));
+    let out = ckpt(&[&"inspect", &outer]);
+    assert_eq!(code(&out), 1);
+    assert!(stderr(&out).contains("pytorch_model_fsdp_0"), "{}", stderr(&out));
+}
+
+#[test]
+fn verify_against_compares_layouts() {
+    let out = ckpt(&[&"verify", &fixtures().join("hf_split"), &"--against", &fixtures().join("single.safetensors")]);
+    // The two fixtures hold different models: the comparison must say so.
+    assert_eq!(code(&out), 1, "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// consolidate and reshard every fixture, then compare the logical tensors with the input.
+#[test]
+fn every_fixture_survives_consolidate_and_reshard() {
+    let env = TestEnv::new();
+    for (name, path) in FIXTURES {
+        let input = fixtures().join(path);
+        let outputs: Vec<(String, Vec<String>)> = vec![
+            (format!("{name}.safetensors"), vec![]),
+            (format!("{name}-split"), vec!["--max-shard-size".into(), "200B".into()]),
+            (format!("{name}.bin"), vec!["--format".into(), "torch".into()]),
+        ];
+        for (out_name, extra) in outputs {
+            let out_path = env.path(&out_name);
+            let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"consolidate", &input, &"-o", &out_path, &"-q"];
+            for e in &extra {
+                args.push(e);
+            }
+            let out = ckpt(&args);
+            assert_eq!(code(&out), 0, "consolidate {path} -> {out_name}: {}", stderr(&out));
+            let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
+            assert_eq!(code(&cmp), 0, "{out_name}: {}", String::from_utf8_lossy(&cmp.stdout));
+        }
+        for n in ["1", "3", "8"] {
+            for format in ["dcp", "dcp-safetensors"] {
+                let out_path = env.path(&format!("{name}-{format}-{n}"));
+                let out = ckpt(&[&"reshard", &input, &"-o", &out_path, &"--world-size", &n, &"--format", &format, &"-q"]);
+                assert_eq!(code(&out), 0, "reshard {path} -> {n} {format}: {}", stderr(&out));
+                let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
+                assert_eq!(code(&cmp), 0, "{name} {format} {n}: {}", String::from_utf8_lossy(&cmp.stdout));
+            }
+        }
+    }
+}
+
+#[test]
+fn split_output_has_an_index_matching_its_files() {
+    let env = TestEnv::new();
+    let out_dir = env.path("split");
+    let out = ckpt(&[&"consolidate", &fixtures().join("fsdp2_adamw"), &"-o", &out_dir, &"--max-shard-size", &"300B", &"--include", &"model.*"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let index: Value = serde_json::from_slice(&std::fs::read(out_dir.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let files: std::collections::BTreeSet<&str> =
+        index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    assert!(files.len() >= 3, "{files:?}");
+    let on_disk: std::collections::BTreeSet<String> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert_eq!(on_disk.iter().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), files);
+    for (name, file) in index["weight_map"].as_object().unwrap() {
+        let listed = inspect_json(&out_dir.join(file.as_str().unwrap()));
+        assert!(listed["tensors"].as_array().unwrap().iter().any(|t| t["name"] == *name), "{name} not in {file}");
+    }
+}
+
+#[test]
+fn consolidate_refuses_to_overwrite_without_force() {
+    let env = TestEnv::new();
+    let out_path = env.path("model.safetensors");
+    std::fs::write(&out_path, b"precious").unwrap();
+    let out = ckpt(&[&"consolidate", &fixtures().join("dtypes"), &"-o", &out_path]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(stderr(&out).contains("--force"));
+    assert_eq!(std::fs::read(&out_path).unwrap(), b"precious");
+    let out = ckpt(&[&"consolidate", &fixtures().join("dtypes"), &"-o", &out_path, &"--force", &"-q"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_ne!(std::fs::read(&out_path).unwrap(), b"precious");
+}
+
+#[test]
+fn consolidate_refuses_an_output_inside_or_equal_to_the_input() {
+    let env = TestEnv::new();
+    let input = env.copy_fixture("single.safetensors");
+    let before = std::fs::read(&input).unwrap();
+    let out = ckpt(&[&"consolidate", &input, &"-o", &input, &"--force"]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert_eq!(std::fs::read(&input).unwrap(), before);
+    let dir = env.copy_fixture("dtypes");
+    let out = ckpt(&[&"consolidate", &dir, &"-o", &dir.join("out.safetensors")]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(!dir.join("out.safetensors").exists());
+}
+
+#[test]
+fn consolidate_is_deterministic() {
+    let env = TestEnv::new();
+    let (a, b) = (env.path("a.bin"), env.path("b.bin"));
+    for p in [&a, &b] {
+        let out = ckpt(&[&"consolidate", &fixtures().join("fsdp2_adamw"), &"-o", p, &"-q", &"--threads", &"2"]);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+    }
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+}
