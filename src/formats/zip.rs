@@ -166,7 +166,7 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
             .content
             .as_ref()
             .map_or(record.len, |c| c.len() as u64);
-        let zip64 = zip64_fields(len, local_offset);
+        let zip64 = zip64_fields(len, local_offset, true);
         let name = record.name.as_bytes();
 
         // torch pads so that data starts on an alignment boundary, counting the zip64 field that
@@ -228,7 +228,7 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
 
     let cd_offset = out.pos;
     for (index, &(name, local_offset, len, crc, filled_later)) in placed.iter().enumerate() {
-        let zip64 = zip64_fields(len, local_offset);
+        let zip64 = zip64_fields(len, local_offset, false);
         if filled_later {
             if let Some(slots) = crc_slots.get_mut(index) {
                 slots.push(out.pos + 16);
@@ -341,8 +341,9 @@ pub fn build(records: &[ZipRecord], fill: &[&[u8]]) -> Result<Vec<u8>> {
 }
 
 /// The zip64 extra field miniz writes for a record: sizes when the record is large, the local
-/// header offset when it lies beyond 4 GiB, nothing otherwise. Same bytes in both headers.
-fn zip64_fields(len: u64, local_offset: u64) -> Vec<u8> {
+/// header offset when it lies beyond 4 GiB, nothing otherwise. In the local header the compressed
+/// size is 0, because miniz writes that header before it has compressed anything.
+fn zip64_fields(len: u64, local_offset: u64, local: bool) -> Vec<u8> {
     let big_len = len >= U32_LIMIT;
     let big_offset = local_offset >= U32_LIMIT;
     if !big_len && !big_offset {
@@ -353,7 +354,7 @@ fn zip64_fields(len: u64, local_offset: u64) -> Vec<u8> {
     put16(&mut field, 8 * (2 * big_len as u16 + big_offset as u16));
     if big_len {
         put64(&mut field, len); // uncompressed
-        put64(&mut field, len); // compressed
+        put64(&mut field, if local { 0 } else { len }); // compressed
     }
     if big_offset {
         put64(&mut field, local_offset);
@@ -1029,10 +1030,11 @@ mod tests {
                 .unwrap()
         };
         let local = &plan.literals[0].1;
-        // Local header: sizes zero, then a zip64 field with both sizes before the padding.
+        // Local header: sizes zero, then a zip64 field (size, compressed size 0) before the padding.
         assert_eq!(&local[18..26], &[0; 8]);
         assert_eq!(&local[30 + 8..30 + 8 + 4], &[1, 0, 16, 0]);
         assert_eq!(&local[42..50], &big.to_le_bytes());
+        assert_eq!(&local[50..58], &[0; 8]);
         assert_eq!(plan.data_offsets[0] % ALIGNMENT, 0);
         // The record after it starts beyond 4 GiB: its local header carries its offset.
         let second = plan.data_offsets[0] + big + 24;
