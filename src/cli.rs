@@ -49,6 +49,12 @@ enum Command {
         /// Compare the logical tensors with another checkpoint, in any layout.
         #[arg(long, value_name = "OTHER")]
         against: Option<PathBuf>,
+        /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
+        #[arg(long, value_name = "FILE")]
+        write_manifest: Option<PathBuf>,
+        /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
+        #[arg(long, value_name = "FILE", conflicts_with = "write_manifest")]
+        manifest: Option<PathBuf>,
         #[command(flatten)]
         run: RunArgs,
     },
@@ -174,14 +180,26 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
             }
             Ok(0)
         }
-        Command::Verify { path, json, deep, against, run } => {
-            let opts = VerifyOptions { deep: deep || against.is_some(), threads: run.threads, io: run.io.into() };
+        Command::Verify { path, json, deep, against, write_manifest, manifest, run } => {
+            let opts = VerifyOptions { deep, threads: run.threads, io: run.io.into() };
             let mut report = verify::verify(&path, &opts)?;
-            if let Some(other) = &against {
-                if report.is_sound() {
-                    let a = crate::detect::read(&path)?;
+            let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
+            if needs_data && report.is_sound() {
+                let ckpt = crate::detect::read(&path)?;
+                if let Some(other) = &against {
                     let b = crate::detect::read(other)?;
-                    report.problems.extend(verify::compare(&a, &b, &opts, 20)?);
+                    report.problems.extend(verify::compare(&ckpt, &b, &opts, 20)?);
+                }
+                if let Some(file) = &write_manifest {
+                    let m = verify::manifest(&ckpt, &opts)?;
+                    let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
+                    write_small_file(file, text.as_bytes())?;
+                }
+                if let Some(file) = &manifest {
+                    let text = std::fs::read(file).map_err(|e| Error::io(file, e))?;
+                    let want: verify::Manifest = serde_json::from_slice(&text)
+                        .map_err(|e| Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display())))?;
+                    report.problems.extend(verify::check_manifest(&want, &verify::manifest(&ckpt, &opts)?));
                 }
             }
             if json {
@@ -248,6 +266,19 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
             convert_with(&path, &output, target_of, OutputKind::Dir, &select, &run, &write, &cancel)
         }
     }
+}
+
+/// Write a small file (a manifest) under a temporary name, then rename it into place.
+fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("manifest");
+    let tmp = path.with_file_name(format!(".{name}.ckpt-tmp-{}", std::process::id()));
+    let result = std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path));
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
 }
 
 impl From<Io> for IoMode {

@@ -307,7 +307,7 @@ fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)>
             let n = rows_per_block.min(shape[k] - row);
             let mut start = outer.clone();
             start.push(row);
-            start.extend(std::iter::repeat(0).take(shape.len() - k - 1));
+            start.extend(std::iter::repeat_n(0, shape.len() - k - 1));
             let mut sizes = vec![1u64; k];
             sizes.push(n);
             sizes.extend_from_slice(&shape[k + 1..]);
@@ -330,9 +330,12 @@ fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)>
     }
 }
 
+/// A decompressed zstd item, keyed by (input index, item offset).
+type DecodedItem = Option<((usize, u64), Vec<u8>)>;
+
 thread_local! {
     static BUFFERS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-    static DECODED: RefCell<Option<((usize, u64), Vec<u8>)>> = const { RefCell::new(None) };
+    static DECODED: RefCell<DecodedItem> = const { RefCell::new(None) };
 }
 
 /// What one unit produced.

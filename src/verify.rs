@@ -264,3 +264,67 @@ pub fn compare(a: &Checkpoint, b: &Checkpoint, opts: &VerifyOptions, limit: usiz
     diffs.truncate(limit);
     Ok(diffs)
 }
+
+/// A checksum manifest: per-tensor digests of the logical bytes, so corruption between save and
+/// load is caught whatever layout each side uses.
+#[derive(Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct Manifest {
+    /// How digests were made; a manifest with another scheme is refused.
+    pub scheme: String,
+    pub tensors: BTreeMap<String, ManifestEntry>,
+}
+
+#[derive(Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct ManifestEntry {
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub xxh3: String,
+}
+
+/// The only scheme so far: xxh3-64 over row-major bytes, tree-hashed over 8 MiB blocks.
+pub const MANIFEST_SCHEME: &str = "xxh3-64 row-major, blocks of 8 MiB";
+
+/// Build the manifest of a checkpoint (reads every byte).
+pub fn manifest(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Manifest> {
+    let digests = digests(ckpt, opts)?;
+    let tensors = ckpt
+        .tensors
+        .iter()
+        .zip(digests)
+        .map(|(t, (_, d))| {
+            (
+                t.name.clone(),
+                ManifestEntry { dtype: t.dtype.to_string(), shape: t.shape.clone(), xxh3: format!("{:016x}", d.xxh3) },
+            )
+        })
+        .collect();
+    Ok(Manifest { scheme: MANIFEST_SCHEME.to_string(), tensors })
+}
+
+/// Differences between a manifest and a checkpoint's own manifest.
+pub fn check_manifest(want: &Manifest, have: &Manifest) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    if want.scheme != have.scheme {
+        problems.push(Problem::error(format!("manifest uses `{}`, ckpt makes `{}`", want.scheme, have.scheme)));
+        return problems;
+    }
+    for (name, w) in &want.tensors {
+        let message = match have.tensors.get(name) {
+            None => "in the manifest but not in the checkpoint".to_string(),
+            Some(h) if h.dtype != w.dtype || h.shape != w.shape => {
+                format!("manifest says {} {:?}, checkpoint has {} {:?}", w.dtype, w.shape, h.dtype, h.shape)
+            }
+            Some(h) if h.xxh3 != w.xxh3 => format!("checksum {} does not match the manifest's {}", h.xxh3, w.xxh3),
+            Some(_) => continue,
+        };
+        let mut p = Problem::error(message);
+        p.tensor = Some(name.clone());
+        problems.push(p);
+    }
+    for name in have.tensors.keys().filter(|n| !want.tensors.contains_key(*n)) {
+        let mut p = Problem::error("in the checkpoint but not in the manifest");
+        p.tensor = Some(name.clone());
+        problems.push(p);
+    }
+    problems
+}

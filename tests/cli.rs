@@ -325,3 +325,25 @@ fn consolidate_is_deterministic() {
     }
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
 }
+
+#[test]
+fn a_manifest_from_a_sharded_checkpoint_checks_its_consolidated_output() {
+    let env = TestEnv::new();
+    let manifest = env.path("manifest.json");
+    let input = fixtures().join("dcp_hf");
+    let out = ckpt(&[&"verify", &input, &"--write-manifest", &manifest]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let full = env.path("model.safetensors");
+    let out = ckpt(&[&"consolidate", &input, &"-o", &full, &"-q"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = ckpt(&[&"verify", &full, &"--manifest", &manifest]);
+    assert_eq!(code(&out), 0, "{}", String::from_utf8_lossy(&out.stdout));
+    // Silent corruption of one data byte (the last byte of the file is tensor data).
+    let mut bytes = std::fs::read(&full).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&full, bytes).unwrap();
+    let out = ckpt(&[&"verify", &full, &"--manifest", &manifest]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(code(&out), 1, "{text}");
+    assert!(text.contains("does not match the manifest"), "{text}");
+}

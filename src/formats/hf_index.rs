@@ -5,7 +5,7 @@
 //! stale index next to re-saved files is a common way to lose or duplicate a tensor silently.
 //! Writing produces the index bytes exactly as `transformers`' `save_pretrained` does.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -96,12 +96,8 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
                 }
             }
         }
-        let present: HashMap<&str, ()> = header
-            .tensors
-            .iter()
-            .map(|t| (t.name.as_str(), ()))
-            .collect();
-        if let Some(missing) = names.iter().find(|n| !present.contains_key(*n)) {
+        let present: HashSet<&str> = header.tensors.iter().map(|t| t.name.as_str()).collect();
+        if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
             return Err(Error::invalid(format!(
                 "`{}` maps this tensor to `{file}`, which does not hold it",
                 index_name(&index_path)

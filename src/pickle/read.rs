@@ -65,14 +65,7 @@ pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value
         proto: 0,
     };
     let root = machine.run()?;
-    let mut tree = Tree {
-        nodes: &machine.nodes,
-        origins: &machine.origins,
-        on_path: vec![false; machine.nodes.len()],
-        spent: 0,
-        limits,
-    };
-    tree.value(root, 0)
+    Tree::new(&machine.nodes, &machine.origins, limits).build(root)
 }
 
 // Opcodes, named as in CPython's `pickle.py`.
@@ -776,67 +769,114 @@ fn py3_module(module: String) -> String {
     }
 }
 
-/// Turns the arena into an owned tree, charging every node emitted (copies included).
+/// Turns the arena into an owned tree.
+///
+/// A first pass measures every node once (memoized): the size of its subtree with shared nodes
+/// counted at each place they appear, and its height. Only when the whole tree is within
+/// [`Limits`] and acyclic is it built, so a pickle that would expand to billions of nodes is
+/// refused after work proportional to its own length, and the build itself cannot fail.
 struct Tree<'a> {
     nodes: &'a [Node],
     origins: &'a [usize],
-    /// Nodes on the path from the root to the node being built: reaching one again is a cycle.
+    /// Nodes on the path from the root to the node being measured: reaching one again is a cycle.
     on_path: Vec<bool>,
-    spent: usize,
+    /// `(size, height)` of each node measured so far.
+    measured: Vec<Option<(usize, usize)>>,
     limits: Limits,
 }
 
-impl Tree<'_> {
-    fn value(&mut self, id: Id, depth: usize) -> Result<Value, PickleError> {
-        let at = self.origins.get(id).copied().unwrap_or(0);
-        let node = self
-            .nodes
-            .get(id)
-            .ok_or_else(|| malformed(at, "dangling node"))?;
-        let cost = match node {
-            Node::Leaf(Value::Str(s)) => 1 + s.len() / 64,
-            Node::Leaf(Value::Bytes(b)) => 1 + b.len() / 64,
-            _ => 1,
-        };
-        self.spent = self.spent.saturating_add(cost);
-        if self.spent > self.limits.max_nodes {
+impl<'a> Tree<'a> {
+    fn new(nodes: &'a [Node], origins: &'a [usize], limits: Limits) -> Self {
+        Tree {
+            nodes,
+            origins,
+            on_path: vec![false; nodes.len()],
+            measured: vec![None; nodes.len()],
+            limits,
+        }
+    }
+
+    fn build(&mut self, root: Id) -> Result<Value, PickleError> {
+        let (size, _) = self.measure(root, 0)?;
+        if size > self.limits.max_nodes {
             return Err(limit(
-                at,
+                self.origin(root),
                 format!(
-                    "more than {} nodes once shared references are copied",
+                    "the pickle expands to more than {} nodes once shared references are copied",
                     self.limits.max_nodes
                 ),
             ));
         }
-        if let Node::Leaf(v) = node {
-            return Ok(v.clone());
+        self.value(root)
+    }
+
+    fn origin(&self, id: Id) -> usize {
+        self.origins.get(id).copied().unwrap_or(0)
+    }
+
+    fn node(&self, id: Id) -> Result<&'a Node, PickleError> {
+        self.nodes
+            .get(id)
+            .ok_or_else(|| malformed(self.origin(id), "dangling node"))
+    }
+
+    /// Size and height of the subtree at `id`, which sits at nesting `depth`.
+    fn measure(&mut self, id: Id, depth: usize) -> Result<(usize, usize), PickleError> {
+        let at = self.origin(id);
+        let too_deep = || {
+            limit(
+                at,
+                format!("containers nested deeper than {}", self.limits.max_depth),
+            )
+        };
+        if let Some((size, height)) = self.measured.get(id).copied().flatten() {
+            if depth.saturating_add(height) > self.limits.max_depth {
+                return Err(too_deep());
+            }
+            return Ok((size, height));
+        }
+        let node = self.node(id)?;
+        let own = match node {
+            Node::Leaf(Value::Str(s)) => 1 + s.len() / 64,
+            Node::Leaf(Value::Bytes(b)) => 1 + b.len() / 64,
+            _ => 1,
+        };
+        let children = children(node);
+        if children.is_empty() && matches!(node, Node::Leaf(_)) {
+            return Ok((own, 0));
         }
         if self.on_path.get(id).copied().unwrap_or(false) {
             return Err(malformed(at, "a container contains itself"));
         }
         if depth >= self.limits.max_depth {
-            return Err(limit(
-                at,
-                format!("containers nested deeper than {}", self.limits.max_depth),
-            ));
+            return Err(too_deep());
         }
         if let Some(flag) = self.on_path.get_mut(id) {
             *flag = true;
         }
-        let value = self.container(node, depth + 1);
+        let (mut size, mut height) = (own, 1);
+        for child in children {
+            let (s, h) = self.measure(child, depth + 1)?;
+            size = size.saturating_add(s);
+            height = height.max(h + 1);
+        }
         if let Some(flag) = self.on_path.get_mut(id) {
             *flag = false;
         }
-        value
+        if let Some(slot) = self.measured.get_mut(id) {
+            *slot = Some((size, height));
+        }
+        Ok((size, height))
     }
 
-    fn container(&mut self, node: &Node, depth: usize) -> Result<Value, PickleError> {
-        Ok(match node {
+    /// Build the measured subtree at `id`: acyclic and within the limits, so recursion is bounded.
+    fn value(&self, id: Id) -> Result<Value, PickleError> {
+        Ok(match self.node(id)? {
             Node::Leaf(v) => v.clone(),
-            Node::Tuple(items) => Value::Tuple(self.values(items, depth)?),
-            Node::List(items) => Value::List(self.values(items, depth)?),
-            Node::Set(items) => Value::Set(dedup_set(self.values(items, depth)?)),
-            Node::Dict(items) => Value::Dict(self.pairs(items, depth)?),
+            Node::Tuple(items) => Value::Tuple(self.values(items)?),
+            Node::List(items) => Value::List(self.values(items)?),
+            Node::Set(items) => Value::Set(dedup_set(self.values(items)?)),
+            Node::Dict(items) => Value::Dict(self.pairs(items)?),
             Node::Object {
                 callable,
                 args,
@@ -845,34 +885,55 @@ impl Tree<'_> {
                 list_items,
                 state,
             } => Value::Object {
-                callable: Box::new(self.value(*callable, depth)?),
-                args: self.values(args, depth)?,
+                callable: Box::new(self.value(*callable)?),
+                args: self.values(args)?,
                 new_obj: *new_obj,
-                dict_items: self.pairs(dict_items, depth)?,
-                list_items: self.values(list_items, depth)?,
+                dict_items: self.pairs(dict_items)?,
+                list_items: self.values(list_items)?,
                 state: match state {
-                    Some(s) => Some(Box::new(self.value(*s, depth)?)),
+                    Some(s) => Some(Box::new(self.value(*s)?)),
                     None => None,
                 },
             },
-            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(*pid, depth)?)),
+            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(*pid)?)),
         })
     }
 
-    fn values(&mut self, ids: &[Id], depth: usize) -> Result<Vec<Value>, PickleError> {
-        ids.iter().map(|&id| self.value(id, depth)).collect()
+    fn values(&self, ids: &[Id]) -> Result<Vec<Value>, PickleError> {
+        ids.iter().map(|&id| self.value(id)).collect()
     }
 
-    fn pairs(
-        &mut self,
-        ids: &[(Id, Id)],
-        depth: usize,
-    ) -> Result<Vec<(Value, Value)>, PickleError> {
+    fn pairs(&self, ids: &[(Id, Id)]) -> Result<Vec<(Value, Value)>, PickleError> {
         let mut out = Vec::with_capacity(ids.len());
         for &(k, v) in ids {
-            out.push((self.value(k, depth)?, self.value(v, depth)?));
+            out.push((self.value(k)?, self.value(v)?));
         }
         Ok(dedup_pairs(out))
+    }
+}
+
+/// Ids a node refers to, in no particular order.
+fn children(node: &Node) -> Vec<Id> {
+    match node {
+        Node::Leaf(_) => Vec::new(),
+        Node::Tuple(items) | Node::List(items) | Node::Set(items) => items.clone(),
+        Node::Dict(items) => items.iter().flat_map(|&(k, v)| [k, v]).collect(),
+        Node::Object {
+            callable,
+            args,
+            dict_items,
+            list_items,
+            state,
+            ..
+        } => {
+            let mut ids = vec![*callable];
+            ids.extend(args);
+            ids.extend(dict_items.iter().flat_map(|&(k, v)| [k, v]));
+            ids.extend(list_items);
+            ids.extend(state);
+            ids
+        }
+        Node::PersistentId(pid) => vec![*pid],
     }
 }
 
@@ -1165,16 +1226,19 @@ mod tests {
             p.extend_from_slice(b"l\x94");
         }
         p.push(b'.');
-        let err = read(
-            &p,
-            &NOTHING,
-            Limits {
-                max_depth: 64,
-                ..Limits::default()
-            },
-        )
-        .unwrap_err();
+        let started = std::time::Instant::now();
+        let err = read(&p, &NOTHING, Limits::default()).unwrap_err();
         assert!(matches!(err, PickleError::LimitExceeded { .. }), "{err}");
+        // Refused by measuring the shared structure, not by building 16M nodes first.
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        // Three levels (10^3 leaves) are fine, and shared lists come out as equal copies.
+        let mut small = b"\x80\x04K\x00\x94".to_vec();
+        small.extend_from_slice(p.get(5..5 + 3 * 24).unwrap());
+        small.push(b'.');
+        let v = read(&small, &NOTHING, Limits::default()).unwrap();
+        let level2 = v.as_seq().unwrap();
+        assert_eq!(level2.len(), 10);
+        assert!(level2.iter().all(|l| l == &level2[0]));
     }
 
     #[test]
