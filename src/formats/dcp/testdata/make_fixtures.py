@@ -4,9 +4,10 @@
     torchrun --nproc_per_node=4 make_fixtures.py sharded OUT_DIR   # gloo, DTensor Shard(0)/Shard(1)
 
     python make_fixtures.py zstd OUT_DIR            # items compressed with `stream.zstd/1`
+    python make_fixtures.py legacy OUT_DIR          # torch 1.13-2.1 class paths, 5-tuple properties
 
 Only each run's `.metadata` is kept as a fixture (`single.metadata`, `sharded4.metadata`,
-`zstd.metadata`).
+`zstd.metadata`, `legacy.metadata`).
 """
 
 import sys
@@ -75,5 +76,38 @@ def zstd(out):
     dcp.save(sd, storage_writer=writer, no_dist=True)
 
 
+def legacy(out):
+    """Re-pickle a fresh save the way torch 1.13-2.1 named things: DCP classes under
+    `torch.distributed._shard.checkpoint.*`, `TensorProperties` from `_shard.sharded_tensor` with a
+    5-tuple state (no strides), no `storage_meta` or `version`."""
+    import os
+    import pickle
+    import types
+
+    from torch.distributed._shard.sharded_tensor import metadata as st_meta
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    dcp.save({"a": torch.ones(2, 2), "b": {"c": 5}}, checkpoint_id=out, no_dist=True)
+    md = dcp.FileSystemReader(out).read_metadata()
+    for tsm in md.state_dict_metadata.values():
+        if isinstance(tsm, metadata.TensorStorageMetadata):
+            p = tsm.properties
+            tsm.properties = st_meta.TensorProperties(p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+    st_meta.TensorProperties.__getstate__ = lambda self: (
+        self.dtype, self.layout, self.requires_grad, st_meta.MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, self.pin_memory)
+    del md.storage_meta, md.version
+    for mod, old in [(metadata, "torch.distributed._shard.checkpoint.metadata"),
+                     (filesystem, "torch.distributed._shard.checkpoint.filesystem")]:
+        fake = types.ModuleType(old)
+        for name in ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "MetadataIndex", "_StorageInfo"]:
+            if hasattr(mod, name):
+                getattr(mod, name).__module__ = old
+                setattr(fake, name, getattr(mod, name))
+        sys.modules[old] = fake
+    with open(os.path.join(out, ".metadata"), "wb") as f:
+        pickle.dump(md, f, protocol=4)
+
+
 if __name__ == "__main__":
-    {"single": single, "sharded": sharded, "zstd": zstd}[sys.argv[1]](sys.argv[2])
+    {"single": single, "sharded": sharded, "zstd": zstd, "legacy": legacy}[sys.argv[1]](sys.argv[2])

@@ -1,0 +1,185 @@
+//! Writes a synthetic FULL bf16 checkpoint (one safetensors file) with Llama-like shapes, for
+//! benchmarks: `cargo run --release --example synth -- --size 4GB --out PATH.safetensors [--seed N]`.
+//!
+//! The model is scaled to the requested size: the widest hidden size (from a fixed ladder) that
+//! still gives at least 16 layers, then as many layers as fit. At 2.7GB this is TinyLlama-like
+//! (d=2048, ffn=5632, vocab 32000, 24 layers, 219 tensors), the shape of the reference figures.
+//! Bytes are xorshift noise with the top exponent bit cleared, so every bf16 value is finite
+//! (|x| < 2) and `ckpt verify --deep` stays quiet. Memory is bounded: one 8 MiB buffer.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ckpt::dtype::DType;
+
+const VOCAB: u64 = 32_000;
+const DIMS: [u64; 11] = [
+    256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 8192,
+];
+const MIN_LAYERS: u64 = 16;
+const BUF: usize = 8 << 20;
+
+struct Args {
+    size: u64,
+    out: PathBuf,
+    seed: u64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut size = None;
+    let mut out = None;
+    let mut seed = 0u64;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--size" => size = Some(ckpt::cli::parse_size(&value()?)?),
+            "--out" | "-o" => out = Some(PathBuf::from(value()?)),
+            "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "-h" | "--help" => {
+                return Err("usage: synth --size 4GB --out PATH.safetensors [--seed N]".into())
+            }
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(Args {
+        size: size.ok_or("--size is required")?,
+        out: out.ok_or("--out is required")?,
+        seed,
+    })
+}
+
+/// Llama's feed-forward width: 2/3 of 4d, rounded up to a multiple of 256.
+fn ffn_of(d: u64) -> u64 {
+    (8 * d / 3).div_ceil(256) * 256
+}
+
+/// (hidden size, layers) whose bf16 total is closest to `size` under the rule in the module doc.
+fn scale(size: u64) -> (u64, u64) {
+    let fit = |d: u64| {
+        let ffn = ffn_of(d);
+        let per_layer = 2 * (4 * d * d + 3 * d * ffn + 2 * d);
+        let fixed = 2 * (2 * VOCAB * d + d);
+        let layers = (size.saturating_sub(fixed) + per_layer / 2) / per_layer;
+        (d, layers.max(1))
+    };
+    DIMS.iter()
+        .rev()
+        .map(|&d| fit(d))
+        .find(|&(_, layers)| layers >= MIN_LAYERS)
+        .unwrap_or_else(|| fit(DIMS[0]))
+}
+
+fn tensors(d: u64, layers: u64) -> Vec<(String, DType, Vec<u64>)> {
+    let ffn = ffn_of(d);
+    let mut t = vec![(
+        "model.embed_tokens.weight".to_string(),
+        DType::BF16,
+        vec![VOCAB, d],
+    )];
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        for w in ["q", "k", "v", "o"] {
+            t.push((
+                format!("{p}.self_attn.{w}_proj.weight"),
+                DType::BF16,
+                vec![d, d],
+            ));
+        }
+        t.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            DType::BF16,
+            vec![ffn, d],
+        ));
+        t.push((format!("{p}.mlp.up_proj.weight"), DType::BF16, vec![ffn, d]));
+        t.push((
+            format!("{p}.mlp.down_proj.weight"),
+            DType::BF16,
+            vec![d, ffn],
+        ));
+        t.push((format!("{p}.input_layernorm.weight"), DType::BF16, vec![d]));
+        t.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            DType::BF16,
+            vec![d],
+        ));
+    }
+    t.push(("model.norm.weight".to_string(), DType::BF16, vec![d]));
+    t.push(("lm_head.weight".to_string(), DType::BF16, vec![VOCAB, d]));
+    t
+}
+
+/// xorshift64*, seeded through splitmix64 so that seed 0 works.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Random finite bf16 values: clearing bit 14 of each u16 keeps the exponent below 0xFF.
+    fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_exact_mut(8) {
+            let v = self.next() & 0xBFFF_BFFF_BFFF_BFFF;
+            chunk.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+fn run(args: &Args) -> std::io::Result<()> {
+    let (d, layers) = scale(args.size);
+    let tensors = tensors(d, layers);
+    let meta = [("format".to_string(), "pt".to_string())];
+    let (header, ranges) = ckpt::formats::safetensors::header_bytes(&tensors, &meta);
+    let data = ranges.last().map_or(0, |r| r.1);
+    let mut out = BufWriter::with_capacity(BUF, File::create(&args.out)?);
+    out.write_all(&header)?;
+    let mut rng = Rng::new(args.seed);
+    let mut buf = vec![0u8; BUF];
+    let mut left = data;
+    while left > 0 {
+        let n = left.min(BUF as u64) as usize;
+        rng.fill(&mut buf[..n]);
+        out.write_all(&buf[..n])?;
+        left -= n as u64;
+    }
+    out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    println!(
+        "{}: {} tensors, d={d} ffn={} vocab={VOCAB} layers={layers}, {} bytes ({} of data)",
+        args.out.display(),
+        tensors.len(),
+        ffn_of(d),
+        header.len() as u64 + data,
+        data
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("synth: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("synth: `{}`: {e}", args.out.display());
+            ExitCode::FAILURE
+        }
+    }
+}

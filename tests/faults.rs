@@ -1,0 +1,191 @@
+//! Fault tests: kills, interrupts, full and read-only disks, inputs that change under ckpt. After
+//! each, nothing may sit under the output's final name and temporaries must be gone or clearly
+//! named and cleaned by the next run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt::dtype::DType;
+
+/// A FULL safetensors file of `tensors` F32 tensors of `mib` MiB each (zeros; sparse on disk).
+fn synthetic(path: &Path, tensors: usize, mib: u64) {
+    let n = mib * (1 << 20) / 4;
+    let entries: Vec<(String, DType, Vec<u64>)> =
+        (0..tensors).map(|i| (format!("layers.{i}.weight"), DType::F32, vec![n])).collect();
+    let (header, ranges) = ckpt::formats::safetensors::header_bytes(&entries, &[]);
+    let file = std::fs::File::create(path).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &header, 0).unwrap();
+    file.set_len(header.len() as u64 + ranges.last().unwrap().1).unwrap();
+}
+
+fn ckpt_cmd(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
+fn leftovers(out: &Path) -> Vec<PathBuf> {
+    ckpt::output::leftovers(out)
+}
+
+/// Start `args`, wait until its temporary output appears, and return the running child.
+fn start_and_wait_for_temp(args: &[&dyn AsRef<std::ffi::OsStr>], out: &Path) -> Child {
+    let mut child = ckpt_cmd(args).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while leftovers(out).is_empty() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("ckpt ended ({status}) before it was interrupted: make the input larger");
+        }
+        assert!(Instant::now() < deadline, "no temporary output appeared");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Let it get into the copy.
+    std::thread::sleep(Duration::from_millis(20));
+    child
+}
+
+fn signal(child: &Child, sig: &str) {
+    let status = Command::new("kill").arg(format!("-{sig}")).arg(child.id().to_string()).status().unwrap();
+    assert!(status.success());
+}
+
+fn finish(child: Child) -> Output {
+    child.wait_with_output().unwrap()
+}
+
+fn kill_midway_then_rerun(subcommand: &[&str], out_name: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("big.safetensors");
+    synthetic(&input, 48, 8);
+    let out = tmp.path().join(out_name);
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![];
+    for a in subcommand {
+        args.push(a);
+    }
+    args.extend([&input as &dyn AsRef<std::ffi::OsStr>, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"]);
+    let child = start_and_wait_for_temp(&args, &out);
+    signal(&child, "KILL");
+    let result = finish(child);
+    assert!(result.status.code().is_none(), "killed by a signal");
+    assert!(!out.exists(), "a killed run left something under the final name");
+    let left = leftovers(&out);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].file_name().unwrap().to_str().unwrap().contains(".ckpt-tmp-"));
+    // A rerun succeeds and clears the dead run's temporary.
+    let rerun = ckpt_cmd(&args).output().unwrap();
+    assert!(rerun.status.success(), "{}", String::from_utf8_lossy(&rerun.stderr));
+    assert!(out.exists());
+    assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
+}
+
+#[test]
+fn sigkill_during_consolidate_leaves_nothing_under_the_final_name() {
+    kill_midway_then_rerun(&["consolidate"], "model.safetensors");
+}
+
+#[test]
+fn sigkill_during_reshard_leaves_nothing_under_the_final_name() {
+    kill_midway_then_rerun(&["reshard", "--world-size", "3", "--format", "dcp-safetensors"], "sharded");
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_and_removes_temporary_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("big.safetensors");
+    synthetic(&input, 48, 8);
+    let out = tmp.path().join("out.safetensors");
+    let args: [&dyn AsRef<std::ffi::OsStr>; 9] =
+        [&"consolidate", &input, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"];
+    let child = start_and_wait_for_temp(&args, &out);
+    signal(&child, "INT");
+    let result = finish(child);
+    assert_eq!(result.status.code(), Some(130), "{}", String::from_utf8_lossy(&result.stderr));
+    assert!(String::from_utf8_lossy(&result.stderr).contains("interrupted"));
+    assert!(!out.exists());
+    assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
+}
+
+#[test]
+fn an_input_that_grows_during_the_run_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("big.safetensors");
+    synthetic(&input, 48, 8);
+    let out = tmp.path().join("out.safetensors");
+    let args: [&dyn AsRef<std::ffi::OsStr>; 9] =
+        [&"consolidate", &input, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"];
+    let child = start_and_wait_for_temp(&args, &out);
+    let file = std::fs::OpenOptions::new().append(true).open(&input).unwrap();
+    std::io::Write::write_all(&mut &file, b"more bytes from a writer that has not finished").unwrap();
+    let result = finish(child);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("changed size during the run") && err.contains("big.safetensors"), "{err}");
+    assert!(!out.exists());
+    assert!(leftovers(&out).is_empty());
+}
+
+/// Mount a tmpfs at `dir` with `options`, or say why not and return false.
+fn mount_tmpfs(dir: &Path, options: &str) -> bool {
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+        .arg(dir)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+    }
+    ok
+}
+
+struct Unmount(PathBuf);
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_gives_a_clear_error_and_removes_temporaries() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("big.safetensors");
+    synthetic(&input, 4, 1);
+    let small = tmp.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    if !mount_tmpfs(&small, "size=1m") {
+        return;
+    }
+    let _guard = Unmount(small.clone());
+    let out = small.join("out.safetensors");
+    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"]).output().unwrap();
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("small/.out.safetensors.ckpt-tmp-") || err.contains("small/out.safetensors"), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(!out.exists());
+    assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
+    assert_eq!(std::fs::read_dir(&small).unwrap().count(), 0);
+}
+
+#[test]
+fn an_unwritable_output_directory_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.safetensors");
+    synthetic(&input, 2, 1);
+    let ro = tmp.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    if !mount_tmpfs(&ro, "size=1m,ro") {
+        return;
+    }
+    let _guard = Unmount(ro.clone());
+    let out = ro.join("out.safetensors");
+    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"]).output().unwrap();
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("Read-only file system") && err.contains("ro/"), "{err}");
+    assert!(!out.exists());
+}
