@@ -1,13 +1,27 @@
 //! torch.save archives (`pytorch_model.bin`, `*.pt`, and each tensor item inside a `.distcp`):
 //! `data.pkl` read as data only, tensors located as byte ranges of `data/N` records.
 //!
-//! (Being written: the API below is final, the bodies are not.)
+//! An archive is a ZIP whose records all sit in one folder (`archive/` for a buffer, the file stem
+//! for a path): `data.pkl`, the pickled object, refers to each storage through a persistent id
+//! `('storage', storage_type, key, location, numel)` whose bytes are the record `data/{key}`.
+//! torch 2.15 names the storage type two ways, and both are read and written here:
+//! - dtypes with a legacy storage class (`torch.FloatStorage`, `torch.BFloat16Storage`, ...) are
+//!   `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)`, with
+//!   `numel` counted in elements;
+//! - the others (float8, uint16/32/64) are `_rebuild_tensor_v3(..., hooks, dtype)` over
+//!   `torch.storage.UntypedStorage`, with `numel` counted in bytes.
+//!
+//! Reading accepts only the globals that tensors and plain data need (see [`TorchGlobals`]);
+//! nested dicts flatten into key paths, and everything else is kept as a [`Value`].
+//! Writing produces `data.pkl` and the record list; [`crate::formats::zip::layout`] frames them.
+
+use std::collections::HashMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::formats::zip::{ZipEntry, ZipRecord};
-use crate::model::KeyPart;
-use crate::pickle::Value;
+use crate::formats::zip::{self, ZipEntry, ZipRecord};
+use crate::model::{numel, KeyPart};
+use crate::pickle::{self, Globals, Limits, PickleError, Protocol, Value};
 
 /// One tensor as `data.pkl` describes it: a view into a storage record.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,11 +30,11 @@ pub struct SavedTensor {
     pub shape: Vec<u64>,
     /// Stride of each dimension, in elements.
     pub strides: Vec<u64>,
-    /// Offset of the first element in the storage, in elements.
+    /// Offset of the view's first element in the storage, in elements.
     pub storage_offset: u64,
-    /// The storage record key: the data is `{prefix}/data/{storage_key}`.
+    /// The storage's key: its bytes are the record `{prefix}/data/{storage_key}`.
     pub storage_key: String,
-    /// Elements (of `dtype`) in the whole storage record.
+    /// Elements of `dtype` in the whole storage (already checked against the record's length).
     pub storage_numel: u64,
 }
 
@@ -28,44 +42,1479 @@ pub struct SavedTensor {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Leaf {
     Tensor(SavedTensor),
+    /// Anything that is neither a tensor nor a dict with str/int keys (or an empty dict).
     Value(Value),
 }
 
 /// A parsed torch.save archive.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Archive {
-    /// The folder every record is in (`archive`, or the file stem torch was given).
+    /// The folder every record is in: `archive` when saved to a buffer (every DCP item), else the
+    /// file stem torch was given.
     pub prefix: String,
+    /// Every record, sorted by name.
     pub entries: Vec<ZipEntry>,
+    /// Each leaf of the saved object with the dict keys leading to it, in pickle order. A saved
+    /// bare tensor or value is one leaf with an empty path.
     pub leaves: Vec<(Vec<KeyPart>, Leaf)>,
 }
 
 impl Archive {
-    /// The record holding storage `key`.
+    /// The record holding storage `key` (`{prefix}/data/{key}`).
     pub fn storage(&self, key: &str) -> Option<&ZipEntry> {
-        let name = format!("{}/data/{key}", self.prefix);
-        self.entries.iter().find(|e| e.name == name)
+        self.entry(&format!("{}/data/{key}", self.prefix))
+    }
+
+    fn entry(&self, name: &str) -> Option<&ZipEntry> {
+        self.entries
+            .binary_search_by(|e| e.name.as_str().cmp(name))
+            .ok()
+            .and_then(|i| self.entries.get(i))
     }
 }
 
-/// Read a torch.save archive that spans exactly `bytes`.
-pub fn read(_bytes: &[u8]) -> Result<Archive> {
-    Err(Error::invalid("torch.save reading is not implemented yet"))
+/// Read the torch.save archive that spans exactly `bytes`. Error offsets are relative to `bytes`.
+pub fn read(bytes: &[u8]) -> Result<Archive> {
+    // Every pickle starts with PROTO (0x80) from protocol 2 on; the legacy format is a pickle.
+    if bytes.first() == Some(&0x80) {
+        return Err(Error::invalid(
+            "this is a legacy (pre-1.6, non-zip) torch.save file, which ckpt does not read",
+        )
+        .at(0)
+        .hint("re-save it with `torch.save(torch.load(path), path)` from torch >= 1.6, which writes the zip format"));
+    }
+    let mut entries = zip::read_entries(bytes)?;
+    let first = entries
+        .first()
+        .ok_or_else(|| Error::invalid("zip archive is empty, not a torch.save archive"))?;
+    // torch takes the folder of the first record as the archive's prefix (`PyTorchStreamReader`).
+    let prefix = match first.name.split_once('/') {
+        Some((prefix, _)) => prefix.to_string(),
+        None => {
+            return Err(Error::invalid(format!(
+                "zip record `{}` is not in a folder, so this is not a torch.save archive",
+                first.name
+            ))
+            .at(first.data_offset))
+        }
+    };
+    entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    let archive = Archive {
+        prefix,
+        entries,
+        leaves: Vec::new(),
+    };
+
+    let pkl_name = format!("{}/data.pkl", archive.prefix);
+    let Some(pkl) = archive.entry(&pkl_name) else {
+        let mut err = Error::invalid(format!("no `{pkl_name}` record: not a torch.save archive"));
+        if archive
+            .entry(&format!("{}/constants.pkl", archive.prefix))
+            .is_some()
+        {
+            err = err.hint("this looks like TorchScript (`torch.jit.save`); save the state dict with `torch.save(model.state_dict(), path)`");
+        }
+        return Err(err);
+    };
+    let byteorder = archive
+        .entry(&format!("{}/byteorder", archive.prefix))
+        .map(|e| (e, record(bytes, e)));
+    // Files without the record predate it and are little-endian, as torch.load assumes.
+    if let Some((entry, order)) = byteorder {
+        match order {
+            Some(b"little") => {}
+            Some(b"big") => {
+                return Err(Error::invalid(
+                    "archive was saved on a big-endian machine, which ckpt does not convert",
+                )
+                .at(entry.data_offset)
+                .hint("load and re-save it with torch on a little-endian machine"))
+            }
+            _ => {
+                return Err(
+                    Error::invalid("unknown byte order in the `byteorder` record")
+                        .at(entry.data_offset),
+                )
+            }
+        }
+    }
+
+    let pkl_bytes = record(bytes, pkl).ok_or_else(|| {
+        Error::invalid(format!("`{pkl_name}` lies outside the archive")).at(pkl.data_offset)
+    })?;
+    let value = pickle::read(pkl_bytes, &TorchGlobals, Limits::default())
+        .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
+
+    let mut reader = Interpreter {
+        archive: &archive,
+        pkl_offset: pkl.data_offset,
+        storages: HashMap::new(),
+        leaves: Vec::new(),
+    };
+    reader.walk(&value, &mut Vec::new())?;
+    let leaves = reader.leaves;
+    Ok(Archive { leaves, ..archive })
 }
 
 /// One leaf to write.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WriteLeaf {
-    Tensor { dtype: DType, shape: Vec<u64>, storage_key: String },
+    /// A contiguous tensor at storage offset 0 over the whole storage `storage_key`, whose record
+    /// holds `numel(shape)` elements of `dtype`.
+    Tensor {
+        dtype: DType,
+        shape: Vec<u64>,
+        storage_key: String,
+    },
     Value(Value),
 }
 
-/// The `data.pkl` of an archive holding `items`.
-pub fn data_pkl(_items: &[(Vec<KeyPart>, WriteLeaf)]) -> Vec<u8> {
-    Vec::new()
+/// The `data.pkl` of an archive holding `items`, as protocol 2 like torch.save.
+///
+/// Key paths rebuild nested plain dicts (`KeyPart::Index` becomes an int key, as optimizer state
+/// has); one item with an empty path is the whole object (a bare tensor, as in a DCP item). No
+/// items make an empty dict. Paths must be distinct and none may be a prefix of another (see
+/// [`check_key_paths`]); an item that breaks this is left out.
+pub fn data_pkl(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Vec<u8> {
+    let root = match items {
+        [(path, leaf)] if path.is_empty() => leaf_value(leaf),
+        _ => {
+            let mut root = Tree::Dict(Vec::new());
+            for (path, leaf) in items {
+                root.insert(path, leaf);
+            }
+            root.into_value()
+        }
+    };
+    pickle::write(&protocol2_spelling(root), Protocol::V2)
 }
 
-/// The records of an archive, in torch's order.
-pub fn records(_prefix: &str, _data_pkl: Vec<u8>, _storages: &[(String, u64)]) -> Vec<ZipRecord> {
-    Vec::new()
+/// Rewrite bytes and sets the way Python's protocol 2 pickler spells them (`_codecs.encode(str,
+/// "latin1")`, `builtins.set([...])`): torch.load's `weights_only` unpickler knows those calls
+/// but not the protocol 3+ opcodes (`BINBYTES`, `ADDITEMS`) a bare [`Value::Bytes`] or
+/// [`Value::Set`] would be written with.
+fn protocol2_spelling(value: Value) -> Value {
+    let all = |items: Vec<Value>| {
+        items
+            .into_iter()
+            .map(protocol2_spelling)
+            .collect::<Vec<_>>()
+    };
+    let pairs = |items: Vec<(Value, Value)>| {
+        items
+            .into_iter()
+            .map(|(k, v)| (protocol2_spelling(k), protocol2_spelling(v)))
+            .collect::<Vec<_>>()
+    };
+    let call = |module: &str, name: &str, args: Vec<Value>| Value::Object {
+        callable: Box::new(Value::global(module, name)),
+        args,
+        new_obj: false,
+        dict_items: Vec::new(),
+        list_items: Vec::new(),
+        state: None,
+    };
+    match value {
+        // Latin-1 maps each byte to the code point of the same value, so this is lossless.
+        Value::Bytes(bytes) => call(
+            "_codecs",
+            "encode",
+            vec![
+                Value::Str(bytes.iter().map(|&b| char::from(b)).collect()),
+                Value::Str("latin1".into()),
+            ],
+        ),
+        Value::Set(items) => call("builtins", "set", vec![Value::List(all(items))]),
+        Value::Tuple(items) => Value::Tuple(all(items)),
+        Value::List(items) => Value::List(all(items)),
+        Value::Dict(items) => Value::Dict(pairs(items)),
+        Value::Object {
+            callable,
+            args,
+            new_obj,
+            dict_items,
+            list_items,
+            state,
+        } => Value::Object {
+            callable,
+            args: all(args),
+            new_obj,
+            dict_items: pairs(dict_items),
+            list_items: all(list_items),
+            state: state.map(|s| Box::new(protocol2_spelling(*s))),
+        },
+        Value::PersistentId(id) => Value::PersistentId(Box::new(protocol2_spelling(*id))),
+        other => other,
+    }
+}
+
+/// Check that `items` describe one object: distinct key paths, none a prefix of another, and an
+/// empty path only when it is the only item.
+pub fn check_key_paths(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Result<()> {
+    let mut paths: Vec<&[KeyPart]> = items.iter().map(|(p, _)| p.as_slice()).collect();
+    if items.len() > 1 && paths.iter().any(|p| p.is_empty()) {
+        return Err(Error::invalid(
+            "a torch.save object cannot be both one bare value and a dict of entries",
+        ));
+    }
+    // After sorting, a path that another starts with comes right before one such path.
+    paths.sort_unstable_by(|a, b| cmp_path(a, b));
+    for pair in paths.windows(2) {
+        if let [a, b] = pair {
+            if b.starts_with(a) {
+                return Err(Error::invalid(format!(
+                    "entry `{}` is both a value and a dict holding `{}`",
+                    join_path(a),
+                    join_path(b)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The records of an archive in torch's order: `data.pkl`, the small metadata records, each
+/// storage (in the order given; torch writes them by first use in the pickle, keys `0`, `1`, ...),
+/// then `version` and `.data/serialization_id`. Storage records have no content: the caller
+/// writes their bytes at the offsets [`zip::layout`] gives.
+pub fn records(prefix: &str, data_pkl: Vec<u8>, storages: &[(String, u64)]) -> Vec<ZipRecord> {
+    // torch's id is 20 digits of a hash of every record's CRC plus 20 random digits; nothing reads
+    // it back, and hashing what we know instead keeps our output reproducible.
+    let mut hashed = data_pkl.clone();
+    for (key, len) in storages {
+        hashed.extend_from_slice(key.as_bytes());
+        hashed.extend_from_slice(&len.to_le_bytes());
+    }
+    let serialization_id = format!(
+        "{:020}{:020}",
+        xxhash_rust::xxh3::xxh3_64_with_seed(&hashed, 0),
+        xxhash_rust::xxh3::xxh3_64_with_seed(&hashed, 1)
+    );
+
+    let literal = |name: &str, content: Vec<u8>| ZipRecord {
+        name: format!("{prefix}/{name}"),
+        len: content.len() as u64,
+        content: Some(content),
+    };
+    let mut records = vec![
+        literal("data.pkl", data_pkl),
+        // Format 1: storages are written in key order, so torch may compute their offsets.
+        literal(".format_version", b"1".to_vec()),
+        literal(
+            ".storage_alignment",
+            zip::ALIGNMENT.to_string().into_bytes(),
+        ),
+        literal("byteorder", b"little".to_vec()),
+    ];
+    records.extend(storages.iter().map(|(key, len)| ZipRecord {
+        name: format!("{prefix}/data/{key}"),
+        len: *len,
+        content: None,
+    }));
+    records.push(literal("version", b"3\n".to_vec()));
+    records.push(literal(
+        ".data/serialization_id",
+        serialization_id.into_bytes(),
+    ));
+    records
+}
+
+/// The globals `data.pkl` may name: tensor rebuild functions, storage and dtype names, and the
+/// few classes plain data pickles through. Naming one runs nothing; the tree only records it.
+pub struct TorchGlobals;
+
+impl Globals for TorchGlobals {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        match module {
+            "torch._utils" => matches!(
+                name,
+                "_rebuild_tensor_v2"
+                    | "_rebuild_tensor_v3"
+                    | "_rebuild_parameter"
+                    | "_rebuild_parameter_with_state"
+            ),
+            "torch.storage" => name == "UntypedStorage",
+            // Storage classes and dtypes ckpt cannot hold are let through so that the error can
+            // say "unsupported dtype" rather than "not allowed".
+            "torch" => {
+                matches!(name, "Size" | "device")
+                    || DType::from_storage_class(name).is_some()
+                    || OTHER_STORAGE_CLASSES.contains(&name)
+                    || DType::from_torch_name(name).is_some()
+                    || OTHER_DTYPES.contains(&name)
+            }
+            "collections" => name == "OrderedDict",
+            // How protocol 2 spells bytes, sets and complex numbers.
+            "_codecs" => name == "encode",
+            "builtins" => matches!(name, "set" | "frozenset" | "bytearray" | "complex"),
+            _ => false,
+        }
+    }
+}
+
+/// torch storage classes for dtypes ckpt does not support.
+const OTHER_STORAGE_CLASSES: &[&str] = &[
+    "ComplexFloatStorage",
+    "ComplexDoubleStorage",
+    "QInt8Storage",
+    "QUInt8Storage",
+    "QInt32Storage",
+    "QUInt4x2Storage",
+    "QUInt2x4Storage",
+];
+
+/// torch dtypes ckpt does not support (a saved `torch.complex64` in plain data is still fine).
+const OTHER_DTYPES: &[&str] = &[
+    "complex32",
+    "complex64",
+    "complex128",
+    "cfloat",
+    "cdouble",
+    "chalf",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits8",
+    "bits16",
+    "uint1",
+    "uint2",
+    "uint3",
+    "uint4",
+    "uint5",
+    "uint6",
+    "uint7",
+    "int1",
+    "int2",
+    "int3",
+    "int4",
+    "int5",
+    "int6",
+    "int7",
+];
+
+/// How a storage's persistent id names its type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StorageKind {
+    /// A legacy class (`torch.FloatStorage`): the dtype, `numel` in elements.
+    Typed(DType),
+    /// `torch.storage.UntypedStorage`: `numel` in bytes, the dtype comes from the tensor.
+    Untyped,
+}
+
+impl StorageKind {
+    fn nbytes(self, numel: u64) -> Option<u64> {
+        match self {
+            StorageKind::Typed(dtype) => numel.checked_mul(dtype.size() as u64),
+            StorageKind::Untyped => Some(numel),
+        }
+    }
+}
+
+/// Turns the unpickled tree into leaves, checking every tensor against its storage record.
+struct Interpreter<'a> {
+    archive: &'a Archive,
+    /// Where `data.pkl`'s bytes start, for error offsets.
+    pkl_offset: u64,
+    /// Each storage key seen, with how it was named, so every reference must agree.
+    storages: HashMap<String, (StorageKind, u64)>,
+    leaves: Vec<(Vec<KeyPart>, Leaf)>,
+}
+
+impl Interpreter<'_> {
+    fn walk(&mut self, value: &Value, path: &mut Vec<KeyPart>) -> Result<()> {
+        if let Some(rebuild) = rebuild_function(value) {
+            let tensor = self
+                .tensor(value, rebuild)
+                .map_err(|e| self.locate(e, path))?;
+            self.leaves.push((path.clone(), Leaf::Tensor(tensor)));
+            return Ok(());
+        }
+        if let Some(items) = dict_items(value) {
+            let keys: Option<Vec<KeyPart>> = items.iter().map(|(k, _)| key_part(k)).collect();
+            // An empty dict stays a value, so it survives the trip (optimizer state before step 1).
+            if let Some(keys) = keys.filter(|k| !k.is_empty()) {
+                for (key, (_, item)) in keys.into_iter().zip(items) {
+                    path.push(key);
+                    self.walk(item, path)?;
+                    path.pop();
+                }
+                return Ok(());
+            }
+        }
+        if holds_storage(value) {
+            return Err(self.locate(
+                Error::invalid(
+                    "tensors inside a list, tuple or object are not supported; ckpt reads tensors held in dicts",
+                ),
+                path,
+            ));
+        }
+        self.leaves.push((path.clone(), Leaf::Value(value.clone())));
+        Ok(())
+    }
+
+    /// Name the key path in an error about it, and point at `data.pkl`.
+    fn locate(&self, err: Error, path: &[KeyPart]) -> Error {
+        let err = if path.is_empty() {
+            err
+        } else {
+            err.tensor(join_path(path))
+        };
+        err.at(self.pkl_offset)
+    }
+
+    fn tensor(&mut self, call: &Value, rebuild: Rebuild) -> Result<SavedTensor> {
+        let Value::Object { args, .. } = call else {
+            return Err(bad("tensor is not a call"));
+        };
+        match rebuild {
+            Rebuild::Parameter => {
+                let inner = args
+                    .first()
+                    .ok_or_else(|| bad("parameter without arguments"))?;
+                match rebuild_function(inner) {
+                    Some(kind @ (Rebuild::V2 | Rebuild::V3)) => self.tensor(inner, kind),
+                    _ => Err(bad("parameter does not wrap a tensor")),
+                }
+            }
+            Rebuild::V2 | Rebuild::V3 => self.view(args, rebuild == Rebuild::V3),
+        }
+    }
+
+    /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])` or
+    /// `_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])`.
+    fn view(&mut self, args: &[Value], v3: bool) -> Result<SavedTensor> {
+        let fixed = if v3 { 7 } else { 6 };
+        if args.len() != fixed && args.len() != fixed + 1 {
+            return Err(bad(format!(
+                "tensor rebuild takes {fixed} or {} arguments, not {}",
+                fixed + 1,
+                args.len()
+            )));
+        }
+        // torch sets tensor metadata only for features ckpt cannot carry (e.g. conjugate views).
+        match args.get(fixed) {
+            None | Some(Value::None) => {}
+            Some(Value::Dict(items)) if items.is_empty() => {}
+            Some(other) => {
+                return Err(Error::invalid(format!(
+                    "tensor carries metadata {other:?}, which ckpt does not support"
+                )))
+            }
+        }
+        let (key, kind, numel_field) = storage_ref(args.first())?;
+        let storage_offset = nonneg(args.get(1), "storage offset")?;
+        let shape = dims(args.get(2), "size")?;
+        let strides = dims(args.get(3), "stride")?;
+        if shape.len() != strides.len() {
+            return Err(bad(format!(
+                "tensor has {} sizes but {} strides",
+                shape.len(),
+                strides.len()
+            )));
+        }
+        let dtype = match (kind, v3.then(|| args.get(6))) {
+            (_, Some(Some(Value::Global { module, name }))) if module == "torch" => {
+                let dtype = DType::from_torch_name(name).ok_or_else(|| {
+                    Error::invalid(format!("tensor dtype `torch.{name}` is not supported"))
+                })?;
+                if matches!(kind, StorageKind::Typed(d) if d != dtype) {
+                    return Err(bad(format!(
+                        "tensor of dtype `torch.{name}` over a storage of another dtype"
+                    )));
+                }
+                dtype
+            }
+            (_, Some(_)) => return Err(bad("tensor dtype is not a `torch` dtype")),
+            (StorageKind::Typed(dtype), None) => dtype,
+            // What torch's `_rebuild_tensor_v2` makes of an untyped storage: bytes.
+            (StorageKind::Untyped, None) => DType::U8,
+        };
+
+        let (storage_numel, entry_offset) = self.storage(&key, kind, numel_field, dtype)?;
+        check_view(storage_offset, &shape, &strides, storage_numel)
+            .map_err(|e| e.at(entry_offset))?;
+        Ok(SavedTensor {
+            dtype,
+            shape,
+            strides,
+            storage_offset,
+            storage_key: key,
+            storage_numel,
+        })
+    }
+
+    /// Check storage `key` against its record and earlier references; returns its length in
+    /// elements of `dtype` and where its record's data starts.
+    fn storage(
+        &mut self,
+        key: &str,
+        kind: StorageKind,
+        numel: u64,
+        dtype: DType,
+    ) -> Result<(u64, u64)> {
+        match self.storages.get(key) {
+            Some(&seen) if seen != (kind, numel) => {
+                return Err(bad(format!(
+                    "storage `{key}` is referenced as two different types or sizes"
+                )))
+            }
+            Some(_) => {}
+            None => {
+                self.storages.insert(key.to_string(), (kind, numel));
+            }
+        }
+        let entry = self.archive.storage(key).ok_or_else(|| {
+            Error::invalid(format!(
+                "storage `{key}` has no record `{}/data/{key}`",
+                self.archive.prefix
+            ))
+        })?;
+        let nbytes = kind
+            .nbytes(numel)
+            .ok_or_else(|| bad(format!("storage `{key}` size overflows")))?;
+        if nbytes != entry.len {
+            return Err(Error::invalid(format!(
+                "storage `{key}` should be {nbytes} bytes but its record has {}",
+                entry.len
+            ))
+            .at(entry.data_offset));
+        }
+        let size = dtype.size() as u64;
+        if nbytes % size != 0 {
+            return Err(Error::invalid(format!(
+                "storage `{key}` of {nbytes} bytes is not a whole number of {dtype} elements"
+            ))
+            .at(entry.data_offset));
+        }
+        Ok((nbytes / size, entry.data_offset))
+    }
+}
+
+/// Which rebuild function a value calls, if it is a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rebuild {
+    V2,
+    V3,
+    Parameter,
+}
+
+fn rebuild_function(value: &Value) -> Option<Rebuild> {
+    let Value::Object { callable, .. } = value else {
+        return None;
+    };
+    match callable.as_global()? {
+        ("torch._utils", "_rebuild_tensor_v2") => Some(Rebuild::V2),
+        ("torch._utils", "_rebuild_tensor_v3") => Some(Rebuild::V3),
+        ("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state") => {
+            Some(Rebuild::Parameter)
+        }
+        _ => None,
+    }
+}
+
+/// The items of a dict or of an `OrderedDict()` (whose items follow its creation, and whose
+/// state, a module's `_metadata`, is dropped: safetensors and DCP cannot hold it either).
+fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
+    match value {
+        Value::Dict(items) => Some(items),
+        Value::Object {
+            callable,
+            args,
+            dict_items,
+            list_items,
+            ..
+        } if callable.as_global() == Some(("collections", "OrderedDict"))
+            && args.is_empty()
+            && list_items.is_empty() =>
+        {
+            Some(dict_items)
+        }
+        _ => None,
+    }
+}
+
+fn key_part(key: &Value) -> Option<KeyPart> {
+    match key {
+        Value::Str(s) => Some(KeyPart::Key(s.clone())),
+        Value::Int(i) => Some(KeyPart::Index(*i)),
+        _ => None,
+    }
+}
+
+/// True if a storage reference hides anywhere in `value`.
+fn holds_storage(value: &Value) -> bool {
+    match value {
+        Value::PersistentId(_) => true,
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            items.iter().any(holds_storage)
+        }
+        Value::Dict(items) => items
+            .iter()
+            .any(|(k, v)| holds_storage(k) || holds_storage(v)),
+        Value::Object {
+            callable,
+            args,
+            dict_items,
+            list_items,
+            state,
+            ..
+        } => {
+            holds_storage(callable)
+                || args.iter().any(holds_storage)
+                || dict_items
+                    .iter()
+                    .any(|(k, v)| holds_storage(k) || holds_storage(v))
+                || list_items.iter().any(holds_storage)
+                || state.as_deref().is_some_and(holds_storage)
+        }
+        _ => false,
+    }
+}
+
+/// `('storage', storage_type, key, location, numel)`.
+fn storage_ref(value: Option<&Value>) -> Result<(String, StorageKind, u64)> {
+    let Some(Value::PersistentId(pid)) = value else {
+        return Err(bad("tensor storage is not a persistent id"));
+    };
+    let Some([tag, class, key, _location, numel]) = pid.as_seq() else {
+        return Err(bad(
+            "storage persistent id is not `('storage', type, key, location, numel)`",
+        ));
+    };
+    if tag.as_str() != Some("storage") {
+        return Err(bad("storage persistent id does not start with `storage`"));
+    }
+    let kind = match class.as_global() {
+        Some(("torch.storage", "UntypedStorage")) => StorageKind::Untyped,
+        Some(("torch", name)) => match DType::from_storage_class(name) {
+            Some(dtype) => StorageKind::Typed(dtype),
+            None => {
+                return Err(Error::invalid(format!(
+                    "tensor storage `torch.{name}` holds a dtype ckpt does not support"
+                )))
+            }
+        },
+        _ => return Err(bad("storage type is not a torch storage class")),
+    };
+    let key = key
+        .as_str()
+        .ok_or_else(|| bad("storage key is not a string"))?
+        .to_string();
+    let numel = nonneg(Some(numel), "storage size")?;
+    Ok((key, kind, numel))
+}
+
+/// A size or stride tuple (also accepted as `torch.Size(...)`).
+fn dims(value: Option<&Value>, what: &str) -> Result<Vec<u64>> {
+    let items = match value {
+        Some(Value::Object { callable, args, .. })
+            if callable.as_global() == Some(("torch", "Size")) =>
+        {
+            args.first().and_then(Value::as_seq)
+        }
+        Some(v) => v.as_seq(),
+        None => None,
+    };
+    let items = items.ok_or_else(|| bad(format!("tensor {what} is not a tuple")))?;
+    items.iter().map(|v| nonneg(Some(v), what)).collect()
+}
+
+fn nonneg(value: Option<&Value>, what: &str) -> Result<u64> {
+    match value {
+        Some(Value::Int(i)) => {
+            u64::try_from(*i).map_err(|_| bad(format!("tensor {what} {i} is negative")))
+        }
+        _ => Err(bad(format!("tensor {what} is not an integer"))),
+    }
+}
+
+/// Every element the view reaches must lie inside the storage.
+fn check_view(offset: u64, shape: &[u64], strides: &[u64], storage_numel: u64) -> Result<()> {
+    let count = numel(shape).ok_or_else(|| bad("tensor element count overflows"))?;
+    if count == 0 {
+        return Ok(());
+    }
+    let last = shape
+        .iter()
+        .zip(strides)
+        .try_fold(offset, |acc, (&size, &stride)| {
+            acc.checked_add((size - 1).checked_mul(stride)?)
+        });
+    match last {
+        Some(last) if last < storage_numel => Ok(()),
+        _ => Err(Error::invalid(format!(
+            "tensor view (offset {offset}, size {shape:?}, stride {strides:?}) reaches past its storage of {storage_numel} elements"
+        ))),
+    }
+}
+
+fn bad(message: impl Into<String>) -> Error {
+    Error::invalid(format!("malformed `data.pkl`: {}", message.into()))
+}
+
+/// The record's bytes, if it lies inside `bytes` (always, for entries [`zip::read_entries`] gave).
+fn record<'a>(bytes: &'a [u8], entry: &ZipEntry) -> Option<&'a [u8]> {
+    let start = usize::try_from(entry.data_offset).ok()?;
+    let len = usize::try_from(entry.len).ok()?;
+    bytes.get(start..start.checked_add(len)?)
+}
+
+/// A pickle error as an archive error, its offset moved from the pickle to the archive.
+fn pickle_error(err: PickleError, name: &str, pkl_offset: u64) -> Error {
+    let (message, offset) = match &err {
+        PickleError::ForbiddenGlobal { .. } => (format!("`{name}`: {err}"), None),
+        PickleError::UnsupportedOpcode { opcode, offset } => (
+            format!("`{name}` uses unsupported pickle opcode 0x{opcode:02x}"),
+            Some(offset),
+        ),
+        PickleError::Truncated { offset } => (format!("`{name}` ends early"), Some(offset)),
+        PickleError::Malformed { offset, reason } => {
+            (format!("malformed `{name}`: {reason}"), Some(offset))
+        }
+        PickleError::LimitExceeded { offset, reason } => (
+            format!("`{name}` exceeds a safety limit: {reason}"),
+            Some(offset),
+        ),
+    };
+    let at = offset.map_or(pkl_offset, |&o| pkl_offset.saturating_add(o as u64));
+    Error::invalid(message).at(at)
+}
+
+/// A key path as the flattened name the rest of ckpt uses (`model.layers.0.weight`).
+fn join_path(path: &[KeyPart]) -> String {
+    let parts: Vec<String> = path
+        .iter()
+        .map(|p| match p {
+            KeyPart::Key(k) => k.clone(),
+            KeyPart::Index(i) => i.to_string(),
+        })
+        .collect();
+    parts.join(".")
+}
+
+fn cmp_path(a: &[KeyPart], b: &[KeyPart]) -> std::cmp::Ordering {
+    fn rank(p: &KeyPart) -> (u8, &str, i64) {
+        match p {
+            KeyPart::Key(k) => (0, k.as_str(), 0),
+            KeyPart::Index(i) => (1, "", *i),
+        }
+    }
+    a.iter().map(rank).cmp(b.iter().map(rank))
+}
+
+/// The object being rebuilt from key paths; dicts keep first-insertion order.
+enum Tree<'a> {
+    Leaf(&'a WriteLeaf),
+    Dict(Vec<(&'a KeyPart, Tree<'a>)>),
+}
+
+impl<'a> Tree<'a> {
+    fn insert(&mut self, path: &'a [KeyPart], leaf: &'a WriteLeaf) {
+        let Tree::Dict(items) = self else {
+            return; // a leaf already holds this path's prefix
+        };
+        let Some((first, rest)) = path.split_first() else {
+            return; // an empty path among others: no place for it in a dict
+        };
+        let index = match items.iter().position(|(k, _)| *k == first) {
+            Some(i) => i,
+            None if rest.is_empty() => {
+                items.push((first, Tree::Leaf(leaf)));
+                return;
+            }
+            None => {
+                items.push((first, Tree::Dict(Vec::new())));
+                items.len() - 1
+            }
+        };
+        if let Some((_, child)) = items.get_mut(index) {
+            if !rest.is_empty() {
+                child.insert(rest, leaf);
+            }
+        }
+    }
+
+    fn into_value(self) -> Value {
+        match self {
+            Tree::Leaf(leaf) => leaf_value(leaf),
+            Tree::Dict(items) => Value::Dict(
+                items
+                    .into_iter()
+                    .map(|(k, v)| {
+                        let key = match k {
+                            KeyPart::Key(s) => Value::Str(s.clone()),
+                            KeyPart::Index(i) => Value::Int(*i),
+                        };
+                        (key, v.into_value())
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+fn leaf_value(leaf: &WriteLeaf) -> Value {
+    match leaf {
+        WriteLeaf::Value(v) => v.clone(),
+        WriteLeaf::Tensor {
+            dtype,
+            shape,
+            storage_key,
+        } => tensor_value(*dtype, shape, storage_key),
+    }
+}
+
+/// What torch.save pickles for a contiguous CPU tensor at storage offset 0.
+fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
+    let numel = numel(shape).unwrap_or(u64::MAX);
+    let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
+    let strides = crate::model::contiguous_strides(shape);
+    // torch keeps legacy storage classes for the dtypes that have one, and uses untyped storages
+    // (sized in bytes) plus `_rebuild_tensor_v3` for the rest.
+    let typed = !matches!(
+        dtype,
+        DType::F8E4M3 | DType::F8E5M2 | DType::U16 | DType::U32 | DType::U64
+    );
+    let (class, storage_numel) = if typed {
+        (Value::global("torch", dtype.storage_class()), numel)
+    } else {
+        (
+            Value::global("torch.storage", "UntypedStorage"),
+            numel.saturating_mul(dtype.size() as u64),
+        )
+    };
+    let storage = Value::PersistentId(Box::new(Value::Tuple(vec![
+        Value::Str("storage".into()),
+        class,
+        Value::Str(storage_key.to_string()),
+        Value::Str("cpu".into()),
+        int(storage_numel),
+    ])));
+    let backward_hooks = Value::Object {
+        callable: Box::new(Value::global("collections", "OrderedDict")),
+        args: Vec::new(),
+        new_obj: false,
+        dict_items: Vec::new(),
+        list_items: Vec::new(),
+        state: None,
+    };
+    let mut args = vec![
+        storage,
+        Value::Int(0),
+        Value::Tuple(shape.iter().map(|&d| int(d)).collect()),
+        Value::Tuple(strides.iter().map(|&s| int(s)).collect()),
+        Value::Bool(false),
+        backward_hooks,
+    ];
+    let function = if typed {
+        "_rebuild_tensor_v2"
+    } else {
+        args.push(Value::global("torch", dtype.torch_name()));
+        "_rebuild_tensor_v3"
+    };
+    Value::Object {
+        callable: Box::new(Value::global("torch._utils", function)),
+        args,
+        new_obj: false,
+        dict_items: Vec::new(),
+        list_items: Vec::new(),
+        state: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const VIEWS: &[u8] = include_bytes!("testdata/views.pt");
+    const DTYPES: &[u8] = include_bytes!("testdata/dtypes.pt");
+    const BARE: &[u8] = include_bytes!("testdata/bare.pt");
+    const NESTED: &[u8] = include_bytes!("testdata/nested.pt");
+    const LEGACY: &[u8] = include_bytes!("testdata/legacy.pt");
+
+    fn key(k: &str) -> KeyPart {
+        KeyPart::Key(k.to_string())
+    }
+
+    fn path(parts: &[&str]) -> Vec<KeyPart> {
+        parts.iter().map(|p| key(p)).collect()
+    }
+
+    fn tensor(leaf: &Leaf) -> &SavedTensor {
+        match leaf {
+            Leaf::Tensor(t) => t,
+            Leaf::Value(v) => panic!("expected a tensor, got {v:?}"),
+        }
+    }
+
+    fn saved(
+        dtype: DType,
+        shape: &[u64],
+        strides: &[u64],
+        offset: u64,
+        key: &str,
+        numel: u64,
+    ) -> SavedTensor {
+        SavedTensor {
+            dtype,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            storage_offset: offset,
+            storage_key: key.to_string(),
+            storage_numel: numel,
+        }
+    }
+
+    /// An archive from records, storages filled from `data` in order.
+    fn archive(prefix: &str, pkl: Vec<u8>, storages: &[(&str, &[u8])]) -> Vec<u8> {
+        let sizes: Vec<(String, u64)> = storages
+            .iter()
+            .map(|(k, d)| (k.to_string(), d.len() as u64))
+            .collect();
+        let fill: Vec<&[u8]> = storages.iter().map(|(_, d)| *d).collect();
+        zip::build(&records(prefix, pkl, &sizes), &fill).unwrap()
+    }
+
+    fn obj(module: &str, name: &str, args: Vec<Value>) -> Value {
+        Value::Object {
+            callable: Box::new(Value::global(module, name)),
+            args,
+            new_obj: false,
+            dict_items: Vec::new(),
+            list_items: Vec::new(),
+            state: None,
+        }
+    }
+
+    /// A hand-built `_rebuild_tensor_v2` call, for the cases torch never writes.
+    fn v2(class: &str, key: &str, numel: i64, offset: i64, size: &[i64], stride: &[i64]) -> Value {
+        let ints = |v: &[i64]| Value::Tuple(v.iter().map(|&i| Value::Int(i)).collect());
+        obj(
+            "torch._utils",
+            "_rebuild_tensor_v2",
+            vec![
+                Value::PersistentId(Box::new(Value::Tuple(vec![
+                    Value::Str("storage".into()),
+                    Value::global("torch", class),
+                    Value::Str(key.into()),
+                    Value::Str("cpu".into()),
+                    Value::Int(numel),
+                ]))),
+                Value::Int(offset),
+                ints(size),
+                ints(stride),
+                Value::Bool(false),
+                obj("collections", "OrderedDict", vec![]),
+            ],
+        )
+    }
+
+    fn read_err(bytes: &[u8]) -> Error {
+        read(bytes).unwrap_err()
+    }
+
+    #[test]
+    fn tied_weights_and_views() {
+        let a = read(VIEWS).unwrap();
+        assert_eq!(a.prefix, "views");
+        let expected = [
+            (
+                "emb.weight",
+                saved(DType::F32, &[3, 4], &[4, 1], 0, "0", 12),
+            ),
+            (
+                "lm_head.weight",
+                saved(DType::F32, &[3, 4], &[4, 1], 0, "0", 12),
+            ),
+            ("w_t", saved(DType::F32, &[4, 3], &[1, 4], 0, "0", 12)),
+            ("w_tail", saved(DType::F32, &[2, 4], &[4, 1], 4, "0", 12)),
+            ("w_col", saved(DType::F32, &[3], &[4], 1, "0", 12)),
+            ("bias", saved(DType::F16, &[2], &[1], 0, "1", 2)),
+        ];
+        assert_eq!(a.leaves.len(), expected.len());
+        for ((p, leaf), (name, t)) in a.leaves.iter().zip(&expected) {
+            assert_eq!(p, &path(&[name]));
+            assert_eq!(tensor(leaf), t, "{name}");
+        }
+        let w = a.storage("0").unwrap();
+        assert_eq!((w.data_offset, w.len), (1024, 48));
+        let b = a.storage("1").unwrap();
+        assert_eq!((b.data_offset, b.len), (1152, 4));
+        assert!(a.storage("2").is_none());
+        // w[1:] starts at element 4, whose value is 4.0.
+        let at = (w.data_offset + 4 * 4) as usize;
+        assert_eq!(&VIEWS[at..at + 4], &4.0f32.to_le_bytes());
+    }
+
+    #[test]
+    fn every_dtype() {
+        let a = read(DTYPES).unwrap();
+        assert_eq!(a.leaves.len(), DType::ALL.len());
+        let offsets = [
+            1920, 2048, 2176, 2304, 2432, 2560, 2688, 2816, 2944, 3072, 3200, 3328, 3456, 3584,
+            3712,
+        ];
+        for (i, (p, leaf)) in a.leaves.iter().enumerate() {
+            let [KeyPart::Key(name)] = p.as_slice() else {
+                panic!("{p:?}")
+            };
+            let dtype = DType::from_torch_name(name).unwrap();
+            let key = i.to_string();
+            assert_eq!(
+                tensor(leaf),
+                &saved(dtype, &[3], &[1], 0, &key, 3),
+                "{name}"
+            );
+            let entry = a.storage(&key).unwrap();
+            assert_eq!(entry.data_offset, offsets[i]);
+            assert_eq!(entry.len, 3 * dtype.size() as u64);
+        }
+        // The same order as the fixture: every dtype ckpt knows.
+        let dtypes: Vec<DType> = a.leaves.iter().map(|(_, l)| tensor(l).dtype).collect();
+        assert_eq!(dtypes, DType::ALL);
+    }
+
+    #[test]
+    fn bare_tensor_is_the_dcp_item_shape() {
+        let a = read(BARE).unwrap();
+        assert_eq!(a.prefix, "archive");
+        assert_eq!(a.leaves.len(), 1);
+        assert!(a.leaves[0].0.is_empty());
+        assert_eq!(
+            tensor(&a.leaves[0].1),
+            &saved(DType::BF16, &[2, 3], &[3, 1], 0, "0", 6)
+        );
+        let e = a.storage("0").unwrap();
+        assert_eq!((e.data_offset, e.len), (704, 12));
+    }
+
+    #[test]
+    fn nested_checkpoint() {
+        let a = read(NESTED).unwrap();
+        let paths: Vec<&Vec<KeyPart>> = a.leaves.iter().map(|(p, _)| p).collect();
+        let state = |rest: &str| vec![key("optim"), key("state"), KeyPart::Index(0), key(rest)];
+        let expected = vec![
+            path(&["model", "weight"]),
+            path(&["model", "bias"]),
+            state("step"),
+            state("exp_avg"),
+            path(&["optim", "param_groups"]),
+            path(&["epoch"]),
+            path(&["name"]),
+            path(&["cfg", "lr"]),
+            path(&["cfg", "tags"]),
+            path(&["cfg", "empty"]),
+            path(&["cfg", "none"]),
+            path(&["param"]),
+            path(&["empty"]),
+        ];
+        assert_eq!(paths, expected.iter().collect::<Vec<_>>());
+        let leaf = |i: usize| &a.leaves[i].1;
+        assert_eq!(
+            tensor(leaf(0)),
+            &saved(DType::F32, &[3, 2], &[2, 1], 0, "0", 6)
+        );
+        assert_eq!(tensor(leaf(2)), &saved(DType::F32, &[], &[], 0, "2", 1));
+        assert_eq!(tensor(leaf(11)), &saved(DType::F32, &[2], &[1], 0, "4", 2));
+        assert_eq!(
+            tensor(leaf(12)),
+            &saved(DType::F32, &[0, 3], &[3, 1], 0, "5", 0)
+        );
+        assert_eq!(a.storage("5").unwrap().len, 0);
+        let value = |i: usize| match leaf(i) {
+            Leaf::Value(v) => v,
+            Leaf::Tensor(t) => panic!("{t:?}"),
+        };
+        assert_eq!(value(5), &Value::Int(3));
+        assert_eq!(value(6), &Value::Str("run-1".into()));
+        assert_eq!(value(7), &Value::Float(1e-3));
+        assert_eq!(value(9), &Value::Dict(Vec::new()));
+        assert_eq!(value(10), &Value::None);
+        let groups = value(4).as_seq().unwrap();
+        assert_eq!(
+            groups[0].get("betas"),
+            Some(&Value::Tuple(vec![Value::Float(0.9), Value::Float(0.999)]))
+        );
+    }
+
+    #[test]
+    fn legacy_format_gets_a_hint() {
+        let e = read_err(LEGACY);
+        assert!(e.message.contains("legacy (pre-1.6, non-zip)"), "{e}");
+        assert!(e.hint.unwrap().contains("torch.save"));
+    }
+
+    #[test]
+    fn big_endian_is_refused() {
+        let entries = zip::read_entries(BARE).unwrap();
+        let records: Vec<ZipRecord> = entries
+            .iter()
+            .map(|e| {
+                let data = &BARE[e.data_offset as usize..(e.data_offset + e.len) as usize];
+                let content = if e.name.ends_with("byteorder") {
+                    b"big".to_vec()
+                } else {
+                    data.to_vec()
+                };
+                ZipRecord {
+                    name: e.name.clone(),
+                    len: content.len() as u64,
+                    content: Some(content),
+                }
+            })
+            .collect();
+        let e = read_err(&zip::build(&records, &[]).unwrap());
+        assert_eq!(
+            e.message,
+            "archive was saved on a big-endian machine, which ckpt does not convert"
+        );
+        assert_eq!(e.offset, Some(576));
+    }
+
+    #[test]
+    fn inconsistent_tensors_are_errors() {
+        let pkl = |v: Value| pickle::write(&v, Protocol::V2);
+        let dict = |v: Value| Value::Dict(vec![(Value::Str("w".into()), v)]);
+        let data = [0u8; 24];
+        let full: &[u8] = &data;
+        let short: &[u8] = &data[..20];
+        // (saved object, storage records, expected error)
+        type Case<'a> = (Value, Vec<(&'a str, &'a [u8])>, &'a str);
+        let cases: Vec<Case> = vec![
+            (
+                v2("FloatStorage", "0", 6, 0, &[6], &[1]),
+                vec![],
+                "has no record `a/data/0`",
+            ),
+            (
+                v2("FloatStorage", "0", 6, 0, &[6], &[1]),
+                vec![("0", short)],
+                "should be 24 bytes but its record has 20",
+            ),
+            (
+                v2("FloatStorage", "0", 6, 1, &[6], &[1]),
+                vec![("0", full)],
+                "reaches past its storage of 6 elements",
+            ),
+            (
+                v2("FloatStorage", "0", 6, 0, &[2, 3], &[4, 1]),
+                vec![("0", full)],
+                "reaches past its storage",
+            ),
+            (
+                v2("FloatStorage", "0", 6, 0, &[3], &[-1]),
+                vec![("0", full)],
+                "stride -1 is negative",
+            ),
+            (
+                v2("FloatStorage", "0", 6, 0, &[3, 1], &[1]),
+                vec![("0", full)],
+                "2 sizes but 1 strides",
+            ),
+            (
+                v2("FloatStorage", "0", 6, i64::MAX, &[3], &[i64::MAX]),
+                vec![("0", full)],
+                "reaches past",
+            ),
+            (
+                v2("ComplexFloatStorage", "0", 3, 0, &[3], &[1]),
+                vec![("0", full)],
+                "`torch.ComplexFloatStorage` holds a dtype ckpt does not support",
+            ),
+            (
+                Value::List(vec![v2("FloatStorage", "0", 6, 0, &[6], &[1])]),
+                vec![("0", full)],
+                "tensors inside a list",
+            ),
+            (
+                Value::Dict(vec![
+                    (
+                        Value::Str("a".into()),
+                        v2("FloatStorage", "0", 6, 0, &[6], &[1]),
+                    ),
+                    (
+                        Value::Str("b".into()),
+                        v2("HalfStorage", "0", 12, 0, &[6], &[1]),
+                    ),
+                ]),
+                vec![("0", full)],
+                "storage `0` is referenced as two different types or sizes",
+            ),
+            (
+                obj("os", "system", vec![Value::Str("true".into())]),
+                vec![],
+                "`os.system`, which ckpt does not allow",
+            ),
+        ];
+        for (value, storages, expected) in cases {
+            let value = if matches!(value, Value::Dict(_) | Value::List(_)) {
+                value
+            } else {
+                dict(value)
+            };
+            let bytes = archive("a", pkl(value), &storages);
+            let e = read_err(&bytes);
+            assert!(
+                e.to_string().contains(expected),
+                "{e} (expected {expected:?})"
+            );
+            assert!(e.offset.is_some(), "{e} has an offset");
+        }
+    }
+
+    #[test]
+    fn pickle_errors_point_into_the_archive() {
+        let bytes = archive("a", vec![0x80, 2, b'}', 0xff], &[]);
+        let e = read_err(&bytes);
+        assert_eq!(
+            e.message,
+            "`a/data.pkl` uses unsupported pickle opcode 0xff"
+        );
+        assert_eq!(e.offset, Some(64 + 3));
+    }
+
+    #[test]
+    fn not_torch_save() {
+        let zip = |name: &str| {
+            let r = ZipRecord {
+                name: name.into(),
+                len: 1,
+                content: Some(vec![1]),
+            };
+            zip::build(&[r], &[]).unwrap()
+        };
+        assert!(read_err(&zip("data.pkl"))
+            .message
+            .contains("not in a folder"));
+        let e = read_err(&zip("m/constants.pkl"));
+        assert!(e.message.contains("no `m/data.pkl` record"));
+        assert!(e.hint.unwrap().contains("TorchScript"));
+        assert!(read_err(b"hello").message.contains("not a zip archive"));
+    }
+
+    #[test]
+    fn written_archives_read_back() {
+        // Every dtype (storage bytes sized to match), nested dicts, int keys and plain values.
+        let mut items = Vec::new();
+        let mut storages = Vec::new();
+        for (i, dtype) in DType::ALL.into_iter().enumerate() {
+            let k = i.to_string();
+            items.push((
+                vec![key("t"), key(dtype.torch_name())],
+                WriteLeaf::Tensor {
+                    dtype,
+                    shape: vec![2, 3],
+                    storage_key: k.clone(),
+                },
+            ));
+            storages.push((k, vec![i as u8; 6 * dtype.size()]));
+        }
+        items.push((
+            vec![key("opt"), KeyPart::Index(0), key("step")],
+            WriteLeaf::Value(Value::Int(7)),
+        ));
+        items.push((vec![key("name")], WriteLeaf::Value(Value::Str("x".into()))));
+        items.push((
+            vec![key("scalar")],
+            WriteLeaf::Tensor {
+                dtype: DType::F32,
+                shape: vec![],
+                storage_key: "s".into(),
+            },
+        ));
+        storages.push(("s".into(), vec![0; 4]));
+        check_key_paths(&items).unwrap();
+
+        let refs: Vec<(&str, &[u8])> = storages
+            .iter()
+            .map(|(k, d)| (k.as_str(), d.as_slice()))
+            .collect();
+        let bytes = archive("out", data_pkl(&items), &refs);
+        let a = read(&bytes).unwrap();
+        assert_eq!(a.prefix, "out");
+        assert_eq!(a.leaves.len(), items.len());
+        for ((p, leaf), (wp, wleaf)) in a.leaves.iter().zip(&items) {
+            assert_eq!(p, wp);
+            match (leaf, wleaf) {
+                (
+                    Leaf::Tensor(t),
+                    WriteLeaf::Tensor {
+                        dtype,
+                        shape,
+                        storage_key,
+                    },
+                ) => {
+                    let numel = numel(shape).unwrap();
+                    let strides = crate::model::contiguous_strides(shape);
+                    assert_eq!(t, &saved(*dtype, shape, &strides, 0, storage_key, numel));
+                    let (_, data) = storages.iter().find(|(k, _)| k == storage_key).unwrap();
+                    let e = a.storage(storage_key).unwrap();
+                    assert_eq!(
+                        &bytes[e.data_offset as usize..][..e.len as usize],
+                        &data[..]
+                    );
+                }
+                (Leaf::Value(v), WriteLeaf::Value(w)) => assert_eq!(v, w),
+                other => panic!("{other:?}"),
+            }
+        }
+        let entries = zip::read_entries(&bytes).unwrap();
+        let entries: Vec<&str> = entries.iter().map(|e| &e.name[4..]).collect();
+        assert_eq!(
+            &entries[..4],
+            [
+                "data.pkl",
+                ".format_version",
+                ".storage_alignment",
+                "byteorder"
+            ]
+        );
+        assert_eq!(
+            &entries[entries.len() - 2..],
+            ["version", ".data/serialization_id"]
+        );
+    }
+
+    #[test]
+    fn bare_items_round_trip() {
+        let leaf = WriteLeaf::Tensor {
+            dtype: DType::F8E4M3,
+            shape: vec![5],
+            storage_key: "0".into(),
+        };
+        let bytes = archive(
+            "archive",
+            data_pkl(&[(Vec::new(), leaf)]),
+            &[("0", &[1, 2, 3, 4, 5])],
+        );
+        let a = read(&bytes).unwrap();
+        assert_eq!(
+            a.leaves,
+            vec![(
+                Vec::new(),
+                Leaf::Tensor(saved(DType::F8E4M3, &[5], &[1], 0, "0", 5))
+            )]
+        );
+
+        let value = Value::Dict(vec![(
+            Value::Str("k".into()),
+            Value::List(vec![Value::Int(1)]),
+        )]);
+        let bytes = archive(
+            "archive",
+            data_pkl(&[(Vec::new(), WriteLeaf::Value(Value::Int(3)))]),
+            &[],
+        );
+        assert_eq!(
+            read(&bytes).unwrap().leaves,
+            vec![(Vec::new(), Leaf::Value(Value::Int(3)))]
+        );
+        let bytes = archive(
+            "archive",
+            data_pkl(&[(
+                path(&["k"]),
+                WriteLeaf::Value(value.get("k").unwrap().clone()),
+            )]),
+            &[],
+        );
+        assert_eq!(
+            read(&bytes).unwrap().leaves,
+            vec![(path(&["k"]), Leaf::Value(Value::List(vec![Value::Int(1)])))]
+        );
+        let bytes = archive("archive", data_pkl(&[]), &[]);
+        assert_eq!(
+            read(&bytes).unwrap().leaves,
+            vec![(Vec::new(), Leaf::Value(Value::Dict(Vec::new())))]
+        );
+    }
+
+    #[test]
+    fn conflicting_key_paths() {
+        let v = |p: Vec<KeyPart>| (p, WriteLeaf::Value(Value::None));
+        assert!(check_key_paths(&[v(path(&["a"])), v(path(&["b", "c"]))]).is_ok());
+        let e = check_key_paths(&[v(path(&["a", "b", "c"])), v(path(&["a", "b"]))]).unwrap_err();
+        assert_eq!(
+            e.message,
+            "entry `a.b` is both a value and a dict holding `a.b.c`"
+        );
+        assert!(check_key_paths(&[v(path(&["a"])), v(path(&["a"]))]).is_err());
+        assert!(check_key_paths(&[v(vec![]), v(path(&["a"]))]).is_err());
+        // data_pkl keeps the first of two conflicting items.
+        let items = [v(path(&["a"])), v(path(&["a", "b"]))];
+        let bytes = archive("x", data_pkl(&items), &[]);
+        assert_eq!(
+            read(&bytes).unwrap().leaves,
+            vec![(path(&["a"]), Leaf::Value(Value::None))]
+        );
+    }
+
+    #[test]
+    fn records_match_torch() {
+        let r = records(
+            "archive",
+            b"pkl".to_vec(),
+            &[("0".into(), 12), ("1".into(), 4)],
+        );
+        let names: Vec<&str> = r.iter().map(|r| r.name.as_str()).collect();
+        let bare: Vec<String> = zip::read_entries(BARE)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(names[..5], bare[..5]);
+        assert_eq!(names[5], "archive/data/1");
+        assert_eq!(names[6..], bare[5..]);
+        for (record, entry) in r
+            .iter()
+            .zip(zip::read_entries(BARE).unwrap())
+            .skip(1)
+            .take(3)
+        {
+            let real = &BARE[entry.data_offset as usize..][..entry.len as usize];
+            assert_eq!(record.content.as_deref(), Some(real));
+        }
+        assert_eq!(r[6].content.as_deref(), Some(&b"3\n"[..]));
+        let id = r[7].content.as_ref().unwrap();
+        assert_eq!(id.len(), 40);
+        assert!(id.iter().all(u8::is_ascii_digit));
+        assert_eq!((r[4].len, r[4].content.is_none()), (12, true));
+    }
+
+    fn pkl_range() -> std::ops::Range<usize> {
+        let e = zip::read_entries(NESTED).unwrap();
+        let p = e.iter().find(|e| e.name.ends_with("data.pkl")).unwrap();
+        p.data_offset as usize..(p.data_offset + p.len) as usize
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn mutated_archives_never_panic(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            in_pickle in any::<bool>(),
+        ) {
+            let mut bytes = NESTED.to_vec();
+            let range = if in_pickle { pkl_range() } else { 0..bytes.len() };
+            for (at, byte) in edits {
+                bytes[range.start + at.index(range.len())] = byte;
+            }
+            if let Ok(a) = read(&bytes) {
+                for (_, leaf) in &a.leaves {
+                    if let Leaf::Tensor(t) = leaf {
+                        let e = a.storage(&t.storage_key).unwrap();
+                        prop_assert_eq!(e.len, t.storage_numel * t.dtype.size() as u64);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -5,7 +5,8 @@
 //! torch.save writes its archives with PyTorch's patched miniz (`caffe2/serialize/inline_container.cc`),
 //! and [`layout`] reproduces that byte for byte:
 //! - every local header has flags `0x0808` (sizes and CRC in a data descriptor, UTF-8 names),
-//!   versions 0, time and date 0, and CRC and sizes 0: they follow the data in a descriptor;
+//!   versions 0, time and date 0, and CRC and sizes 0: they follow the data in a descriptor
+//!   (an empty record has flags `0x0800` and no descriptor);
 //! - the local extra field ends with an `FB` field of `Z` bytes that pads the data start to a
 //!   multiple of 64, so tensors can be memory-mapped in place;
 //! - a record of 0xFFFFFFFF bytes or more, or one whose local header starts at 0xFFFFFFFF or
@@ -43,8 +44,8 @@ pub const MAX_ENTRIES: u64 = 1 << 20;
 /// Where torch aligns record data (`kFieldAlignment`, also written to `.storage_alignment`).
 pub const ALIGNMENT: u64 = 64;
 
-/// Bit 3 (CRC and sizes live in a data descriptor) and bit 11 (UTF-8 names), as miniz sets them.
-const FLAGS: u16 = 0x0808;
+/// Bit 11: names are UTF-8. miniz sets it on every record.
+const FLAG_UTF8: u16 = 0x0800;
 const FLAG_ENCRYPTED: u16 = 0x0001;
 const FLAG_DESCRIPTOR: u16 = 0x0008;
 
@@ -174,10 +175,11 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
         let unpadded = local_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64.len() as u64 + 4;
         let padding = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
 
+        let flags = record_flags(len);
         let mut header = Vec::new();
         put32(&mut header, LOCAL_SIG);
         put16(&mut header, 0); // version needed
-        put16(&mut header, FLAGS);
+        put16(&mut header, flags);
         put16(&mut header, 0); // method: stored
         put16(&mut header, 0); // time
         put16(&mut header, 0); // date
@@ -206,6 +208,12 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
             }
         };
         let mut slots = Vec::new();
+        if flags & FLAG_DESCRIPTOR == 0 {
+            // miniz writes no descriptor for an empty record; its CRC is 0, already in place.
+            crc_slots.push(slots);
+            placed.push((name, local_offset, len, crc, false));
+            continue;
+        }
 
         let mut descriptor = Vec::with_capacity(24);
         put32(&mut descriptor, DESCRIPTOR_SIG);
@@ -238,7 +246,7 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
         put32(&mut header, CENTRAL_SIG);
         put16(&mut header, 0); // version made by
         put16(&mut header, 0); // version needed
-        put16(&mut header, FLAGS);
+        put16(&mut header, record_flags(len));
         put16(&mut header, 0); // method: stored
         put16(&mut header, 0); // time
         put16(&mut header, 0); // date
@@ -383,6 +391,21 @@ impl Literals {
     }
 }
 
+/// Bit 11 (UTF-8 names) always, and bit 3 (CRC and sizes in a data descriptor) unless the record
+/// is empty: miniz writes no descriptor for an empty record.
+fn record_flags(len: u64) -> u16 {
+    if len == 0 {
+        FLAG_UTF8
+    } else {
+        FLAG_UTF8 | FLAG_DESCRIPTOR
+    }
+}
+
+/// True if `len` bytes at `at` end at or before `limit`.
+fn fits(at: u64, len: u64, limit: u64) -> bool {
+    at.checked_add(len).is_some_and(|end| end <= limit)
+}
+
 fn len16(len: usize) -> u16 {
     u16::try_from(len).unwrap_or(u16::MAX)
 }
@@ -516,10 +539,7 @@ fn find_end_record(bytes: &[u8]) -> Result<EndRecord> {
             if eocd64_disk != 0 || disks > 1 {
                 return Err(invalid("multi-disk zip archives are not supported").at(locator_at));
             }
-            if eocd64_at
-                .checked_add(ZIP64_EOCD_LEN)
-                .map_or(true, |e| e > locator_at)
-            {
+            if !fits(eocd64_at, ZIP64_EOCD_LEN, locator_at) {
                 return Err(invalid(format!(
                     "zip64 end record offset {eocd64_at} does not fit before its locator"
                 ))
@@ -583,8 +603,7 @@ fn find_end_record(bytes: &[u8]) -> Result<EndRecord> {
         ))
         .at(eocd_at));
     }
-    let cd_end = end.cd_offset.checked_add(end.cd_size);
-    if cd_end.map_or(true, |e| e > records_start) {
+    if !fits(end.cd_offset, end.cd_size, records_start) {
         return Err(invalid(format!(
             "zip central directory ({} bytes at {}) runs past the end records",
             end.cd_size, end.cd_offset
@@ -615,10 +634,7 @@ struct Central {
 }
 
 fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
-    if at
-        .checked_add(CENTRAL_HEADER_LEN)
-        .map_or(true, |e| e > cd_end)
-    {
+    if !fits(at, CENTRAL_HEADER_LEN, cd_end) {
         return Err(invalid("zip central directory ends inside an entry header").at(at));
     }
     let mut f = Fields::new(slice(bytes, at, CENTRAL_HEADER_LEN, "central header")?);

@@ -5,8 +5,8 @@
 //! ...) changes the node in place. That gives Python's reference semantics: pickles memoize a dict
 //! or list while it is still empty and fill it afterwards, and a later `BINGET` must see the filled
 //! container. At `STOP` the root node is turned into an owned [`Value`] tree; a node reached twice
-//! is copied each time, so the copy is charged against [`Limits::max_nodes`] and a pickle that
-//! references one container from itself (a cycle) is rejected.
+//! is copied each time, so copies count against [`Limits::max_nodes`] (measured on the shared
+//! graph before anything is copied), and a container that contains itself (a cycle) is rejected.
 //!
 //! Choices where Python's pickle leaves room:
 //! - `BINSTRING` / `SHORT_BINSTRING` (Python 2 `str`) become [`Value::Str`], decoded as UTF-8, which
@@ -1272,7 +1272,7 @@ mod tests {
         assert!(read(b"((]\x85\x85.", &NOTHING, tight).is_ok());
         // More than 100 nodes in the arena.
         let mut p = vec![b'('];
-        p.extend(std::iter::repeat(b'N').take(101));
+        p.extend(std::iter::repeat_n(b'N', 101));
         p.extend_from_slice(b"l.");
         let big = Limits {
             max_stack: 1000,

@@ -1,7 +1,9 @@
 //! Pickle writer: a [`Value`] tree to bytes Python's `pickle.load` reads back.
 //!
-//! The output mirrors what CPython's pickler writes for the same objects, without a memo (every
-//! shared value is written again, which only costs bytes):
+//! The output mirrors what CPython's pickler writes for the same objects. Strings and globals that
+//! occur more than once are written once and then fetched from the memo (DCP's `.metadata` repeats
+//! class paths and fqns for every chunk, so this keeps files about as small as torch's); every other
+//! value is written out wherever it occurs, which only costs bytes.
 //! - [`Protocol::V2`] is torch.save's `data.pkl`: globals as `GLOBAL` (`c module\nname\n`), strings
 //!   as `BINUNICODE`.
 //! - [`Protocol::V4`] is DCP's `.metadata`: one `FRAME`, globals as `STACK_GLOBAL`, short strings as
@@ -12,6 +14,8 @@
 //! with the protocol 3/4 opcodes (`BINBYTES`, `EMPTY_SET` + `ADDITEMS`); Python's unpickler accepts
 //! every opcode whatever `PROTO` says. A `GLOBAL` whose module or name holds a newline cannot be
 //! spelled as text either and is written as `STACK_GLOBAL`.
+use std::collections::HashMap;
+
 use super::Value;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,9 +29,17 @@ pub enum Protocol {
 /// Serialize `value` as one pickle ending in `STOP`.
 pub fn write(value: &Value, protocol: Protocol) -> Vec<u8> {
     let mut body = Vec::new();
+    let mut counts = HashMap::new();
+    count(value, &mut counts);
     Writer {
         out: &mut body,
         protocol,
+        memo: counts
+            .into_iter()
+            .filter(|&(_, n)| n > 1)
+            .map(|(k, _)| (k, None))
+            .collect(),
+        next_memo: 0,
     }
     .value(value);
     body.push(b'.');
@@ -47,17 +59,114 @@ pub fn write(value: &Value, protocol: Protocol) -> Vec<u8> {
     }
 }
 
-struct Writer<'a> {
-    out: &'a mut Vec<u8>,
-    protocol: Protocol,
+/// A value worth memoizing: immutable in Python, so sharing it cannot change what is loaded.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Shared<'v> {
+    Str(&'v str),
+    Global(&'v str, &'v str),
 }
 
-impl Writer<'_> {
+/// How often each string and global occurs in `value`.
+fn count<'v>(value: &'v Value, counts: &mut HashMap<Shared<'v>, usize>) {
+    let mut bump = |k| *counts.entry(k).or_insert(0) += 1;
+    match value {
+        Value::Str(s) => bump(Shared::Str(s)),
+        Value::Global { module, name } => bump(Shared::Global(module, name)),
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            items.iter().for_each(|v| count(v, counts))
+        }
+        Value::Dict(items) => items.iter().for_each(|(k, v)| {
+            count(k, counts);
+            count(v, counts);
+        }),
+        Value::Object {
+            callable,
+            args,
+            dict_items,
+            list_items,
+            state,
+            ..
+        } => {
+            count(callable, counts);
+            args.iter().for_each(|v| count(v, counts));
+            dict_items.iter().for_each(|(k, v)| {
+                count(k, counts);
+                count(v, counts);
+            });
+            list_items.iter().for_each(|v| count(v, counts));
+            if let Some(s) = state {
+                count(s, counts);
+            }
+        }
+        Value::PersistentId(pid) => count(pid, counts),
+        Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Bytes(_) => {}
+    }
+}
+
+struct Writer<'a, 'v> {
+    out: &'a mut Vec<u8>,
+    protocol: Protocol,
+    /// Values that occur more than once, with their memo index once written.
+    memo: HashMap<Shared<'v>, Option<u32>>,
+    next_memo: u32,
+}
+
+impl<'v> Writer<'_, 'v> {
     fn op(&mut self, op: u8) {
         self.out.push(op);
     }
 
-    fn value(&mut self, value: &Value) {
+    /// Fetch `key` from the memo if it was written before; otherwise note that it is about to be.
+    /// Returns true when the value was fetched and nothing more needs writing.
+    fn recall(&mut self, key: Shared<'v>) -> bool {
+        match self.memo.get(&key) {
+            Some(Some(index)) => {
+                let index = *index;
+                match u8::try_from(index) {
+                    Ok(i) => {
+                        self.op(b'h');
+                        self.out.push(i);
+                    }
+                    Err(_) => {
+                        self.op(b'j');
+                        self.out.extend_from_slice(&index.to_le_bytes());
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Store what was just written under `key`, if it occurs again later.
+    fn remember(&mut self, key: Shared<'v>) {
+        let index = self.next_memo;
+        let Some(slot @ None) = self.memo.get_mut(&key) else {
+            return;
+        };
+        // Past u32::MAX entries the value is simply written again.
+        let Some(next) = index.checked_add(1) else {
+            return;
+        };
+        *slot = Some(index);
+        self.next_memo = next;
+        match self.protocol {
+            // MEMOIZE stores at `len(memo)`, which is `index` because every entry is added here.
+            Protocol::V4 => self.op(0x94),
+            Protocol::V2 => match u8::try_from(index) {
+                Ok(i) => {
+                    self.op(b'q');
+                    self.out.push(i);
+                }
+                Err(_) => {
+                    self.op(b'r');
+                    self.out.extend_from_slice(&index.to_le_bytes());
+                }
+            },
+        }
+    }
+
+    fn value(&mut self, value: &'v Value) {
         match value {
             Value::None => self.op(b'N'),
             Value::Bool(true) => self.op(0x88),
@@ -67,7 +176,12 @@ impl Writer<'_> {
                 self.op(b'G');
                 self.out.extend_from_slice(&f.to_be_bytes());
             }
-            Value::Str(s) => self.str(s),
+            Value::Str(s) => {
+                if !self.recall(Shared::Str(s)) {
+                    self.str(s);
+                    self.remember(Shared::Str(s));
+                }
+            }
             Value::Bytes(b) => self.bytes(b),
             Value::Tuple(items) => self.tuple(items),
             Value::List(items) => {
@@ -86,7 +200,12 @@ impl Writer<'_> {
                     self.op(0x90);
                 }
             }
-            Value::Global { module, name } => self.global(module, name),
+            Value::Global { module, name } => {
+                if !self.recall(Shared::Global(module, name)) {
+                    self.global(module, name);
+                    self.remember(Shared::Global(module, name));
+                }
+            }
             Value::Object {
                 callable,
                 args,
@@ -180,7 +299,7 @@ impl Writer<'_> {
         self.out.extend_from_slice(b);
     }
 
-    fn tuple(&mut self, items: &[Value]) {
+    fn tuple(&mut self, items: &'v [Value]) {
         match items {
             [] => self.op(b')'),
             [a] => {
@@ -207,7 +326,7 @@ impl Writer<'_> {
     }
 
     /// Items into the list (or object) on top of the stack.
-    fn appends(&mut self, items: &[Value]) {
+    fn appends(&mut self, items: &'v [Value]) {
         if items.is_empty() {
             return;
         }
@@ -217,7 +336,7 @@ impl Writer<'_> {
     }
 
     /// Pairs into the dict (or object) on top of the stack.
-    fn setitems(&mut self, items: &[(Value, Value)]) {
+    fn setitems(&mut self, items: &'v [(Value, Value)]) {
         if items.is_empty() {
             return;
         }
@@ -318,6 +437,27 @@ mod tests {
             write(&pid, Protocol::V2),
             b"\x80\x02X\x01\x00\x00\x000\x85Q."
         );
+    }
+
+    #[test]
+    fn repeated_strings_and_globals_come_from_the_memo() {
+        // 300 distinct strings twice each: memo indices past 255 need the long opcodes.
+        let strings: Vec<Value> = (0..300).map(|i| Value::Str(format!("s{i}"))).collect();
+        let mut items = strings.clone();
+        items.extend(strings);
+        items.push(Value::global("torch", "Size"));
+        items.push(Value::global("torch", "Size"));
+        let v = Value::List(items);
+        for protocol in [Protocol::V2, Protocol::V4] {
+            let bytes = write(&v, protocol);
+            assert_eq!(round_trip(&v, protocol), v);
+            assert!(
+                bytes.windows(5).any(|w| w == b"j\x2b\x01\x00\x00"),
+                "{protocol:?}"
+            );
+        }
+        let once = write(&Value::List(vec![Value::Str("x".into())]), Protocol::V2);
+        assert_eq!(once, b"\x80\x02](X\x01\x00\x00\x00xe.");
     }
 
     fn leaf() -> impl Strategy<Value = Value> {

@@ -109,8 +109,9 @@ def layout_of(path: Path) -> str:
 
 
 def load_with_torch(path: Path) -> dict:
-    """Read any supported checkpoint with PyTorch / safetensors only, as a flat {fqn: value} dict
-    (DCP keys flattened the way DCP flattens them)."""
+    """Read any supported checkpoint with PyTorch / safetensors only, as a flat {fqn: value} dict.
+    Nested dicts are flattened the way DCP flattens them (torch_save_to_dcp names a torch.save
+    entry {"config": {"hidden": 6}} `config.hidden`)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -149,4 +150,4 @@ def load_with_torch(path: Path) -> dict:
         return out
     if layout == "safetensors":
         return load_file(str(path))
-    return torch.load(path, weights_only=True)
+    return flatten_state_dict(torch.load(path, weights_only=True))[0]

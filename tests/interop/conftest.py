@@ -11,7 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import FIXTURES_DIR, REPO
+# the helpers live in ckpt_helpers.py (importable from tests); re-exported here for convenience
+from ckpt_helpers import (  # noqa: F401
+    CODE_TO_DTYPE,
+    DTYPE_TO_CODE,
+    FIXTURE_NAMES,
+    FIXTURES_DIR,
+    REPO,
+    assert_same_state,
+    bitwise_equal,
+    dtype_code,
+    load_expected,
+    load_with_torch,
+    raw_bytes,
+)
 
 
 def ckpt_path() -> Path:

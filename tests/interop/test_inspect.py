@@ -12,6 +12,10 @@ torch writes shows up here. The JSON contract checked:
                   "pieces": [{"offsets": [..], "sizes": [..], "file", "byte_offset", "byte_length"}]}],
      "non_tensors": [{"name", ...}]}
 
+Names are DCP's flattened fqns for every layout; for a torch.save file that is the state-dict key
+of each tensor, and a nested dict of plain values is named per leaf (`config.hidden`), as
+torch.distributed.checkpoint.format_utils.torch_save_to_dcp names them.
+
 Pieces must tile their tensor: every element in exactly one non-empty piece. For a sharded
 checkpoint the non-empty pieces are the boxes PyTorch recorded; for a full one, one whole-tensor
 piece. `file` is relative to the checkpoint directory (or to the folder of a one-file checkpoint),

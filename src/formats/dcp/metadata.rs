@@ -763,3 +763,510 @@ fn tensor_storage_metadata(dtype: DType, size: &[u64], chunks: &[Chunk]) -> Valu
     ]);
     new_obj(META, "TensorStorageMetadata", Some(state))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    // Real files written by torch 2.15 (see `testdata/make_fixtures.py`).
+    /// One process: every dtype ckpt knows, a 0-dim, an empty and a transposed tensor, a list in
+    /// the state dict, and non-tensor values.
+    const SINGLE: &[u8] = include_bytes!("testdata/single.metadata");
+    /// Four ranks (gloo) saving DTensors: `Shard(0)`, `Shard(1)`, a 2x2 mesh, a replicated one.
+    const SHARDED4: &[u8] = include_bytes!("testdata/sharded4.metadata");
+    /// Items compressed by the `ZStandard` extension.
+    const ZSTD: &[u8] = include_bytes!("testdata/zstd.metadata");
+    /// A fresh save re-pickled with the class paths of torch 1.13-2.1 and 5-tuple properties.
+    const LEGACY: &[u8] = include_bytes!("testdata/legacy.metadata");
+
+    fn key(parts: &[&str]) -> Vec<KeyPart> {
+        parts
+            .iter()
+            .map(|p| match p.parse::<i64>() {
+                Ok(i) => KeyPart::Index(i),
+                Err(_) => KeyPart::Key(p.to_string()),
+            })
+            .collect()
+    }
+
+    fn tensor<'m>(meta: &'m DcpMetadata, name: &str) -> (&'m DType, &'m [u64], &'m [Chunk]) {
+        meta.entries
+            .iter()
+            .find_map(|e| match e {
+                DcpEntry::Tensor {
+                    fqn,
+                    dtype,
+                    size,
+                    chunks,
+                } if fqn == name => Some((dtype, size.as_slice(), chunks.as_slice())),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no tensor {name}"))
+    }
+
+    fn chunk(offsets: &[u64], sizes: &[u64]) -> Chunk {
+        Chunk {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+        }
+    }
+
+    fn storage<'m>(
+        meta: &'m DcpMetadata,
+        fqn: &str,
+        offset: Option<&[u64]>,
+    ) -> &'m (MetadataIndex, StorageInfo) {
+        meta.storage
+            .iter()
+            .find(|(i, _)| i.fqn == fqn && i.offset.as_deref() == offset)
+            .unwrap_or_else(|| panic!("no storage for {fqn} {offset:?}"))
+    }
+
+    fn info(path: &str, offset: u64, length: u64, transforms: &[&str]) -> StorageInfo {
+        StorageInfo {
+            relative_path: path.into(),
+            offset,
+            length,
+            transforms: transforms.iter().map(|t| t.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn single_process_save_parses_exactly() {
+        let meta = parse(SINGLE).unwrap();
+        let fqns: Vec<&str> = meta
+            .entries
+            .iter()
+            .map(|e| match e {
+                DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn.as_str(),
+            })
+            .collect();
+        assert_eq!(
+            fqns,
+            [
+                "model.f64",
+                "model.f32",
+                "model.f16",
+                "model.bf16",
+                "model.f8e4m3",
+                "model.f8e5m2",
+                "model.i64",
+                "model.i32",
+                "model.i16",
+                "model.i8",
+                "model.u64",
+                "model.u32",
+                "model.u16",
+                "model.u8",
+                "model.mask",
+                "model.scalar",
+                "model.empty",
+                "model.layers.0",
+                "model.layers.1.w",
+                "model.view",
+                "train_state.step",
+                "train_state.name",
+                "train_state.lr",
+                "train_state.flags",
+                "epoch",
+            ]
+        );
+        assert!(matches!(
+            &meta.entries[20..],
+            [DcpEntry::Bytes { .. }, _, _, _, DcpEntry::Bytes { .. }]
+        ));
+        let dtypes: Vec<DType> = meta.entries[..20]
+            .iter()
+            .filter_map(|e| match e {
+                DcpEntry::Tensor { dtype, .. } => Some(*dtype),
+                DcpEntry::Bytes { .. } => None,
+            })
+            .collect();
+        use DType::*;
+        assert_eq!(
+            dtypes,
+            [
+                F64, F32, F16, BF16, F8E4M3, F8E5M2, I64, I32, I16, I8, U64, U32, U16, U8, Bool,
+                F32, F32, F32, F32, F32
+            ]
+        );
+        assert_eq!(
+            tensor(&meta, "model.f64"),
+            (&F64, &[2, 3][..], &[chunk(&[0, 0], &[2, 3])][..])
+        );
+        assert_eq!(
+            tensor(&meta, "model.bf16"),
+            (&BF16, &[3, 1, 2][..], &[chunk(&[0, 0, 0], &[3, 1, 2])][..])
+        );
+        assert_eq!(
+            tensor(&meta, "model.scalar"),
+            (&F32, &[][..], &[chunk(&[], &[])][..])
+        );
+        assert_eq!(
+            tensor(&meta, "model.empty"),
+            (&F32, &[0, 4][..], &[chunk(&[0, 0], &[0, 4])][..])
+        );
+        assert_eq!(
+            tensor(&meta, "model.view"),
+            (&F32, &[4, 3][..], &[chunk(&[0, 0], &[4, 3])][..])
+        );
+
+        assert_eq!(meta.storage.len(), 25);
+        let first = &meta.storage[0];
+        assert_eq!(
+            first.0,
+            MetadataIndex {
+                fqn: "train_state.step".into(),
+                offset: None,
+                index: None
+            }
+        );
+        assert_eq!(first.1, info("__0_0.distcp", 0, 1261, &[]));
+        let (index, at) = storage(&meta, "model.f64", Some(&[0, 0]));
+        assert_eq!(index.index, Some(0));
+        assert_eq!(at, &info("__0_0.distcp", 6305, 1577, &[]));
+        assert_eq!(
+            storage(&meta, "model.scalar", Some(&[])).1,
+            info("__0_0.distcp", 29960, 1577, &[])
+        );
+        assert_eq!(
+            storage(&meta, "model.empty", Some(&[0, 0])).1,
+            info("__0_0.distcp", 31537, 1513, &[])
+        );
+        assert_eq!(
+            storage(&meta, "model.view", Some(&[0, 0])).1,
+            info("__0_0.distcp", 36204, 1577, &[])
+        );
+
+        assert_eq!(meta.planner_data.len(), 25);
+        let planned = |f: &str| {
+            meta.planner_data
+                .iter()
+                .find(|(k, _)| k == f)
+                .map(|(_, p)| p.clone())
+        };
+        assert_eq!(planned("model.f64"), Some(key(&["model", "f64"])));
+        assert_eq!(
+            planned("model.layers.0"),
+            Some(key(&["model", "layers", "0"]))
+        );
+        assert_eq!(
+            planned("model.layers.1.w"),
+            Some(key(&["model", "layers", "1", "w"]))
+        );
+        assert_eq!(planned("epoch"), Some(key(&["epoch"])));
+        assert_eq!(meta.version.as_deref(), Some("1.0.0"));
+    }
+
+    #[test]
+    fn four_rank_dtensor_save_parses_exactly() {
+        let meta = parse(SHARDED4).unwrap();
+        let c = chunk;
+        assert_eq!(
+            tensor(&meta, "w0"),
+            (
+                &DType::F32,
+                &[10, 3][..],
+                &[
+                    c(&[0, 0], &[3, 3]),
+                    c(&[3, 0], &[3, 3]),
+                    c(&[6, 0], &[3, 3]),
+                    c(&[9, 0], &[1, 3])
+                ][..]
+            )
+        );
+        assert_eq!(
+            tensor(&meta, "w1"),
+            (
+                &DType::BF16,
+                &[3, 7][..],
+                &[
+                    c(&[0, 0], &[3, 2]),
+                    c(&[0, 2], &[3, 2]),
+                    c(&[0, 4], &[3, 2]),
+                    c(&[0, 6], &[3, 1])
+                ][..]
+            )
+        );
+        // torch records rank 3's empty piece of a 2-element tensor split four ways.
+        assert_eq!(
+            tensor(&meta, "tiny"),
+            (
+                &DType::F32,
+                &[2][..],
+                &[c(&[0], &[1]), c(&[1], &[1]), c(&[2], &[0])][..]
+            )
+        );
+        assert_eq!(
+            tensor(&meta, "grid"),
+            (
+                &DType::F32,
+                &[5, 6][..],
+                &[
+                    c(&[0, 0], &[3, 3]),
+                    c(&[0, 3], &[3, 3]),
+                    c(&[3, 0], &[2, 3]),
+                    c(&[3, 3], &[2, 3])
+                ][..]
+            )
+        );
+        assert_eq!(
+            tensor(&meta, "rep"),
+            (&DType::F32, &[4][..], &[c(&[0], &[4])][..])
+        );
+        assert_eq!(
+            tensor(&meta, "plain"),
+            (&DType::I64, &[4][..], &[c(&[0], &[4])][..])
+        );
+        assert!(meta
+            .entries
+            .contains(&DcpEntry::Bytes { fqn: "step".into() }));
+
+        assert_eq!(meta.storage.len(), 18);
+        let (index, at) = storage(&meta, "w0", Some(&[3, 0]));
+        assert_eq!(index.index, Some(1));
+        assert_eq!(at, &info("__1_0.distcp", 0, 1577, &[]));
+        assert_eq!(
+            storage(&meta, "grid", Some(&[3, 3])).1,
+            info("__3_0.distcp", 5928, 1577, &[])
+        );
+        assert_eq!(
+            storage(&meta, "tiny", Some(&[2])).1,
+            info("__3_0.distcp", 4415, 1513, &[])
+        );
+        assert_eq!(
+            storage(&meta, "rep", Some(&[0])).1,
+            info("__1_0.distcp", 4731, 1577, &[])
+        );
+        assert_eq!(
+            storage(&meta, "step", None).1,
+            info("__3_0.distcp", 0, 1261, &[])
+        );
+        assert_eq!(
+            meta.planner_data.first(),
+            Some(&("w0".to_string(), key(&["w0"])))
+        );
+    }
+
+    #[test]
+    fn transform_descriptors_are_kept() {
+        let meta = parse(ZSTD).unwrap();
+        assert_eq!(
+            storage(&meta, "note.k", None).1,
+            info("__0_0.distcp", 0, 459, &["stream.zstd/1"])
+        );
+        assert_eq!(
+            storage(&meta, "w", Some(&[0, 0])).1,
+            info("__0_0.distcp", 459, 646, &["stream.zstd/1"])
+        );
+        assert_eq!(
+            tensor(&meta, "w"),
+            (&DType::F32, &[2, 3][..], &[chunk(&[0, 0], &[2, 3])][..])
+        );
+    }
+
+    #[test]
+    fn older_class_paths_and_five_tuple_properties_parse() {
+        let meta = parse(LEGACY).unwrap();
+        assert_eq!(
+            tensor(&meta, "a"),
+            (&DType::F32, &[2, 2][..], &[chunk(&[0, 0], &[2, 2])][..])
+        );
+        assert!(meta
+            .entries
+            .contains(&DcpEntry::Bytes { fqn: "b.c".into() }));
+        assert_eq!(
+            storage(&meta, "a", Some(&[0, 0])).1,
+            info("__0_0.distcp", 1261, 1577, &[])
+        );
+        assert_eq!(meta.version, None);
+    }
+
+    #[test]
+    fn parse_write_parse_is_identity() {
+        for real in [SINGLE, SHARDED4, ZSTD, LEGACY] {
+            let meta = parse(real).unwrap();
+            let written = write(&meta);
+            assert_eq!(parse(&written).unwrap(), meta);
+            // Deterministic, so a rewritten checkpoint is byte-stable.
+            assert_eq!(write(&parse(&written).unwrap()), written);
+        }
+    }
+
+    #[test]
+    fn written_file_uses_torch_classes_at_protocol_4() {
+        let written = write(&parse(SHARDED4).unwrap());
+        assert_eq!(written.get(..3), Some(&[0x80, 4, 0x95][..]));
+        let tree = pickle::read(&written, &DcpGlobals, Limits::default()).unwrap();
+        assert_eq!(tree.class(), Some((META, "Metadata")));
+        let state = tree.state().unwrap();
+        let keys: Vec<&str> = state
+            .as_dict()
+            .unwrap()
+            .iter()
+            .filter_map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "state_dict_metadata",
+                "planner_data",
+                "storage_data",
+                "storage_meta",
+                "version"
+            ]
+        );
+        let props = state
+            .get("state_dict_metadata")
+            .and_then(|d| d.get("w1"))
+            .and_then(Value::state);
+        let props = props
+            .and_then(|s| s.get("properties"))
+            .and_then(Value::state)
+            .unwrap();
+        let Value::Tuple(items) = props else {
+            panic!("properties state is {props:?}")
+        };
+        assert_eq!(items.len(), 6);
+        assert_eq!(items.first(), Some(&Value::global("torch", "bfloat16")));
+        // Strides of the first chunk, [3, 2], as torch records the saving rank's shard.
+        assert_eq!(
+            items.get(5),
+            Some(&Value::Tuple(vec![Value::Int(2), Value::Int(1)]))
+        );
+    }
+
+    /// A `Metadata` whose state is `{"version": callable(*args)}`.
+    fn metadata_calling(module: &str, name: &str, args: Vec<Value>) -> Vec<u8> {
+        let call = reduce(module, name, args);
+        pickle::write(
+            &new_obj(
+                META,
+                "Metadata",
+                Some(Value::Dict(vec![field("version", call)])),
+            ),
+            Protocol::V4,
+        )
+    }
+
+    #[test]
+    fn foreign_globals_are_refused_by_name() {
+        let evil = metadata_calling(
+            "posix",
+            "system",
+            vec![Value::Str("touch /tmp/pwned".into())],
+        );
+        let err = parse(&evil).unwrap_err();
+        assert!(err.message.contains("`posix.system`"), "{err}");
+        assert!(err.hint.is_some());
+        let err = parse(&metadata_calling("builtins", "eval", vec![])).unwrap_err();
+        assert!(err.message.contains("`builtins.eval`"), "{err}");
+    }
+
+    #[test]
+    fn unsupported_dtype_names_the_tensor() {
+        // `uint16` and `bits16` have the same length, so the pickle stays well formed.
+        let mut bytes = SINGLE.to_vec();
+        let at = bytes
+            .windows(8)
+            .position(|w| w == b"\x8c\x06uint16")
+            .unwrap();
+        bytes[at + 2..at + 8].copy_from_slice(b"bits16");
+        let err = parse(&bytes).unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("model.u16"));
+        assert!(err.to_string().contains("`torch.bits16`"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_fields_are_errors() {
+        let good = parse(SHARDED4).unwrap();
+        let mut bad = good.clone();
+        if let Some(DcpEntry::Tensor { chunks, .. }) = bad.entries.first_mut() {
+            chunks[0].offsets = vec![9, 1];
+        }
+        let err = parse(&write(&bad)).unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("w0"));
+        let mut bad = good.clone();
+        bad.storage[0].1.relative_path = "../../etc/passwd".into();
+        assert!(parse(&write(&bad))
+            .unwrap_err()
+            .message
+            .contains("outside the checkpoint directory"));
+        let mut bad = good;
+        if let Some(DcpEntry::Tensor { size, .. }) = bad.entries.first_mut() {
+            *size = vec![1 << 62, 1 << 62];
+        }
+        assert!(parse(&write(&bad)).is_err());
+        assert!(parse(b"\x80\x04}.")
+            .unwrap_err()
+            .message
+            .contains("not a DCP `Metadata`"));
+        let truncated = parse(&SINGLE[..100]).unwrap_err();
+        assert_eq!(truncated.offset, Some(100));
+    }
+
+    #[test]
+    fn repeated_storage_keys_keep_the_last_value() {
+        let mut meta = parse(ZSTD).unwrap();
+        let mut again = meta.storage[0].clone();
+        again.0.index = Some(7);
+        again.1.offset = 99;
+        meta.storage.push(again);
+        let parsed = parse(&write(&meta)).unwrap();
+        assert_eq!(parsed.storage.len(), 2);
+        assert_eq!(parsed.storage[0].0.index, None);
+        assert_eq!(parsed.storage[0].1.offset, 99);
+    }
+
+    /// Writes `write(parse(real))` over copies of the fixture directories named in
+    /// `CKPT_DCP_WRITE_DIR` (`single,sharded4,...`), for loading by hand with torch:
+    /// `CKPT_DCP_WRITE_DIR=/tmp/out cargo test --lib metadata -- --ignored`.
+    #[test]
+    #[ignore]
+    fn write_for_torch() {
+        let Ok(dir) = std::env::var("CKPT_DCP_WRITE_DIR") else {
+            return;
+        };
+        for (name, real) in [
+            ("single", SINGLE),
+            ("sharded4", SHARDED4),
+            ("zstd", ZSTD),
+            ("legacy", LEGACY),
+        ] {
+            let path = std::path::Path::new(&dir).join(name);
+            if path.is_dir() {
+                std::fs::write(path.join(".metadata"), write(&parse(real).unwrap())).unwrap();
+            }
+        }
+    }
+
+    /// One random edit of a byte string: overwrite, insert, delete, or cut.
+    fn mutate(bytes: &mut Vec<u8>, op: u8, at: usize, b: u8) {
+        let at = at % (bytes.len() + 1);
+        match op % 4 {
+            0 if at < bytes.len() => bytes[at] = b,
+            1 => bytes.insert(at, b),
+            2 if at < bytes.len() => {
+                bytes.remove(at);
+            }
+            _ => bytes.truncate(at),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1500))]
+
+        #[test]
+        fn mutated_real_files_never_panic(
+            which in 0usize..4,
+            edits in prop::collection::vec((any::<u8>(), any::<usize>(), any::<u8>()), 1..6),
+        ) {
+            let mut bytes = [SINGLE, SHARDED4, ZSTD, LEGACY][which].to_vec();
+            for (op, at, b) in edits {
+                mutate(&mut bytes, op, at, b);
+            }
+            let _ = parse(&bytes);
+        }
+    }
+}

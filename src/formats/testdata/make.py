@@ -38,7 +38,8 @@ torch.save(torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), buf)
 open("bare.pt", "wb").write(buf.getvalue())
 
 # A training checkpoint: module state dict (OrderedDict with `_metadata`), optimizer state with int
-# keys, a Parameter, a 0-dim tensor, nested plain data.
+# keys, a Parameter, a 0-dim tensor, an empty tensor (an empty record: no data descriptor), nested
+# plain data.
 lin = torch.nn.Linear(2, 3)
 torch.save(
     {
@@ -51,6 +52,7 @@ torch.save(
         "name": "run-1",
         "cfg": {"lr": 1e-3, "tags": ["a", "b"], "empty": {}, "none": None},
         "param": torch.nn.Parameter(torch.ones(2)),
+        "empty": torch.zeros(0, 3),
     },
     "nested.pt",
 )

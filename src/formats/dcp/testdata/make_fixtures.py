@@ -96,14 +96,13 @@ def legacy(out):
     st_meta.TensorProperties.__getstate__ = lambda self: (
         self.dtype, self.layout, self.requires_grad, st_meta.MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, self.pin_memory)
     del md.storage_meta, md.version
-    for mod, old in [(metadata, "torch.distributed._shard.checkpoint.metadata"),
-                     (filesystem, "torch.distributed._shard.checkpoint.filesystem")]:
+    classes = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex"]
+    for mod, old, names in [(metadata, "torch.distributed._shard.checkpoint.metadata", classes),
+                            (filesystem, "torch.distributed._shard.checkpoint.filesystem", ["_StorageInfo"])]:
         fake = types.ModuleType(old)
-        for name in ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "MetadataIndex", "_StorageInfo"]:
-            if hasattr(mod, name):
-                getattr(mod, name).__module__ = old
-                setattr(fake, name, getattr(mod, name))
+        for name in names:
+            getattr(mod, name).__module__ = old
+            setattr(fake, name, getattr(mod, name))
         sys.modules[old] = fake
     with open(os.path.join(out, ".metadata"), "wb") as f:
         pickle.dump(md, f, protocol=4)
