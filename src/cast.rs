@@ -29,7 +29,7 @@ pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
     while done < n {
         let k = (n - done).min(tmp.len());
         decode(&src[done * ss..(done + k) * ss], from, &mut tmp[..k]);
-        encode(&tmp[..k], &mut dst[done * ds..(done + k) * ds], to);
+        encode(&tmp[..k], &mut dst[done * ds..(done + k) * ds], to, bf16_nan(from));
         done += k;
     }
 }
@@ -72,7 +72,18 @@ fn decode(src: &[u8], from: DType, out: &mut [f32]) {
     }
 }
 
-fn encode(vals: &[f32], dst: &mut [u8], to: DType) {
+/// The bf16 NaN torch produces from `from`. Its vectorised f32 (and f64, which goes through f32)
+/// kernel turns every NaN into all-ones; other sources go through the scalar `c10::BFloat16`
+/// constructor, which gives the canonical quiet NaN. Both observed with torch 2.15 on CPU and
+/// pinned by `tests/interop/test_cast.py`.
+fn bf16_nan(from: DType) -> u16 {
+    match from {
+        DType::F32 | DType::F64 => 0xFFFF,
+        _ => 0x7FC0,
+    }
+}
+
+fn encode(vals: &[f32], dst: &mut [u8], to: DType, nan_bf16: u16) {
     match to {
         DType::F32 => {
             for (v, d) in vals.iter().zip(dst.chunks_exact_mut(4)) {
@@ -86,7 +97,8 @@ fn encode(vals: &[f32], dst: &mut [u8], to: DType) {
         }
         DType::BF16 => {
             for (v, d) in vals.iter().zip(dst.chunks_exact_mut(2)) {
-                d.copy_from_slice(&f32_to_bf16(*v).to_le_bytes());
+                let b = if v.is_nan() { nan_bf16 } else { f32_to_bf16(*v) };
+                d.copy_from_slice(&b.to_le_bytes());
             }
         }
         DType::F16 => {
@@ -129,12 +141,14 @@ pub fn f32_to_bf16(v: f32) -> u16 {
 }
 
 /// `float8_e4m3fn`: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, NaN is S.1111.111.
+/// NaN decodes to the bits torch's `fp8e4m3fn_to_fp32_value` gives (sign kept, payload 0x700000),
+/// so a later cast to f16 carries the same payload torch's does.
 pub fn f8e4m3_to_f32(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
     let exp = (b >> 3) & 0x0F;
     let man = (b & 0x07) as f32;
     if exp == 0x0F && b & 0x07 == 0x07 {
-        return f32::NAN;
+        return f32::from_bits(((b as u32 & 0x80) << 24) | 0x7FF0_0000);
     }
     if exp == 0 {
         sign * man / 8.0 * 2f32.powi(-6)
