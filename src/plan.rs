@@ -397,9 +397,7 @@ impl<'a> Planner<'a> {
         let mut per_rank: Vec<Vec<(usize, Box)>> = vec![Vec::new(); world];
         let mut replicated_dims = Vec::new();
         for (i, t) in self.ckpt.tensors.iter().enumerate() {
-            let whole = t.shape.is_empty()
-                || t.numel() == Some(0)
-                || mesh.replicated.contains(&t.name);
+            let whole = t.shape.is_empty() || mesh.replicated.contains(&t.name);
             if whole {
                 per_rank[0].push((i, Box::whole(&t.shape)));
                 continue;
@@ -407,11 +405,12 @@ impl<'a> Planner<'a> {
             if mesh.placements.iter().any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len())) {
                 replicated_dims.push(t.name.as_str());
             }
-            // DCP stores a replicated box once; the lowest rank holding it writes it.
+            // DCP stores a replicated box once; the lowest rank holding it writes it. Empty boxes
+            // (trailing ranks of a short dim) are recorded too, as DTensor saves them.
             let mut seen = BTreeSet::new();
             for (rank, slot) in per_rank.iter_mut().enumerate() {
                 let b = local_box(&t.shape, &mesh.shape, &mesh.placements, rank);
-                if !b.is_empty() && seen.insert(b.clone()) {
+                if seen.insert(b.clone()) {
                     slot.push((i, b));
                 }
             }

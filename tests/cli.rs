@@ -350,3 +350,26 @@ fn a_manifest_from_a_sharded_checkpoint_checks_its_consolidated_output() {
     assert_eq!(code(&out), 1, "{text}");
     assert!(text.contains("does not match the manifest"), "{text}");
 }
+
+/// Resharding to the world size PyTorch saved with reproduces PyTorch's chunks exactly (empty
+/// trailing chunks included).
+#[test]
+fn reshard_reproduces_the_chunks_dtensor_saved() {
+    let env = TestEnv::new();
+    let want: Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("expected/dtypes.json")).unwrap()).unwrap();
+    let out_path = env.path("dtypes-4");
+    let out = ckpt(&[&"reshard", &fixtures().join("dtypes"), &"-o", &out_path, &"--world-size", &"4", &"-q"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let got = inspect_json(&out_path);
+    for t in got["tensors"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        let mut got_chunks: Vec<Value> =
+            t["pieces"].as_array().unwrap().iter().map(|p| serde_json::json!([p["offsets"], p["sizes"]])).collect();
+        let mut want_chunks = want["tensors"][name]["chunks"].as_array().unwrap().clone();
+        let key = |v: &Value| v.to_string();
+        got_chunks.sort_by_key(key);
+        want_chunks.sort_by_key(key);
+        assert_eq!(got_chunks, want_chunks, "{name}");
+    }
+}
