@@ -47,7 +47,7 @@ def table(cases):
         ratio = f"{med[k] / med[ref]:.2f}" if ref in med and med[ref] > 0 else "-"
         if ref == k:
             ratio = "1.00 (ref)"
-        gbs = f"{c['bytes'] / 1e9 / med[k]:.2f}" if c["bytes"] else "-"
+        gbs = f"{c['bytes'] / 1e9 / med[k]:.3g}" if c["bytes"] else "-"
         size = f"{c['group']} {c['bytes'] / 1e9:.2f} GB" if c["bytes"] else "-"
         anon = max(a for _, a, _ in c["runs"])
         hwm = max(h for _, _, h in c["runs"])

@@ -54,8 +54,9 @@ pub struct Archive {
     pub prefix: String,
     /// Every record, sorted by name.
     pub entries: Vec<ZipEntry>,
-    /// Each leaf of the saved object with the dict keys leading to it, in pickle order. A saved
-    /// bare tensor or value is one leaf with an empty path.
+    /// Each leaf of the saved object with the dict keys leading to it, in pickle order: str keys
+    /// are `KeyPart::Key`, int keys (optimizer state) `KeyPart::Index`. A saved bare tensor or
+    /// value is one leaf with an empty path.
     pub leaves: Vec<(Vec<KeyPart>, Leaf)>,
 }
 
@@ -78,7 +79,7 @@ pub fn read(bytes: &[u8]) -> Result<Archive> {
     // Every pickle starts with PROTO (0x80) from protocol 2 on; the legacy format is a pickle.
     if bytes.first() == Some(&0x80) {
         return Err(Error::invalid(
-            "this is a legacy (pre-1.6, non-zip) torch.save file, which ckpt does not read",
+            "this is a legacy (non-zip) torch.save file, written by torch < 1.6 or with `_use_new_zipfile_serialization=False`; ckpt reads only the zip format",
         )
         .at(0)
         .hint("re-save it with `torch.save(torch.load(path), path)` from torch >= 1.6, which writes the zip format"));
@@ -274,9 +275,13 @@ pub fn check_key_paths(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Result<()> {
 }
 
 /// The records of an archive in torch's order: `data.pkl`, the small metadata records, each
-/// storage (in the order given; torch writes them by first use in the pickle, keys `0`, `1`, ...),
-/// then `version` and `.data/serialization_id`. Storage records have no content: the caller
-/// writes their bytes at the offsets [`zip::layout`] gives.
+/// storage in the order given, then `version` and `.data/serialization_id`. Storage records have
+/// no content: the caller writes their bytes at the offsets [`zip::layout`] gives.
+///
+/// torch names storages `0`, `1`, ... in order of first use in `data.pkl` and writes them in that
+/// order, which `.format_version` 1 promises: `torch.load` with
+/// `torch.utils.serialization.config.load.calculate_storage_offsets` relies on it. Pass storages
+/// keyed and ordered that way for archives every torch reader accepts.
 pub fn records(prefix: &str, data_pkl: Vec<u8>, storages: &[(String, u64)]) -> Vec<ZipRecord> {
     // torch's id is 20 digits of a hash of every record's CRC plus 20 random digits; nothing reads
     // it back, and hashing what we know instead keeps our output reproducible.
@@ -1148,7 +1153,10 @@ mod tests {
     #[test]
     fn legacy_format_gets_a_hint() {
         let e = read_err(LEGACY);
-        assert!(e.message.contains("legacy (pre-1.6, non-zip)"), "{e}");
+        assert!(
+            e.message.contains("legacy (non-zip) torch.save file"),
+            "{e}"
+        );
         assert!(e.hint.unwrap().contains("torch.save"));
     }
 
@@ -1437,6 +1445,28 @@ mod tests {
     }
 
     #[test]
+    fn bytes_and_sets_use_protocol_2_calls() {
+        let value = Value::Tuple(vec![
+            Value::Bytes(vec![0, b'a', 0xff]),
+            Value::Set(vec![Value::Int(1)]),
+        ]);
+        let bytes = archive("x", data_pkl(&[(Vec::new(), WriteLeaf::Value(value))]), &[]);
+        let a = read(&bytes).unwrap();
+        let expected = Value::Tuple(vec![
+            obj(
+                "_codecs",
+                "encode",
+                vec![
+                    Value::Str("\u{0}a\u{ff}".into()),
+                    Value::Str("latin1".into()),
+                ],
+            ),
+            obj("builtins", "set", vec![Value::List(vec![Value::Int(1)])]),
+        ]);
+        assert_eq!(a.leaves, vec![(Vec::new(), Leaf::Value(expected))]);
+    }
+
+    #[test]
     fn conflicting_key_paths() {
         let v = |p: Vec<KeyPart>| (p, WriteLeaf::Value(Value::None));
         assert!(check_key_paths(&[v(path(&["a"])), v(path(&["b", "c"]))]).is_ok());
@@ -1501,11 +1531,15 @@ mod tests {
         fn mutated_archives_never_panic(
             edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
             in_pickle in any::<bool>(),
+            cut in prop::option::weighted(0.1, any::<prop::sample::Index>()),
         ) {
             let mut bytes = NESTED.to_vec();
             let range = if in_pickle { pkl_range() } else { 0..bytes.len() };
             for (at, byte) in edits {
                 bytes[range.start + at.index(range.len())] = byte;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.index(bytes.len()));
             }
             if let Ok(a) = read(&bytes) {
                 for (_, leaf) in &a.leaves {

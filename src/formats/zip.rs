@@ -158,7 +158,7 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
     let mut out = Literals::default();
     let mut data_offsets = Vec::with_capacity(records.len());
     let mut crc_slots = Vec::with_capacity(records.len());
-    // (name, local header offset, length, crc) for the central directory.
+    // (name, local header offset, length, crc, filled later) for the central directory.
     let mut placed = Vec::with_capacity(records.len());
 
     for record in records {
@@ -171,7 +171,8 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
         let name = record.name.as_bytes();
 
         // torch pads so that data starts on an alignment boundary, counting the zip64 field that
-        // miniz puts before the padding (`getPadding` in inline_container.cc).
+        // miniz puts before the padding and the padding field's own 4-byte header (`getPadding`
+        // in inline_container.cc).
         let unpadded = local_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64.len() as u64 + 4;
         let padding = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
 

@@ -1,0 +1,171 @@
+//! Property tests of the planner and executor on random checkpoints: every destination byte is
+//! written exactly once, and resharding N -> M -> K then consolidating gives back the input.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use ckpt::dtype::DType;
+use ckpt::exec::{self, ExecOptions, IoMode, NoProgress};
+use ckpt::geometry::Placement;
+use ckpt::model::{contiguous_strides, Checkpoint, DataRef, Encoding, Format, Piece, Tensor};
+use ckpt::plan::{self, MeshSpec, Plan, PlanOptions, Target};
+use proptest::prelude::*;
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop::sample::select(DType::ALL.to_vec())
+}
+
+/// Random tensors (name, dtype, shape) with small dims, zero-length ones and 0-dim ones included.
+fn tensors() -> impl Strategy<Value = Vec<(DType, Vec<u64>)>> {
+    prop::collection::vec((dtype(), prop::collection::vec(0u64..7, 0..4)), 1..6)
+}
+
+fn mesh() -> impl Strategy<Value = MeshSpec> {
+    (prop::collection::vec(1usize..4, 1..3), prop::collection::vec(0usize..4, 2)).prop_map(|(shape, dims)| {
+        let placements = shape
+            .iter()
+            .zip(&dims)
+            .map(|(_, &d)| if d == 3 { Placement::Replicate } else { Placement::Shard(d) })
+            .collect();
+        MeshSpec { shape, placements, replicated: Default::default() }
+    })
+}
+
+/// A FULL checkpoint model over one virtual file: tensors back to back, row-major.
+fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
+    let mut offset = 0;
+    let tensors = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (dtype, shape))| {
+            let piece = Piece {
+                offsets: vec![0; shape.len()],
+                sizes: shape.clone(),
+                data: DataRef {
+                    file: PathBuf::from("data"),
+                    offset,
+                    strides: contiguous_strides(shape),
+                    encoding: Encoding::Raw,
+                },
+            };
+            offset += shape.iter().product::<u64>() * dtype.size() as u64;
+            Tensor { name: format!("t{i}"), key_path: vec![], dtype: *dtype, shape: shape.clone(), pieces: vec![piece] }
+        })
+        .collect();
+    Checkpoint { root: PathBuf::from("/nonexistent"), format: Format::Safetensors, world_size: None, tensors, values: vec![] }
+}
+
+/// How many times each byte of each destination file is written by `plan`.
+fn write_counts(plan: &Plan) -> Vec<Vec<u32>> {
+    plan.files
+        .iter()
+        .map(|f| {
+            let mut count = vec![0u32; f.len as usize];
+            fn mark(count: &mut [u32], from: u64, len: u64) {
+                for c in &mut count[from as usize..(from + len) as usize] {
+                    *c += 1;
+                }
+            }
+            for (at, bytes) in &f.literals {
+                mark(&mut count, *at, bytes.len() as u64);
+            }
+            for r in &f.regions {
+                // Each element of the region must be filled by exactly one fill.
+                let strides = contiguous_strides(&r.shape);
+                let elem = r.dtype.size() as u64;
+                for fill in &r.fills {
+                    let n: u64 = fill.sizes.iter().product();
+                    for k in 0..n {
+                        let mut rest = k;
+                        let mut at = 0;
+                        for d in (0..fill.sizes.len()).rev() {
+                            let i = rest % fill.sizes[d];
+                            rest /= fill.sizes[d];
+                            at += (fill.start[d] + i) * strides[d];
+                        }
+                        mark(&mut count, r.offset + at * elem, elem);
+                    }
+                }
+            }
+            count
+        })
+        .collect()
+}
+
+fn targets(mesh: MeshSpec) -> Vec<Target> {
+    vec![
+        Target::Safetensors { file_name: "m.safetensors".into() },
+        Target::SafetensorsSplit { max_shard_bytes: 40 },
+        Target::TorchSave { file_name: "m.bin".into() },
+        Target::Dcp(mesh.clone()),
+        Target::DcpSafetensors(mesh),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_destination_byte_is_written_exactly_once(specs in tensors(), mesh in mesh(), cast in any::<bool>()) {
+        let model = full_model(&specs);
+        let opts = PlanOptions { cast: cast.then_some(DType::BF16) };
+        for target in targets(mesh.clone()) {
+            let plan = plan::plan(&model, &target, &opts).unwrap();
+            for (f, counts) in plan.files.iter().zip(write_counts(&plan)) {
+                // A CRC is patched into framing bytes (a literal) after its region is written.
+                for slot in f.regions.iter().flat_map(|r| &r.crc_slots) {
+                    prop_assert!(f.literals.iter().any(|(at, b)| *at <= *slot && slot + 4 <= at + b.len() as u64));
+                }
+                let bad = counts.iter().position(|&c| c != 1);
+                prop_assert!(bad.is_none(), "{target:?}: `{}` byte {bad:?} written {:?} times", f.path.display(), bad.map(|b| counts[b]));
+            }
+        }
+    }
+}
+
+fn run(input: &Path, output: &Path, target: Target) {
+    let ckpt = ckpt::detect::read(input).unwrap();
+    let plan = plan::plan(&ckpt, &target, &PlanOptions::default()).unwrap();
+    std::fs::create_dir_all(output).unwrap();
+    let dest: Vec<PathBuf> = plan.files.iter().map(|f| output.join(&f.path)).collect();
+    let cancel = AtomicBool::new(false);
+    let opts = ExecOptions { threads: 2, io: IoMode::Mmap, progress: &NoProgress, cancel: &cancel };
+    exec::execute(&plan, &dest, &opts).unwrap();
+}
+
+fn world(n: usize) -> MeshSpec {
+    MeshSpec { shape: vec![n], placements: vec![Placement::Shard(0)], replicated: Default::default() }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn resharding_n_m_k_then_consolidating_is_the_identity(
+        specs in tensors(),
+        n in 1usize..6, m in mesh(), k in 1usize..6,
+        seed in any::<u64>(),
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        // A FULL safetensors input with random bytes.
+        let entries: Vec<(String, DType, Vec<u64>)> =
+            specs.iter().enumerate().map(|(i, (d, s))| (format!("t{i}"), *d, s.clone())).collect();
+        let (header, ranges) = ckpt::formats::safetensors::header_bytes(&entries, &[]);
+        let data_len = ranges.last().map_or(0, |r| r.1) as usize;
+        let mut state = seed | 1;
+        let data: Vec<u8> = (0..data_len).map(|_| { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state as u8 }).collect();
+        let input = tmp.path().join("in.safetensors");
+        std::fs::write(&input, [header, data.clone()].concat()).unwrap();
+
+        let (a, b, c, full) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("c"), tmp.path().join("full"));
+        run(&input, &a, Target::Dcp(world(n)));
+        run(&a, &b, Target::DcpSafetensors(m));
+        run(&b, &c, Target::Dcp(world(k)));
+        run(&c, &full, Target::Safetensors { file_name: "out.safetensors".into() });
+        let out = std::fs::read(full.join("out.safetensors")).unwrap();
+        prop_assert_eq!(&out[out.len() - data_len..], &data[..]);
+        let back = ckpt::detect::read(&full.join("out.safetensors")).unwrap();
+        let shapes: Vec<(DType, Vec<u64>)> = back.tensors.iter().map(|t| (t.dtype, t.shape.clone())).collect();
+        prop_assert_eq!(shapes, specs);
+    }
+}
