@@ -26,21 +26,22 @@ pub enum DType {
     Bool,
 }
 
-/// (dtype, safetensors code, torch dtype attribute, torch.save storage class)
+/// (dtype, safetensors code, torch dtype attribute, torch.save legacy storage class or "" where torch
+/// has none: fp8 and wide unsigned tensors are saved as `UntypedStorage` with `_rebuild_tensor_v3`)
 const TABLE: &[(DType, &str, &str, &str)] = &[
     (DType::F64, "F64", "float64", "DoubleStorage"),
     (DType::F32, "F32", "float32", "FloatStorage"),
     (DType::F16, "F16", "float16", "HalfStorage"),
     (DType::BF16, "BF16", "bfloat16", "BFloat16Storage"),
-    (DType::F8E4M3, "F8_E4M3", "float8_e4m3fn", "Float8_e4m3fnStorage"),
-    (DType::F8E5M2, "F8_E5M2", "float8_e5m2", "Float8_e5m2Storage"),
+    (DType::F8E4M3, "F8_E4M3", "float8_e4m3fn", ""),
+    (DType::F8E5M2, "F8_E5M2", "float8_e5m2", ""),
     (DType::I64, "I64", "int64", "LongStorage"),
     (DType::I32, "I32", "int32", "IntStorage"),
     (DType::I16, "I16", "int16", "ShortStorage"),
     (DType::I8, "I8", "int8", "CharStorage"),
-    (DType::U64, "U64", "uint64", "UInt64Storage"),
-    (DType::U32, "U32", "uint32", "UInt32Storage"),
-    (DType::U16, "U16", "uint16", "UInt16Storage"),
+    (DType::U64, "U64", "uint64", ""),
+    (DType::U32, "U32", "uint32", ""),
+    (DType::U16, "U16", "uint16", ""),
     (DType::U8, "U8", "uint8", "ByteStorage"),
     (DType::Bool, "BOOL", "bool", "BoolStorage"),
 ];
@@ -120,13 +121,14 @@ impl DType {
             .or_else(|| TORCH_ALIASES.iter().find(|a| a.0 == name).map(|a| a.1))
     }
 
-    /// The legacy storage class torch.save names in `data.pkl`, e.g. `FloatStorage`.
-    pub fn storage_class(self) -> &'static str {
-        self.row().3
+    /// The legacy storage class torch.save names in `data.pkl`, e.g. `FloatStorage`; `None` for the
+    /// dtypes torch saves through `UntypedStorage` instead.
+    pub fn storage_class(self) -> Option<&'static str> {
+        Some(self.row().3).filter(|c| !c.is_empty())
     }
 
     pub fn from_storage_class(name: &str) -> Option<DType> {
-        TABLE.iter().find(|r| r.3 == name).map(|r| r.0)
+        TABLE.iter().find(|r| !r.3.is_empty() && r.3 == name).map(|r| r.0)
     }
 
     /// Parse a user-facing name: a safetensors code or a torch name, any case (`bf16`, `bfloat16`).
@@ -152,7 +154,9 @@ mod tests {
         for d in DType::ALL {
             assert_eq!(DType::from_safetensors_code(d.safetensors_code()), Some(d));
             assert_eq!(DType::from_torch_name(d.torch_name()), Some(d));
-            assert_eq!(DType::from_storage_class(d.storage_class()), Some(d));
+            if let Some(class) = d.storage_class() {
+                assert_eq!(DType::from_storage_class(class), Some(d));
+            }
         }
         assert_eq!(TABLE.len(), DType::ALL.len());
     }

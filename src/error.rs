@@ -81,6 +81,13 @@ impl Error {
         self
     }
 
+    /// Make an offset relative to an embedded item absolute: add `base` to it, or set `base` when
+    /// the error had none.
+    pub fn within(mut self, base: u64) -> Error {
+        self.offset = Some(self.offset.map_or(base, |o| o.saturating_add(base)));
+        self
+    }
+
     pub fn hint(mut self, hint: impl Into<String>) -> Error {
         if self.hint.is_none() {
             self.hint = Some(hint.into());

@@ -15,7 +15,7 @@ use crate::formats::dcp::metadata::{
 };
 use crate::formats::{dcp, hf_index, safetensors, torch_save, zip};
 use crate::geometry::{self, local_box, Box, Placement};
-use crate::model::{contiguous_strides, Checkpoint, Encoding, NonTensor, Tensor};
+use crate::model::{Checkpoint, Encoding, NonTensor, Tensor};
 
 /// Everything needed to write one output: files, and where each byte comes from.
 #[derive(Clone, Debug, Default)]
@@ -343,6 +343,8 @@ impl<'a> Planner<'a> {
             .filter(|s| !s.is_empty())
             .unwrap_or("archive")
             .to_string();
+        // Key paths must nest into one dict tree (`a` cannot be both a tensor and a dict).
+        torch_save::check_key_paths(&items)?;
         let records = torch_save::records(&prefix, torch_save::data_pkl(&items), &storages);
         let mut file = FilePlan { path: PathBuf::from(file_name), ..FilePlan::default() };
         let regions = self.archive_into(&mut file, 0, &records, |planner, key| {
@@ -598,9 +600,4 @@ fn check_tensor(t: &Tensor) -> Result<()> {
             .hint("run `ckpt verify` on the input for details"));
     }
     Ok(())
-}
-
-/// Contiguous element strides for a box (re-exported for writers and tests).
-pub fn strides_of(shape: &[u64]) -> Vec<u64> {
-    contiguous_strides(shape)
 }

@@ -883,17 +883,13 @@ fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
     let strides = crate::model::contiguous_strides(shape);
     // torch keeps legacy storage classes for the dtypes that have one, and uses untyped storages
     // (sized in bytes) plus `_rebuild_tensor_v3` for the rest.
-    let typed = !matches!(
-        dtype,
-        DType::F8E4M3 | DType::F8E5M2 | DType::U16 | DType::U32 | DType::U64
-    );
-    let (class, storage_numel) = if typed {
-        (Value::global("torch", dtype.storage_class()), numel)
-    } else {
-        (
+    let typed = dtype.storage_class();
+    let (class, storage_numel) = match typed {
+        Some(class) => (Value::global("torch", class), numel),
+        None => (
             Value::global("torch.storage", "UntypedStorage"),
             numel.saturating_mul(dtype.size() as u64),
-        )
+        ),
     };
     let storage = Value::PersistentId(Box::new(Value::Tuple(vec![
         Value::Str("storage".into()),
@@ -918,7 +914,7 @@ fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
         Value::Bool(false),
         backward_hooks,
     ];
-    let function = if typed {
+    let function = if typed.is_some() {
         "_rebuild_tensor_v2"
     } else {
         args.push(Value::global("torch", dtype.torch_name()));

@@ -169,7 +169,16 @@ impl<'a> Files<'a> {
         } else {
             item
         };
-        let archive = torch_save::read(archive_bytes).map_err(|e| e.file(&path).at(info.offset))?;
+        // Offsets inside a plain item are file offsets once shifted; inside a compressed one they
+        // mean nothing on disk, so the item's own offset is the useful position.
+        let archive = torch_save::read(archive_bytes).map_err(|e| {
+            let e = e.file(&path);
+            if zstd {
+                Error { offset: Some(info.offset), ..e }
+            } else {
+                e.within(info.offset)
+            }
+        })?;
         let saved = match archive.leaves.as_slice() {
             [(key, Leaf::Tensor(t))] if key.is_empty() => t,
             _ => {
