@@ -207,16 +207,23 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
             } else {
                 for p in &report.problems {
                     println!("{}", p.line());
+                    if let Some(hint) = &p.hint {
+                        println!("  hint: {hint}");
+                    }
                 }
                 let verdict = if report.is_sound() { "sound" } else { "NOT sound" };
-                println!(
-                    "{}: {verdict} ({} tensors, {} pieces, {}{})",
-                    path.display(),
-                    report.tensors,
-                    report.pieces,
-                    human_bytes(report.bytes),
-                    if deep { ", every byte read" } else { "" }
-                );
+                if report.format.is_none() {
+                    println!("{}: {verdict} (it could not be read)", path.display());
+                } else {
+                    println!(
+                        "{}: {verdict} ({} tensors, {} pieces, {}{})",
+                        path.display(),
+                        report.tensors,
+                        report.pieces,
+                        human_bytes(report.bytes),
+                        if deep { ", every byte read" } else { "" }
+                    );
+                }
             }
             Ok(if report.is_sound() { 0 } else { 1 })
         }
@@ -345,11 +352,11 @@ fn convert_with(
         let secs = started.elapsed().as_secs_f64();
         let bytes = plan.data_bytes();
         eprintln!(
-            "wrote {} tensors ({}) to `{}` in {} files, {:.2} s, {}/s",
+            "wrote {} tensors to `{}`: {} files, {} copied in {:.2} s ({}/s)",
             ckpt.tensors.len(),
-            human_bytes(bytes),
             final_path.display(),
             plan.files.len(),
+            human_bytes(bytes),
             secs,
             human_bytes((bytes as f64 / secs.max(1e-9)) as u64)
         );
