@@ -355,6 +355,22 @@ fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathB
     let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
     let len = crate::model::numel(&u.sizes).unwrap_or(0) * de;
     let dest_offset = r.offset + first * de;
+    if let (Some((file, path)), Some(runs)) = (out, direct_runs(u, r, &rstrides, sources)) {
+        let want_crc = !r.crc_slots.is_empty();
+        let mut crc = crc32fast::Hasher::new();
+        let mut copied = 0;
+        for (src, src_offset, at, n) in runs {
+            let part = copy_direct(src, src_offset, file, path, dest_offset + at, n, want_crc)
+                .map_err(|e| e.tensor(&r.name))?;
+            crc.combine(&crc32fast::Hasher::new_with_initial_len(part, n));
+            copied += n;
+        }
+        if copied != len {
+            return Err(Error::invalid(format!("internal: {copied} of {len} bytes of a block were filled"))
+                .tensor(&r.name));
+        }
+        return Ok(UnitResult { len, crc: crc.finalize(), xxh3: 0, nan: 0, inf: 0 });
+    }
     BUFFERS.with(|bufs| {
         let (buf, scratch) = &mut *bufs.borrow_mut();
         buf.resize(len as usize, 0);
@@ -386,17 +402,20 @@ fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathB
     })
 }
 
-/// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
-/// of destination bytes written.
-fn gather(
-    fill: &Fill,
-    r: &Region,
-    u: &Unit,
-    rstrides: &[u64],
-    sources: &[Source],
-    buf: &mut [u8],
-    scratch: &mut Vec<u8>,
-) -> Result<u64> {
+/// Where the part of a fill that falls in a unit lies: `outer` leading dims iterated with an
+/// odometer, each step one contiguous `run` of elements on both sides.
+struct Span {
+    /// Source byte offset of the first element.
+    src0: u64,
+    /// Byte offset of the first element within the unit.
+    dst0: u64,
+    ext: Vec<u64>,
+    outer: usize,
+    run: u64,
+}
+
+/// The part of `fill` inside unit `u`, or `None` when they do not meet.
+fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
     let nd = r.shape.len();
     let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
     // Intersect the fill's box with the unit's box, in region coordinates.
@@ -406,15 +425,13 @@ fn gather(
         let a = fill.start[d].max(u.start[d]);
         let b = (fill.start[d] + fill.sizes[d]).min(u.start[d] + u.sizes[d]);
         if b <= a {
-            return Ok(0);
+            return None;
         }
         lo[d] = a;
         ext[d] = b - a;
     }
-    let src0 = fill.offset
-        + se * (0..nd).map(|d| (lo[d] - fill.start[d]) * fill.strides[d]).sum::<u64>();
+    let src0 = fill.offset + se * (0..nd).map(|d| (lo[d] - fill.start[d]) * fill.strides[d]).sum::<u64>();
     let dst0 = de * (0..nd).map(|d| (lo[d] - u.start[d]) * rstrides[d]).sum::<u64>();
-
     // Merge trailing dims that are contiguous on both sides into one run.
     let mut run = 1u64;
     let mut outer = nd;
@@ -429,6 +446,24 @@ fn gather(
             break;
         }
     }
+    Some(Span { src0, dst0, ext, outer, run })
+}
+
+/// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
+/// of destination bytes written.
+fn gather(
+    fill: &Fill,
+    r: &Region,
+    u: &Unit,
+    rstrides: &[u64],
+    sources: &[Source],
+    buf: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<u64> {
+    let Some(Span { src0, dst0, ext, outer, run }) = span(fill, r, u, rstrides) else {
+        return Ok(0);
+    };
+    let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
     let src = source_of(fill, sources)?;
     let mut idx = vec![0u64; outer];
     let mut total = 0u64;
@@ -460,6 +495,100 @@ fn gather(
             idx[d] = 0;
         }
     }
+}
+
+/// The plain source byte ranges a unit is an exact copy of, as (source, source offset, offset in
+/// the unit, bytes) in unit order, when every fill meeting the unit is one contiguous run of the
+/// same dtype. Such units skip the buffer.
+fn direct_runs<'a>(u: &Unit, r: &Region, rstrides: &[u64], sources: &'a [Source]) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
+    let de = r.dtype.size() as u64;
+    let mut runs = Vec::new();
+    for fill in &r.fills {
+        let Some(sp) = span(fill, r, u, rstrides) else { continue };
+        if sp.outer != 0 || fill.dtype != r.dtype || fill.encoding != Encoding::Raw {
+            return None;
+        }
+        runs.push((sources.get(fill.input)?, sp.src0, sp.dst0, sp.run * de));
+    }
+    runs.sort_by_key(|r| r.2);
+    Some(runs)
+}
+
+/// Copy `len` bytes from `src` at `src_offset` to `out` at `dest_offset` without a user-space
+/// buffer: `copy_file_range` when no checksum is needed (the kernel moves page-cache pages, or
+/// shares extents on filesystems that can), else a write straight from the memory map. Returns the
+/// CRC-32 when `crc` is set.
+fn copy_direct(
+    src: &Source,
+    src_offset: u64,
+    out: &File,
+    out_path: &Path,
+    dest_offset: u64,
+    len: u64,
+    crc: bool,
+) -> Result<u32> {
+    if !crc {
+        copy_range(src, src_offset, out, out_path, dest_offset, len)?;
+        return Ok(0);
+    }
+    let mapped = src.map.as_ref().and_then(|map| {
+        let start = usize::try_from(src_offset).ok()?;
+        map.get(start..start.checked_add(usize::try_from(len).ok()?)?)
+    });
+    let owned;
+    let bytes = match mapped {
+        Some(bytes) => bytes,
+        None => {
+            // Checksums need the bytes in hand: read them.
+            let mut buf = vec![0u8; len as usize];
+            src.read_at(src_offset, &mut buf)?;
+            owned = buf;
+            &owned
+        }
+    };
+    out.write_all_at(bytes, dest_offset).map_err(|e| Error::io(out_path, e).at(dest_offset))?;
+    Ok(crc32fast::hash(bytes))
+}
+
+/// `copy_file_range(2)` in a loop, falling back to read + write where the kernel refuses (other
+/// filesystems, old kernels).
+fn copy_range(src: &Source, mut src_offset: u64, out: &File, out_path: &Path, mut dest_offset: u64, len: u64) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut left = len;
+    while left > 0 {
+        let mut off_in = src_offset as libc::loff_t;
+        let mut off_out = dest_offset as libc::loff_t;
+        let chunk = left.min(1 << 30) as usize;
+        // SAFETY: both descriptors are open for the duration of the call and the offsets are
+        // plain integers the kernel updates; no memory of ours is read or written.
+        let n = unsafe {
+            libc::copy_file_range(src.file.as_raw_fd(), &mut off_in, out.as_raw_fd(), &mut off_out, chunk, 0)
+        };
+        if n > 0 {
+            src_offset += n as u64;
+            dest_offset += n as u64;
+            left -= n as u64;
+            continue;
+        }
+        if n == 0 {
+            return Err(Error::invalid("file ended early: did it change during the run?")
+                .file(&src.path)
+                .at(src_offset));
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                let mut buf = vec![0u8; left.min(BLOCK_BYTES) as usize];
+                src.read_at(src_offset, &mut buf)?;
+                out.write_all_at(&buf, dest_offset).map_err(|e| Error::io(out_path, e).at(dest_offset))?;
+                src_offset += buf.len() as u64;
+                dest_offset += buf.len() as u64;
+                left -= buf.len() as u64;
+            }
+            _ => return Err(Error::io(out_path, err).at(dest_offset)),
+        }
+    }
+    Ok(())
 }
 
 /// Where a fill's bytes are read from: the file itself, or a decompressed item.
