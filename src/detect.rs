@@ -128,13 +128,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
 
 /// DCP's flattening of a nested key: parts joined with dots.
 pub fn flat_name(path: &[KeyPart]) -> String {
-    path.iter()
-        .map(|p| match p {
-            KeyPart::Key(k) => k.clone(),
-            KeyPart::Index(i) => i.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join(".")
+    path.iter().map(KeyPart::as_name).collect::<Vec<_>>().join(".")
 }
 
 fn has_ext(path: &Path, ext: &str) -> bool {

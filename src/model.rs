@@ -123,8 +123,23 @@ pub enum Encoding {
 /// One step of a nested state-dict key.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum KeyPart {
+    /// A string dict key.
     Key(String),
+    /// A list index (`optim.param_groups.0`). DCP's `planner_data` records every int step as
+    /// one, and `dcp_to_torch_save` rebuilds lists from them.
     Index(i64),
+    /// An int dict key, as torch.save'd optimizer state has (`state: {0: {...}}`).
+    IntKey(i64),
+}
+
+impl KeyPart {
+    /// The step as it appears in a flattened name.
+    pub fn as_name(&self) -> String {
+        match self {
+            KeyPart::Key(k) => k.clone(),
+            KeyPart::Index(i) | KeyPart::IntKey(i) => i.to_string(),
+        }
+    }
 }
 
 /// A non-tensor entry (`BytesStorageMetadata` in DCP, plain data in torch.save).
@@ -144,6 +159,8 @@ pub struct Blob {
     pub file: PathBuf,
     pub offset: u64,
     pub length: u64,
+    /// The bytes are a zstd stream (DCP's `stream.zstd/1` transform).
+    pub zstd: bool,
 }
 
 impl Tensor {

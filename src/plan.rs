@@ -407,14 +407,23 @@ impl<'a> Planner<'a> {
             if mesh.placements.iter().any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len())) {
                 replicated_dims.push(t.name.as_str());
             }
-            // DCP stores a replicated box once; the lowest rank holding it writes it. Empty boxes
-            // (trailing ranks of a short dim) are recorded too, as DTensor saves them.
-            let mut seen = BTreeSet::new();
-            for (rank, slot) in per_rank.iter_mut().enumerate() {
+            // DCP keys chunks by their offsets and stores each once: a replicated box is written
+            // by the lowest rank holding it, and an empty box (a trailing rank of a short dim) only
+            // when no box with data starts at the same offsets, as DTensor's saves show.
+            let mut owner: BTreeMap<Vec<u64>, (usize, Box)> = BTreeMap::new();
+            for rank in 0..world {
                 let b = local_box(&t.shape, &mesh.shape, &mesh.placements, rank);
-                if seen.insert(b.clone()) {
-                    slot.push((i, b));
+                match owner.get(&b.offsets) {
+                    Some((_, kept)) if !(kept.is_empty() && !b.is_empty()) => {}
+                    _ => {
+                        owner.insert(b.offsets.clone(), (rank, b));
+                    }
                 }
+            }
+            let mut boxes: Vec<(usize, Box)> = owner.into_values().collect();
+            boxes.sort_by_key(|(rank, _)| *rank);
+            for (rank, b) in boxes {
+                per_rank[rank].push((i, b));
             }
         }
         if !replicated_dims.is_empty() {
@@ -471,14 +480,14 @@ impl<'a> Planner<'a> {
                 for v in &ckpt.values {
                     let base = file.len;
                     let length = self.value_item(&mut file, v)?;
+                    // Carried bytes keep their encoding, so a zstd item stays declared as one.
+                    let transforms = match &v.raw {
+                        Some(blob) if blob.zstd => vec![dcp::ZSTD.to_string()],
+                        _ => Vec::new(),
+                    };
                     storage.push((
                         MetadataIndex { fqn: v.name.clone(), offset: None, index: None },
-                        StorageInfo {
-                            relative_path: name.clone(),
-                            offset: base,
-                            length,
-                            transforms: Vec::new(),
-                        },
+                        StorageInfo { relative_path: name.clone(), offset: base, length, transforms },
                     ));
                 }
             }

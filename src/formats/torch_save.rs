@@ -55,7 +55,7 @@ pub struct Archive {
     /// Every record, sorted by name.
     pub entries: Vec<ZipEntry>,
     /// Each leaf of the saved object with the dict keys leading to it, in pickle order: str keys
-    /// are `KeyPart::Key`, int keys (optimizer state) `KeyPart::Index`. A saved bare tensor or
+    /// are `KeyPart::Key`, int keys (optimizer state) `KeyPart::IntKey`. A saved bare tensor or
     /// value is one leaf with an empty path.
     pub leaves: Vec<(Vec<KeyPart>, Leaf)>,
 }
@@ -172,8 +172,8 @@ pub enum WriteLeaf {
 
 /// The `data.pkl` of an archive holding `items`, as protocol 2 like torch.save.
 ///
-/// Key paths rebuild nested plain dicts (`KeyPart::Index` becomes an int key, as optimizer state
-/// has); one item with an empty path is the whole object (a bare tensor, as in a DCP item). No
+/// Key paths rebuild nested plain dicts and lists (`KeyPart::IntKey` becomes an int key, as
+/// optimizer state has; a node of `KeyPart::Index` steps becomes a list); one item with an empty path is the whole object (a bare tensor, as in a DCP item). No
 /// items make an empty dict. Paths must be distinct and none may be a prefix of another (see
 /// [`check_key_paths`]); an item that breaks this is left out.
 pub fn data_pkl(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Vec<u8> {
@@ -648,7 +648,7 @@ fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
 fn key_part(key: &Value) -> Option<KeyPart> {
     match key {
         Value::Str(s) => Some(KeyPart::Key(s.clone())),
-        Value::Int(i) => Some(KeyPart::Index(*i)),
+        Value::Int(i) => Some(KeyPart::IntKey(*i)),
         _ => None,
     }
 }
@@ -794,13 +794,7 @@ fn pickle_error(err: PickleError, name: &str, pkl_offset: u64) -> Error {
 
 /// A key path as the flattened name the rest of ckpt uses (`model.layers.0.weight`).
 fn join_path(path: &[KeyPart]) -> String {
-    let parts: Vec<String> = path
-        .iter()
-        .map(|p| match p {
-            KeyPart::Key(k) => k.clone(),
-            KeyPart::Index(i) => i.to_string(),
-        })
-        .collect();
+    let parts: Vec<String> = path.iter().map(KeyPart::as_name).collect();
     parts.join(".")
 }
 
@@ -809,6 +803,7 @@ fn cmp_path(a: &[KeyPart], b: &[KeyPart]) -> std::cmp::Ordering {
         match p {
             KeyPart::Key(k) => (0, k.as_str(), 0),
             KeyPart::Index(i) => (1, "", *i),
+            KeyPart::IntKey(i) => (2, "", *i),
         }
     }
     a.iter().map(rank).cmp(b.iter().map(rank))
@@ -849,13 +844,34 @@ impl<'a> Tree<'a> {
     fn into_value(self) -> Value {
         match self {
             Tree::Leaf(leaf) => leaf_value(leaf),
+            // A node whose steps are all list indices is a list, as `dcp_to_torch_save` rebuilds
+            // it: missing positions are None.
+            Tree::Dict(items) if is_list(&items) => {
+                let len = items
+                    .iter()
+                    .filter_map(|(k, _)| match k {
+                        KeyPart::Index(i) => usize::try_from(*i).ok(),
+                        _ => None,
+                    })
+                    .max()
+                    .map_or(0, |m| m + 1);
+                let mut list = vec![Value::None; len];
+                for (k, v) in items {
+                    if let KeyPart::Index(i) = k {
+                        if let Some(slot) = usize::try_from(*i).ok().and_then(|i| list.get_mut(i)) {
+                            *slot = v.into_value();
+                        }
+                    }
+                }
+                Value::List(list)
+            }
             Tree::Dict(items) => Value::Dict(
                 items
                     .into_iter()
                     .map(|(k, v)| {
                         let key = match k {
                             KeyPart::Key(s) => Value::Str(s.clone()),
-                            KeyPart::Index(i) => Value::Int(*i),
+                            KeyPart::Index(i) | KeyPart::IntKey(i) => Value::Int(*i),
                         };
                         (key, v.into_value())
                     })
@@ -863,6 +879,15 @@ impl<'a> Tree<'a> {
             ),
         }
     }
+}
+
+/// True when every step under a node is a small, non-negative list index. Lists are rebuilt only
+/// up to a million entries: a larger index in hostile metadata stays a dict key.
+fn is_list(items: &[(&KeyPart, Tree)]) -> bool {
+    !items.is_empty()
+        && items
+            .iter()
+            .all(|(k, _)| matches!(k, KeyPart::Index(i) if (0..1_000_000).contains(i)))
 }
 
 fn leaf_value(leaf: &WriteLeaf) -> Value {
@@ -1101,7 +1126,7 @@ mod tests {
     fn nested_checkpoint() {
         let a = read(NESTED).unwrap();
         let paths: Vec<&Vec<KeyPart>> = a.leaves.iter().map(|(p, _)| p).collect();
-        let state = |rest: &str| vec![key("optim"), key("state"), KeyPart::Index(0), key(rest)];
+        let state = |rest: &str| vec![key("optim"), key("state"), KeyPart::IntKey(0), key(rest)];
         let expected = vec![
             path(&["model", "weight"]),
             path(&["model", "bias"]),
@@ -1322,7 +1347,7 @@ mod tests {
             storages.push((k, vec![i as u8; 6 * dtype.size()]));
         }
         items.push((
-            vec![key("opt"), KeyPart::Index(0), key("step")],
+            vec![key("opt"), KeyPart::IntKey(0), key("step")],
             WriteLeaf::Value(Value::Int(7)),
         ));
         items.push((vec![key("name")], WriteLeaf::Value(Value::Str("x".into()))));

@@ -151,3 +151,50 @@ def load_with_torch(path: Path) -> dict:
     if layout == "safetensors":
         return load_file(str(path))
     return flatten_state_dict(torch.load(path, weights_only=True))[0]
+
+
+# --- helpers of test_consolidate.py / test_reshard.py -------------------------------------------
+
+
+def flatten_like_dcp(nested: dict) -> dict:
+    """A nested state dict flattened to DCP fqns (`optim.param_groups.0.lr`, `config.hidden`)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(nested)[0]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def dcp_chunks(path: Path) -> dict:
+    """A DCP directory's .metadata as read by PyTorch, reduced to what placement decides:
+    {fqn: ("bytes",) | (dtype code, shape, frozenset of (offsets, sizes) chunks)}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    out = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            out[fqn] = ("bytes",)
+        else:
+            chunks = frozenset((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
+            out[fqn] = (dtype_code(m.properties.dtype), tuple(m.size), chunks)
+    return out
+
+
+def run_torchrun(script: Path, nproc: int, *args, timeout: float = 600) -> "subprocess.CompletedProcess":
+    """`torchrun --nproc_per_node=nproc script args` on CPU/gloo (free port, OMP_NUM_THREADS=1)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={port}", str(script), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -156,7 +156,7 @@ pub fn write(meta: &DcpMetadata) -> Vec<u8> {
             .iter()
             .map(|p| match p {
                 KeyPart::Key(k) => Value::Str(k.clone()),
-                KeyPart::Index(i) => Value::Int(*i),
+                KeyPart::Index(i) | KeyPart::IntKey(i) => Value::Int(*i),
             })
             .collect();
         (Value::Str(fqn.clone()), Value::Tuple(parts))

@@ -23,7 +23,7 @@ pub const METADATA: &str = ".metadata";
 /// `.metadata` files larger than this are refused: real ones are kilobytes to a few megabytes.
 const MAX_METADATA_BYTES: u64 = 1 << 30;
 /// zstd transform descriptor DCP writes.
-const ZSTD: &str = "stream.zstd/1";
+pub const ZSTD: &str = "stream.zstd/1";
 
 /// True when `dir` holds a `.metadata` file.
 pub fn looks_like(dir: &Path) -> bool {
@@ -234,7 +234,7 @@ impl<'a> Files<'a> {
             [(key, Leaf::Value(v))] if key.is_empty() => Some(v.clone()),
             _ => None,
         });
-        let blob = Blob { file: PathBuf::from(&info.relative_path), offset: info.offset, length: info.length };
+        let blob = Blob { file: PathBuf::from(&info.relative_path), offset: info.offset, length: info.length, zstd };
         Ok((blob, value))
     }
 }
