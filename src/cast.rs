@@ -29,7 +29,12 @@ pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
     while done < n {
         let k = (n - done).min(tmp.len());
         decode(&src[done * ss..(done + k) * ss], from, &mut tmp[..k]);
-        encode(&tmp[..k], &mut dst[done * ds..(done + k) * ds], to, bf16_nan(from));
+        encode(
+            &tmp[..k],
+            &mut dst[done * ds..(done + k) * ds],
+            to,
+            bf16_nan(from),
+        );
         done += k;
     }
 }
@@ -97,7 +102,11 @@ fn encode(vals: &[f32], dst: &mut [u8], to: DType, nan_bf16: u16) {
         }
         DType::BF16 => {
             for (v, d) in vals.iter().zip(dst.chunks_exact_mut(2)) {
-                let b = if v.is_nan() { nan_bf16 } else { f32_to_bf16(*v) };
+                let b = if v.is_nan() {
+                    nan_bf16
+                } else {
+                    f32_to_bf16(*v)
+                };
                 d.copy_from_slice(&b.to_le_bytes());
             }
         }

@@ -20,7 +20,11 @@ use crate::select::Selection;
 use crate::verify::{self, VerifyOptions};
 
 #[derive(Parser, Debug)]
-#[command(name = "ckpt", version, about = "Convert PyTorch checkpoints between FULL and SHARDED layouts, without torch")]
+#[command(
+    name = "ckpt",
+    version,
+    about = "Convert PyTorch checkpoints between FULL and SHARDED layouts, without torch"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -169,26 +173,47 @@ struct WriteArgs {
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
-        Command::Inspect { path, json, filters } => {
+        Command::Inspect {
+            path,
+            json,
+            filters,
+        } => {
             let ckpt = crate::detect::read(&path)?;
             let sel = Selection::new(&filters, &[], &[])?;
             let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
             if json {
-                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
             } else {
                 print!("{}", crate::inspect::render(&report));
             }
             Ok(0)
         }
-        Command::Verify { path, json, deep, against, write_manifest, manifest, run } => {
-            let opts = VerifyOptions { deep, threads: run.threads, io: run.io.into() };
+        Command::Verify {
+            path,
+            json,
+            deep,
+            against,
+            write_manifest,
+            manifest,
+            run,
+        } => {
+            let opts = VerifyOptions {
+                deep,
+                threads: run.threads,
+                io: run.io.into(),
+            };
             let mut report = verify::verify(&path, &opts)?;
             let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
             if needs_data && report.is_sound() {
                 let ckpt = crate::detect::read(&path)?;
                 if let Some(other) = &against {
                     let b = crate::detect::read(other)?;
-                    report.problems.extend(verify::compare(&ckpt, &b, &opts, 20)?);
+                    report
+                        .problems
+                        .extend(verify::compare(&ckpt, &b, &opts, 20)?);
                 }
                 if let Some(file) = &write_manifest {
                     let m = verify::manifest(&ckpt, &opts)?;
@@ -197,13 +222,20 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 }
                 if let Some(file) = &manifest {
                     let text = std::fs::read(file).map_err(|e| Error::io(file, e))?;
-                    let want: verify::Manifest = serde_json::from_slice(&text)
-                        .map_err(|e| Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display())))?;
-                    report.problems.extend(verify::check_manifest(&want, &verify::manifest(&ckpt, &opts)?));
+                    let want: verify::Manifest = serde_json::from_slice(&text).map_err(|e| {
+                        Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display()))
+                    })?;
+                    report.problems.extend(verify::check_manifest(
+                        &want,
+                        &verify::manifest(&ckpt, &opts)?,
+                    ));
                 }
             }
             if json {
-                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
             } else {
                 for p in &report.problems {
                     println!("{}", p.line());
@@ -211,7 +243,11 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                         println!("  hint: {hint}");
                     }
                 }
-                let verdict = if report.is_sound() { "sound" } else { "NOT sound" };
+                let verdict = if report.is_sound() {
+                    "sound"
+                } else {
+                    "NOT sound"
+                };
                 if report.format.is_none() {
                     println!("{}: {verdict} (it could not be read)", path.display());
                 } else {
@@ -227,30 +263,80 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
             }
             Ok(if report.is_sound() { 0 } else { 1 })
         }
-        Command::Consolidate { path, output, format, max_shard_size, select, run, write } => {
-            let name = output.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        Command::Consolidate {
+            path,
+            output,
+            format,
+            max_shard_size,
+            select,
+            run,
+            write,
+        } => {
+            let name = output
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_string();
             let (target, kind) = match (format, max_shard_size) {
                 (Some(FullFormat::Torch), Some(_)) => {
-                    return Err(Error::usage("--max-shard-size applies to safetensors output only"))
+                    return Err(Error::usage(
+                        "--max-shard-size applies to safetensors output only",
+                    ))
                 }
-                (Some(FullFormat::Torch), None) => (Target::TorchSave { file_name: name }, OutputKind::File),
-                (_, Some(max)) => (Target::SafetensorsSplit { max_shard_bytes: max }, OutputKind::Dir),
+                (Some(FullFormat::Torch), None) => {
+                    (Target::TorchSave { file_name: name }, OutputKind::File)
+                }
+                (_, Some(max)) => (
+                    Target::SafetensorsSplit {
+                        max_shard_bytes: max,
+                    },
+                    OutputKind::Dir,
+                ),
                 (_, None) if name.ends_with(".safetensors") => {
                     (Target::Safetensors { file_name: name }, OutputKind::File)
                 }
-                (None, None) if name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth") => {
+                (None, None)
+                    if name.ends_with(".bin")
+                        || name.ends_with(".pt")
+                        || name.ends_with(".pth") =>
+                {
                     (Target::TorchSave { file_name: name }, OutputKind::File)
                 }
                 // Hugging Face's default shard size.
-                (_, None) => (Target::SafetensorsSplit { max_shard_bytes: 5_000_000_000 }, OutputKind::Dir),
+                (_, None) => (
+                    Target::SafetensorsSplit {
+                        max_shard_bytes: 5_000_000_000,
+                    },
+                    OutputKind::Dir,
+                ),
             };
-            convert(&path, &output, &target, kind, &select, &run, &write, &cancel)
+            convert(
+                &path, &output, &target, kind, &select, &run, &write, &cancel,
+            )
         }
-        Command::Reshard { path, output, world_size, mesh, placements, replicate, format, select, run, write } => {
+        Command::Reshard {
+            path,
+            output,
+            world_size,
+            mesh,
+            placements,
+            replicate,
+            format,
+            select,
+            run,
+            write,
+        } => {
             let (shape, placements) = match (world_size, mesh) {
                 (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
-                (None, Some(m)) => (parse_mesh(&m)?, parse_placements(placements.as_deref().unwrap_or_default())?),
-                (None, None) => return Err(Error::usage("give --world-size N or --mesh AxB --placements ...")),
+                (None, Some(m)) => (
+                    parse_mesh(&m)?,
+                    parse_placements(placements.as_deref().unwrap_or_default())?,
+                ),
+                (None, None) => {
+                    return Err(Error::usage(
+                        "give --world-size N or --mesh AxB --placements ...",
+                    ))
+                }
             };
             if shape.len() != placements.len() || shape.contains(&0) {
                 return Err(Error::usage(format!(
@@ -259,25 +345,46 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 )));
             }
             let ckpt_names = Selection::new(&replicate, &[], &[])?;
-            let mut spec = MeshSpec { shape, placements, replicated: Default::default() };
+            let mut spec = MeshSpec {
+                shape,
+                placements,
+                replicated: Default::default(),
+            };
             // Resolved after selection (names may be renamed), in `convert`.
             let target_of = move |ckpt: &crate::model::Checkpoint| {
                 if !replicate.is_empty() {
-                    spec.replicated = ckpt.tensors.iter().filter(|t| ckpt_names.keeps(&t.name)).map(|t| t.name.clone()).collect();
+                    spec.replicated = ckpt
+                        .tensors
+                        .iter()
+                        .filter(|t| ckpt_names.keeps(&t.name))
+                        .map(|t| t.name.clone())
+                        .collect();
                 }
                 match format {
                     ShardedFormat::Dcp => Target::Dcp(spec.clone()),
                     ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec.clone()),
                 }
             };
-            convert_with(&path, &output, target_of, OutputKind::Dir, &select, &run, &write, &cancel)
+            convert_with(
+                &path,
+                &output,
+                target_of,
+                OutputKind::Dir,
+                &select,
+                &run,
+                &write,
+                &cancel,
+            )
         }
     }
 }
 
 /// Write a small file (a manifest) under a temporary name, then rename it into place.
 fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("manifest");
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("manifest");
     let tmp = path.with_file_name(format!(".{name}.ckpt-tmp-{}", std::process::id()));
     let result = std::fs::write(&tmp, bytes)
         .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
@@ -308,7 +415,16 @@ fn convert(
     write: &WriteArgs,
     cancel: &Arc<AtomicBool>,
 ) -> Result<i32> {
-    convert_with(path, output, |_| target.clone(), kind, select, run, write, cancel)
+    convert_with(
+        path,
+        output,
+        |_| target.clone(),
+        kind,
+        select,
+        run,
+        write,
+        cancel,
+    )
 }
 
 /// Read, select, plan, execute into a staging name, commit: the one path every conversion takes.
@@ -338,7 +454,12 @@ fn convert_with(
     let relative: Vec<PathBuf> = plan.files.iter().map(|f| f.path.clone()).collect();
     let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = ExecOptions { threads: run.threads, io: run.io.into(), progress: &bar, cancel };
+    let opts = ExecOptions {
+        threads: run.threads,
+        io: run.io.into(),
+        progress: &bar,
+        cancel,
+    };
     exec::execute(&plan, &dest, &opts)?;
     if cancel.load(Ordering::Relaxed) {
         return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
@@ -402,9 +523,13 @@ impl exec::Progress for Bar {
 /// `5GB`, `500MB`, `20KB` (decimal), `2GiB`, `512MiB`, `64KiB` (binary), or plain bytes.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size like 5GB or 512MiB"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 5GB or 512MiB"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "kb" => 1_000,
@@ -415,7 +540,11 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         "mib" => 1 << 20,
         "gib" => 1 << 30,
         "tib" => 1 << 40,
-        _ => return Err(format!("`{s}`: unknown unit (use KB, MB, GB, KiB, MiB, GiB)")),
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit (use KB, MB, GB, KiB, MiB, GiB)"
+            ))
+        }
     };
     let bytes = n * mult as f64;
     if bytes < 1.0 || !bytes.is_finite() {
@@ -479,7 +608,11 @@ mod tests {
         assert!(parse_mesh("2x0").is_err());
         assert_eq!(
             parse_placements("S(0), R ,Shard(1)").unwrap(),
-            vec![Placement::Shard(0), Placement::Replicate, Placement::Shard(1)]
+            vec![
+                Placement::Shard(0),
+                Placement::Replicate,
+                Placement::Shard(1)
+            ]
         );
         assert!(parse_placements("S(x)").is_err());
     }

@@ -10,9 +10,8 @@ use crate::model::{Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Pi
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
 pub fn read(path: &Path) -> Result<Checkpoint> {
-    let meta = std::fs::metadata(path).map_err(|_| {
-        Error::usage(format!("`{}` does not exist", path.display()))
-    })?;
+    let meta = std::fs::metadata(path)
+        .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
     if meta.is_file() {
         return read_file(path);
     }
@@ -26,7 +25,10 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         return dcp::hf::read(path);
     }
     let entries = list(path)?;
-    let safetensors: Vec<&PathBuf> = entries.iter().filter(|p| has_ext(p, "safetensors")).collect();
+    let safetensors: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| has_ext(p, "safetensors"))
+        .collect();
     if let [only] = safetensors.as_slice() {
         return safetensors::read(only);
     }
@@ -128,7 +130,10 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
 
 /// DCP's flattening of a nested key: parts joined with dots.
 pub fn flat_name(path: &[KeyPart]) -> String {
-    path.iter().map(KeyPart::as_name).collect::<Vec<_>>().join(".")
+    path.iter()
+        .map(KeyPart::as_name)
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 fn has_ext(path: &Path, ext: &str) -> bool {
@@ -149,12 +154,21 @@ fn list(dir: &Path) -> Result<Vec<PathBuf>> {
 fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
     let err = Error::invalid("no checkpoint layout recognised in this directory").file(dir);
     let nested = entries.iter().find(|p| {
-        p.is_dir() && (dcp::looks_like(p) || p.join(hf_index::INDEX_NAME).is_file() || dcp::hf::looks_like(p))
+        p.is_dir()
+            && (dcp::looks_like(p)
+                || p.join(hf_index::INDEX_NAME).is_file()
+                || dcp::hf::looks_like(p))
     });
     if let Some(inner) = nested {
-        return err.hint(format!("it holds a checkpoint in `{}`: point ckpt at that", inner.display()));
+        return err.hint(format!(
+            "it holds a checkpoint in `{}`: point ckpt at that",
+            inner.display()
+        ));
     }
-    let many: Vec<&PathBuf> = entries.iter().filter(|p| has_ext(p, "safetensors")).collect();
+    let many: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| has_ext(p, "safetensors"))
+        .collect();
     if many.len() > 1 {
         return err.hint(format!(
             "it holds {} .safetensors files but no `{}`: pass one file, or restore the index",

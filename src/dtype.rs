@@ -128,7 +128,10 @@ impl DType {
     }
 
     pub fn from_storage_class(name: &str) -> Option<DType> {
-        TABLE.iter().find(|r| !r.3.is_empty() && r.3 == name).map(|r| r.0)
+        TABLE
+            .iter()
+            .find(|r| !r.3.is_empty() && r.3 == name)
+            .map(|r| r.0)
     }
 
     /// Parse a user-facing name: a safetensors code or a torch name, any case (`bf16`, `bfloat16`).

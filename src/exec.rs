@@ -74,7 +74,12 @@ impl Source {
         } else {
             None
         };
-        Ok(Source { path: path.to_path_buf(), file, len, map })
+        Ok(Source {
+            path: path.to_path_buf(),
+            file,
+            len,
+            map,
+        })
     }
 
     /// Fill `buf` from `offset`; the caller has checked the range against `len`.
@@ -155,7 +160,8 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         .collect::<Result<Vec<_>>>()?;
     for ((f, out), path) in plan.files.iter().zip(&outputs).zip(dest) {
         for (offset, bytes) in &f.literals {
-            out.write_all_at(bytes, *offset).map_err(|e| Error::io(path, e).at(*offset))?;
+            out.write_all_at(bytes, *offset)
+                .map_err(|e| Error::io(path, e).at(*offset))?;
         }
     }
 
@@ -163,7 +169,12 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
     for (fi, f) in plan.files.iter().enumerate() {
         for (ri, r) in f.regions.iter().enumerate() {
             for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
-                units.push(Unit { file: fi, region: ri, start, sizes });
+                units.push(Unit {
+                    file: fi,
+                    region: ri,
+                    start,
+                    sizes,
+                });
             }
         }
     }
@@ -213,7 +224,8 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
                 let crc = crc.finalize().to_le_bytes();
                 for slot in &f.regions[ri].crc_slots {
-                    out.write_all_at(&crc, *slot).map_err(|e| Error::io(path, e))?;
+                    out.write_all_at(&crc, *slot)
+                        .map_err(|e| Error::io(path, e))?;
                 }
             }
         }
@@ -222,7 +234,9 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         out.sync_all().map_err(|e| Error::io(path, e))?;
     }
     for s in &sources {
-        let now = std::fs::metadata(&s.path).map_err(|e| Error::io(&s.path, e))?.len();
+        let now = std::fs::metadata(&s.path)
+            .map_err(|e| Error::io(&s.path, e))?
+            .len();
         if now != s.len {
             return Err(Error::invalid(format!(
                 "input changed size during the run ({} bytes, now {now})",
@@ -252,7 +266,9 @@ fn create_output(path: &Path, len: u64) -> Result<File> {
 
 /// Check that every byte a fill reads lies inside its source file.
 fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
-    let src = sources.get(fill.input).ok_or_else(|| Error::invalid("internal: bad input index"))?;
+    let src = sources
+        .get(fill.input)
+        .ok_or_else(|| Error::invalid("internal: bad input index"))?;
     if fill.sizes.contains(&0) {
         return Ok(());
     }
@@ -261,7 +277,9 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
         .sizes
         .iter()
         .zip(&fill.strides)
-        .try_fold(0u64, |acc, (&n, &s)| acc.checked_add((n - 1).checked_mul(s)?));
+        .try_fold(0u64, |acc, (&n, &s)| {
+            acc.checked_add((n - 1).checked_mul(s)?)
+        });
     let limit = match fill.encoding {
         Encoding::Raw => src.len,
         // The decoded length is checked when the item is decompressed.
@@ -349,7 +367,12 @@ struct UnitResult {
 
 /// Gather one unit into a buffer, then write it to `out` or, without `out`, count its non-finite
 /// floats.
-fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathBuf)>) -> Result<UnitResult> {
+fn run_unit(
+    u: &Unit,
+    r: &Region,
+    sources: &[Source],
+    out: Option<(&File, &PathBuf)>,
+) -> Result<UnitResult> {
     let de = r.dtype.size() as u64;
     let rstrides = contiguous_strides(&r.shape);
     let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
@@ -366,10 +389,18 @@ fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathB
             copied += n;
         }
         if copied != len {
-            return Err(Error::invalid(format!("internal: {copied} of {len} bytes of a block were filled"))
-                .tensor(&r.name));
+            return Err(Error::invalid(format!(
+                "internal: {copied} of {len} bytes of a block were filled"
+            ))
+            .tensor(&r.name));
         }
-        return Ok(UnitResult { len, crc: crc.finalize(), xxh3: 0, nan: 0, inf: 0 });
+        return Ok(UnitResult {
+            len,
+            crc: crc.finalize(),
+            xxh3: 0,
+            nan: 0,
+            inf: 0,
+        });
     }
     BUFFERS.with(|bufs| {
         let (buf, scratch) = &mut *bufs.borrow_mut();
@@ -384,7 +415,13 @@ fn run_unit(u: &Unit, r: &Region, sources: &[Source], out: Option<(&File, &PathB
             ))
             .tensor(&r.name));
         }
-        let mut result = UnitResult { len, crc: 0, xxh3: 0, nan: 0, inf: 0 };
+        let mut result = UnitResult {
+            len,
+            crc: 0,
+            xxh3: 0,
+            nan: 0,
+            inf: 0,
+        };
         match out {
             Some((file, path)) => {
                 file.write_all_at(buf, dest_offset)
@@ -430,8 +467,14 @@ fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
         lo[d] = a;
         ext[d] = b - a;
     }
-    let src0 = fill.offset + se * (0..nd).map(|d| (lo[d] - fill.start[d]) * fill.strides[d]).sum::<u64>();
-    let dst0 = de * (0..nd).map(|d| (lo[d] - u.start[d]) * rstrides[d]).sum::<u64>();
+    let src0 = fill.offset
+        + se * (0..nd)
+            .map(|d| (lo[d] - fill.start[d]) * fill.strides[d])
+            .sum::<u64>();
+    let dst0 = de
+        * (0..nd)
+            .map(|d| (lo[d] - u.start[d]) * rstrides[d])
+            .sum::<u64>();
     // Merge trailing dims that are contiguous on both sides into one run.
     let mut run = 1u64;
     let mut outer = nd;
@@ -446,7 +489,13 @@ fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
             break;
         }
     }
-    Some(Span { src0, dst0, ext, outer, run })
+    Some(Span {
+        src0,
+        dst0,
+        ext,
+        outer,
+        run,
+    })
 }
 
 /// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
@@ -460,7 +509,14 @@ fn gather(
     buf: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<u64> {
-    let Some(Span { src0, dst0, ext, outer, run }) = span(fill, r, u, rstrides) else {
+    let Some(Span {
+        src0,
+        dst0,
+        ext,
+        outer,
+        run,
+    }) = span(fill, r, u, rstrides)
+    else {
         return Ok(0);
     };
     let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
@@ -500,11 +556,18 @@ fn gather(
 /// The plain source byte ranges a unit is an exact copy of, as (source, source offset, offset in
 /// the unit, bytes) in unit order, when every fill meeting the unit is one contiguous run of the
 /// same dtype. Such units skip the buffer.
-fn direct_runs<'a>(u: &Unit, r: &Region, rstrides: &[u64], sources: &'a [Source]) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
+fn direct_runs<'a>(
+    u: &Unit,
+    r: &Region,
+    rstrides: &[u64],
+    sources: &'a [Source],
+) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
     let de = r.dtype.size() as u64;
     let mut runs = Vec::new();
     for fill in &r.fills {
-        let Some(sp) = span(fill, r, u, rstrides) else { continue };
+        let Some(sp) = span(fill, r, u, rstrides) else {
+            continue;
+        };
         if sp.outer != 0 || fill.dtype != r.dtype || fill.encoding != Encoding::Raw {
             return None;
         }
@@ -546,13 +609,21 @@ fn copy_direct(
             &owned
         }
     };
-    out.write_all_at(bytes, dest_offset).map_err(|e| Error::io(out_path, e).at(dest_offset))?;
+    out.write_all_at(bytes, dest_offset)
+        .map_err(|e| Error::io(out_path, e).at(dest_offset))?;
     Ok(crc32fast::hash(bytes))
 }
 
 /// `copy_file_range(2)` in a loop, falling back to read + write where the kernel refuses (other
 /// filesystems, old kernels).
-fn copy_range(src: &Source, mut src_offset: u64, out: &File, out_path: &Path, mut dest_offset: u64, len: u64) -> Result<()> {
+fn copy_range(
+    src: &Source,
+    mut src_offset: u64,
+    out: &File,
+    out_path: &Path,
+    mut dest_offset: u64,
+    len: u64,
+) -> Result<()> {
     use std::os::fd::AsRawFd;
     let mut left = len;
     while left > 0 {
@@ -562,7 +633,14 @@ fn copy_range(src: &Source, mut src_offset: u64, out: &File, out_path: &Path, mu
         // SAFETY: both descriptors are open for the duration of the call and the offsets are
         // plain integers the kernel updates; no memory of ours is read or written.
         let n = unsafe {
-            libc::copy_file_range(src.file.as_raw_fd(), &mut off_in, out.as_raw_fd(), &mut off_out, chunk, 0)
+            libc::copy_file_range(
+                src.file.as_raw_fd(),
+                &mut off_in,
+                out.as_raw_fd(),
+                &mut off_out,
+                chunk,
+                0,
+            )
         };
         if n > 0 {
             src_offset += n as u64;
@@ -571,16 +649,19 @@ fn copy_range(src: &Source, mut src_offset: u64, out: &File, out_path: &Path, mu
             continue;
         }
         if n == 0 {
-            return Err(Error::invalid("file ended early: did it change during the run?")
-                .file(&src.path)
-                .at(src_offset));
+            return Err(
+                Error::invalid("file ended early: did it change during the run?")
+                    .file(&src.path)
+                    .at(src_offset),
+            );
         }
         let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
                 let mut buf = vec![0u8; left.min(BLOCK_BYTES) as usize];
                 src.read_at(src_offset, &mut buf)?;
-                out.write_all_at(&buf, dest_offset).map_err(|e| Error::io(out_path, e).at(dest_offset))?;
+                out.write_all_at(&buf, dest_offset)
+                    .map_err(|e| Error::io(out_path, e).at(dest_offset))?;
                 src_offset += buf.len() as u64;
                 dest_offset += buf.len() as u64;
                 left -= buf.len() as u64;
@@ -612,9 +693,11 @@ impl FillSource<'_> {
                         dst.copy_from_slice(src);
                         Ok(())
                     }
-                    None => Err(Error::invalid("tensor data lies outside its decompressed item")
-                        .file(&s.path)
-                        .at(*item)),
+                    None => Err(
+                        Error::invalid("tensor data lies outside its decompressed item")
+                            .file(&s.path)
+                            .at(*item),
+                    ),
                 }
             }),
         }
@@ -622,8 +705,14 @@ impl FillSource<'_> {
 }
 
 fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
-    let src = sources.get(fill.input).ok_or_else(|| Error::invalid("internal: bad input index"))?;
-    let Encoding::Zstd { item_offset, item_length } = fill.encoding else {
+    let src = sources
+        .get(fill.input)
+        .ok_or_else(|| Error::invalid("internal: bad input index"))?;
+    let Encoding::Zstd {
+        item_offset,
+        item_length,
+    } = fill.encoding
+    else {
         return Ok(FillSource::File(src));
     };
     DECODED.with(|cell| {

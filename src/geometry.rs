@@ -15,7 +15,10 @@ pub struct Box {
 impl Box {
     /// The box covering a whole tensor of `shape`.
     pub fn whole(shape: &[u64]) -> Box {
-        Box { offsets: vec![0; shape.len()], sizes: shape.to_vec() }
+        Box {
+            offsets: vec![0; shape.len()],
+            sizes: shape.to_vec(),
+        }
     }
 
     /// Number of elements, `None` on overflow.
@@ -59,7 +62,9 @@ impl Box {
         self.offsets.len() == shape.len()
             && self.sizes.len() == shape.len()
             && (0..shape.len()).all(|d| {
-                self.offsets[d].checked_add(self.sizes[d]).is_some_and(|end| end <= shape[d])
+                self.offsets[d]
+                    .checked_add(self.sizes[d])
+                    .is_some_and(|end| end <= shape[d])
             })
     }
 }
@@ -149,7 +154,10 @@ pub fn check_coverage(shape: &[u64], boxes: &[Box]) -> Vec<CoverageProblem> {
             }
             let empty = ba.is_empty() || bb.is_empty();
             if !empty && ba.intersect(bb).is_some() {
-                problems.push(CoverageProblem::Overlap { a: a.min(b), b: a.max(b) });
+                problems.push(CoverageProblem::Overlap {
+                    a: a.min(b),
+                    b: a.max(b),
+                });
             }
         }
     }
@@ -158,9 +166,13 @@ pub fn check_coverage(shape: &[u64], boxes: &[Box]) -> Vec<CoverageProblem> {
         .iter()
         .map(|&i| boxes[i].numel().unwrap_or(u64::MAX))
         .fold(0u64, |acc, n| acc.saturating_add(n));
-    let overlapping = problems.iter().any(|p| matches!(p, CoverageProblem::Overlap { .. }));
+    let overlapping = problems
+        .iter()
+        .any(|p| matches!(p, CoverageProblem::Overlap { .. }));
     if !overlapping && covered < total {
-        problems.push(CoverageProblem::Gap { missing: total - covered });
+        problems.push(CoverageProblem::Gap {
+            missing: total - covered,
+        });
     }
     problems
 }
@@ -171,7 +183,10 @@ mod tests {
     use proptest::prelude::*;
 
     fn bx(offsets: &[u64], sizes: &[u64]) -> Box {
-        Box { offsets: offsets.to_vec(), sizes: sizes.to_vec() }
+        Box {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+        }
     }
 
     #[test]
@@ -206,14 +221,26 @@ mod tests {
         let good = [bx(&[0, 0], &[2, 4]), bx(&[2, 0], &[2, 4])];
         assert!(check_coverage(&shape, &good).is_empty());
         let gap = [bx(&[0, 0], &[2, 4])];
-        assert_eq!(check_coverage(&shape, &gap), vec![CoverageProblem::Gap { missing: 8 }]);
+        assert_eq!(
+            check_coverage(&shape, &gap),
+            vec![CoverageProblem::Gap { missing: 8 }]
+        );
         let overlap = [bx(&[0, 0], &[3, 4]), bx(&[2, 0], &[2, 4])];
-        assert_eq!(check_coverage(&shape, &overlap), vec![CoverageProblem::Overlap { a: 0, b: 1 }]);
+        assert_eq!(
+            check_coverage(&shape, &overlap),
+            vec![CoverageProblem::Overlap { a: 0, b: 1 }]
+        );
         let outside = [bx(&[0, 0], &[5, 4])];
-        assert_eq!(check_coverage(&shape, &outside)[0], CoverageProblem::OutOfBounds { index: 0 });
+        assert_eq!(
+            check_coverage(&shape, &outside)[0],
+            CoverageProblem::OutOfBounds { index: 0 }
+        );
         // A 0-dim tensor is covered by one empty-offset box.
         assert!(check_coverage(&[], &[bx(&[], &[])]).is_empty());
-        assert_eq!(check_coverage(&[], &[]), vec![CoverageProblem::Gap { missing: 1 }]);
+        assert_eq!(
+            check_coverage(&[], &[]),
+            vec![CoverageProblem::Gap { missing: 1 }]
+        );
     }
 
     proptest! {

@@ -122,10 +122,14 @@ pub fn to_json(v: &Value) -> serde_json::Value {
         Value::None => J::Null,
         Value::Bool(b) => J::Bool(*b),
         Value::Int(i) => J::from(*i),
-        Value::Float(f) => serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number),
+        Value::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
+        }
         Value::Str(s) => J::String(s.clone()),
         Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
-        Value::Tuple(items) | Value::List(items) | Value::Set(items) => J::Array(items.iter().map(to_json).collect()),
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            J::Array(items.iter().map(to_json).collect())
+        }
         Value::Dict(items) => J::Object(
             items
                 .iter()
@@ -133,8 +137,15 @@ pub fn to_json(v: &Value) -> serde_json::Value {
                 .collect(),
         ),
         Value::Global { module, name } => J::String(format!("{module}.{name}")),
-        Value::Object { callable, dict_items, .. } if !dict_items.is_empty() || is_ordered_dict(callable) => J::Object(
-            dict_items.iter().map(|(k, v)| (key_string(k), to_json(v))).collect(),
+        Value::Object {
+            callable,
+            dict_items,
+            ..
+        } if !dict_items.is_empty() || is_ordered_dict(callable) => J::Object(
+            dict_items
+                .iter()
+                .map(|(k, v)| (key_string(k), to_json(v)))
+                .collect(),
         ),
         Value::Object { callable, .. } => J::String(format!("<object {}>", key_string(callable))),
         Value::PersistentId(_) => J::String("<persistent id>".into()),
@@ -177,7 +188,12 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
     let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
     let _ = writeln!(s, "world size:      {ws}");
-    let _ = writeln!(s, "tensors:         {} ({})", report.tensor_count, human_bytes(report.total_bytes));
+    let _ = writeln!(
+        s,
+        "tensors:         {} ({})",
+        report.tensor_count,
+        human_bytes(report.total_bytes)
+    );
     let per: Vec<String> = report
         .bytes_per_dtype
         .iter()
@@ -211,22 +227,33 @@ pub fn render(report: &Report) -> String {
             let _ = writeln!(
                 s,
                 "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {:>w4$}",
-                row[0], row[1], row[2], row[3], row[4],
-                w0 = widths[0], w1 = widths[1], w2 = widths[2], w3 = widths[3], w4 = widths[4]
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                row[4],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2],
+                w3 = widths[3],
+                w4 = widths[4]
             );
         }
     }
     if !report.non_tensors.is_empty() {
         let _ = writeln!(s);
         for v in &report.non_tensors {
-            let shown = v.value.as_ref().map_or("<not plain data>".to_string(), |j| {
-                let text = j.to_string();
-                if text.chars().count() > 60 {
-                    format!("{}...", text.chars().take(57).collect::<String>())
-                } else {
-                    text
-                }
-            });
+            let shown = v
+                .value
+                .as_ref()
+                .map_or("<not plain data>".to_string(), |j| {
+                    let text = j.to_string();
+                    if text.chars().count() > 60 {
+                        format!("{}...", text.chars().take(57).collect::<String>())
+                    } else {
+                        text
+                    }
+                });
             let _ = writeln!(s, "{}  {shown}", v.name);
         }
     }

@@ -41,7 +41,9 @@ impl Format {
     pub fn state_dict_type(self) -> StateDictType {
         match self {
             Format::Dcp | Format::DcpSafetensors => StateDictType::Sharded,
-            Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => StateDictType::Full,
+            Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
+                StateDictType::Full
+            }
         }
     }
 }

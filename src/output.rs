@@ -37,13 +37,18 @@ impl Staging {
             .file_name()
             .and_then(|n| n.to_str())
             .filter(|n| !n.is_empty() && *n != "." && *n != "..")
-            .ok_or_else(|| Error::usage(format!("`{}` is not a usable output name", out.display())))?;
+            .ok_or_else(|| {
+                Error::usage(format!("`{}` is not a usable output name", out.display()))
+            })?;
         let parent = match out.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
         let parent = parent.canonicalize().map_err(|_| {
-            Error::usage(format!("the output's directory `{}` does not exist", parent.display()))
+            Error::usage(format!(
+                "the output's directory `{}` does not exist",
+                parent.display()
+            ))
         })?;
         let final_path = parent.join(name);
         let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
@@ -64,7 +69,13 @@ impl Staging {
         if kind == OutputKind::Dir {
             std::fs::create_dir(&temp_path).map_err(|e| Error::io(&temp_path, e))?;
         }
-        Ok(Staging { final_path, temp_path, kind, force, committed: false })
+        Ok(Staging {
+            final_path,
+            temp_path,
+            kind,
+            force,
+            committed: false,
+        })
     }
 
     /// Where each planned file is written: the temporary file itself, or files inside the
@@ -82,18 +93,28 @@ impl Staging {
 
     /// Move the finished output into place (replacing an old one under `--force`).
     pub fn commit(mut self) -> Result<()> {
-        let parent = self.final_path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let parent = self
+            .final_path
+            .parent()
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
         if self.kind == OutputKind::Dir {
             sync_dir(&self.temp_path)?;
         }
         let mut old = None;
         if self.force && self.final_path.symlink_metadata().is_ok() {
-            let name = self.final_path.file_name().unwrap_or_default().to_string_lossy();
+            let name = self
+                .final_path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy();
             let aside = parent.join(format!(".{name}{OLD_MARK}{}", std::process::id()));
-            std::fs::rename(&self.final_path, &aside).map_err(|e| Error::io(&self.final_path, e))?;
+            std::fs::rename(&self.final_path, &aside)
+                .map_err(|e| Error::io(&self.final_path, e))?;
             old = Some(aside);
         }
-        std::fs::rename(&self.temp_path, &self.final_path).map_err(|e| Error::io(&self.final_path, e))?;
+        std::fs::rename(&self.temp_path, &self.final_path)
+            .map_err(|e| Error::io(&self.final_path, e))?;
         self.committed = true;
         sync_dir(&parent)?;
         if let Some(old) = old {
@@ -112,21 +133,38 @@ impl Drop for Staging {
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, e))
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, e))
 }
 
 fn remove_path(path: &Path) {
-    let _ = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+    let _ = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
 }
 
 /// Remove `.NAME.ckpt-tmp-PID` and `.NAME.ckpt-old-PID` left by runs whose process is gone.
 fn remove_stale(parent: &Path, name: &str) {
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
     for entry in entries.flatten() {
         let file_name = entry.file_name();
-        let Some(file_name) = file_name.to_str() else { continue };
-        let Some(rest) = file_name.strip_prefix('.').and_then(|r| r.strip_prefix(name)) else { continue };
-        let pid = rest.strip_prefix(TMP_MARK).or_else(|| rest.strip_prefix(OLD_MARK));
+        let Some(file_name) = file_name.to_str() else {
+            continue;
+        };
+        let Some(rest) = file_name
+            .strip_prefix('.')
+            .and_then(|r| r.strip_prefix(name))
+        else {
+            continue;
+        };
+        let pid = rest
+            .strip_prefix(TMP_MARK)
+            .or_else(|| rest.strip_prefix(OLD_MARK));
         if let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) {
             if !Path::new(&format!("/proc/{pid}")).exists() {
                 remove_path(&entry.path());
@@ -137,13 +175,20 @@ fn remove_stale(parent: &Path, name: &str) {
 
 /// Names of leftover temporaries beside `out` (for tests and messages).
 pub fn leftovers(out: &Path) -> Vec<PathBuf> {
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let name = out.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     let prefix = format!(".{name}{TMP_MARK}");
     std::fs::read_dir(parent)
         .map(|list| {
             list.flatten()
-                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)))
+                .filter(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| n.starts_with(&prefix))
+                })
                 .map(|e| e.path())
                 .collect()
         })

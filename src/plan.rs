@@ -79,7 +79,11 @@ impl Region {
 impl Plan {
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
-        self.files.iter().flat_map(|f| &f.regions).map(Region::nbytes).sum()
+        self.files
+            .iter()
+            .flat_map(|f| &f.regions)
+            .map(Region::nbytes)
+            .sum()
     }
 }
 
@@ -157,7 +161,12 @@ impl<'a> Planner<'a> {
         for t in &ckpt.tensors {
             check_tensor(t)?;
         }
-        Ok(Planner { ckpt, opts, inputs: BTreeMap::new(), plan: Plan::default() })
+        Ok(Planner {
+            ckpt,
+            opts,
+            inputs: BTreeMap::new(),
+            plan: Plan::default(),
+        })
     }
 
     /// The dtype a tensor is written as.
@@ -181,8 +190,13 @@ impl<'a> Planner<'a> {
     fn region(&mut self, t: &Tensor, b: &Box, offset: u64) -> Region {
         let mut fills = Vec::new();
         for piece in unique_pieces(t) {
-            let pb = Box { offsets: piece.offsets.clone(), sizes: piece.sizes.clone() };
-            let Some(common) = pb.intersect(b) else { continue };
+            let pb = Box {
+                offsets: piece.offsets.clone(),
+                sizes: piece.sizes.clone(),
+            };
+            let Some(common) = pb.intersect(b) else {
+                continue;
+            };
             if common.is_empty() {
                 continue;
             }
@@ -196,7 +210,9 @@ impl<'a> Planner<'a> {
                 dtype: t.dtype,
                 offset: piece.data.offset + skip * elem,
                 strides: piece.data.strides.clone(),
-                start: (0..common.offsets.len()).map(|d| common.offsets[d] - b.offsets[d]).collect(),
+                start: (0..common.offsets.len())
+                    .map(|d| common.offsets[d] - b.offsets[d])
+                    .collect(),
                 sizes: common.sizes,
             });
         }
@@ -231,8 +247,10 @@ impl<'a> Planner<'a> {
                 (t.name.clone(), self.out_dtype(t), t.shape.clone())
             })
             .collect();
-        let boxes: Vec<(usize, Box)> =
-            tensors.iter().map(|&i| (i, Box::whole(&ckpt.tensors[i].shape))).collect();
+        let boxes: Vec<(usize, Box)> = tensors
+            .iter()
+            .map(|&i| (i, Box::whole(&ckpt.tensors[i].shape)))
+            .collect();
         self.safetensors_pieces(name, &entries, &boxes, metadata);
     }
 
@@ -244,8 +262,10 @@ impl<'a> Planner<'a> {
         boxes: &[(usize, Box)],
         metadata: &[(&str, &str)],
     ) {
-        let metadata: Vec<(String, String)> =
-            metadata.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let metadata: Vec<(String, String)> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let (header, ranges) = safetensors::header_bytes(entries, &metadata);
         let data_start = header.len() as u64;
         let mut file = FilePlan {
@@ -324,9 +344,10 @@ impl<'a> Planner<'a> {
         let mut unreadable = Vec::new();
         for v in &ckpt.values {
             match &v.value {
-                Some(value) => {
-                    items.push((v.effective_key_path(), torch_save::WriteLeaf::Value(value.clone())))
-                }
+                Some(value) => items.push((
+                    v.effective_key_path(),
+                    torch_save::WriteLeaf::Value(value.clone()),
+                )),
                 None => unreadable.push(v.name.as_str()),
             }
         }
@@ -346,7 +367,10 @@ impl<'a> Planner<'a> {
         // Key paths must nest into one dict tree (`a` cannot be both a tensor and a dict).
         torch_save::check_key_paths(&items)?;
         let records = torch_save::records(&prefix, torch_save::data_pkl(&items), &storages);
-        let mut file = FilePlan { path: PathBuf::from(file_name), ..FilePlan::default() };
+        let mut file = FilePlan {
+            path: PathBuf::from(file_name),
+            ..FilePlan::default()
+        };
         let regions = self.archive_into(&mut file, 0, &records, |planner, key| {
             let t = &ckpt.tensors[key.parse::<usize>().ok()?];
             Some(planner.region(t, &Box::whole(&t.shape), 0))
@@ -394,7 +418,9 @@ impl<'a> Planner<'a> {
     fn assign(&mut self, mesh: &MeshSpec) -> Result<Vec<Vec<(usize, Box)>>> {
         let world = mesh.world_size();
         if world == 0 || mesh.placements.len() != mesh.shape.len() {
-            return Err(Error::usage("the mesh needs one placement per dimension and no zero size"));
+            return Err(Error::usage(
+                "the mesh needs one placement per dimension and no zero size",
+            ));
         }
         let mut per_rank: Vec<Vec<(usize, Box)>> = vec![Vec::new(); world];
         let mut replicated_dims = Vec::new();
@@ -404,7 +430,11 @@ impl<'a> Planner<'a> {
                 per_rank[0].push((i, Box::whole(&t.shape)));
                 continue;
             }
-            if mesh.placements.iter().any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len())) {
+            if mesh
+                .placements
+                .iter()
+                .any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len()))
+            {
                 replicated_dims.push(t.name.as_str());
             }
             // DCP keys chunks by their offsets and stores each once: a replicated box is written
@@ -413,11 +443,12 @@ impl<'a> Planner<'a> {
             let mut owner: BTreeMap<Vec<u64>, (usize, Box)> = BTreeMap::new();
             for rank in 0..world {
                 let b = local_box(&t.shape, &mesh.shape, &mesh.placements, rank);
-                match owner.get(&b.offsets) {
-                    Some((_, kept)) if !(kept.is_empty() && !b.is_empty()) => {}
-                    _ => {
-                        owner.insert(b.offsets.clone(), (rank, b));
-                    }
+                let replaces = match owner.get(&b.offsets) {
+                    None => true,
+                    Some((_, kept)) => kept.is_empty() && !b.is_empty(),
+                };
+                if replaces {
+                    owner.insert(b.offsets.clone(), (rank, b));
                 }
             }
             let mut boxes: Vec<(usize, Box)> = owner.into_values().collect();
@@ -442,7 +473,10 @@ impl<'a> Planner<'a> {
         let mut storage = Vec::new();
         for (rank, items) in per_rank.iter().enumerate() {
             let name = format!("__{rank}_0.distcp");
-            let mut file = FilePlan { path: PathBuf::from(&name), ..FilePlan::default() };
+            let mut file = FilePlan {
+                path: PathBuf::from(&name),
+                ..FilePlan::default()
+            };
             for (i, b) in items {
                 let t = &ckpt.tensors[*i];
                 let dtype = self.out_dtype(t);
@@ -474,7 +508,10 @@ impl<'a> Planner<'a> {
                         transforms: Vec::new(),
                     },
                 ));
-                chunks[*i].push(Chunk { offsets: b.offsets.clone(), sizes: b.sizes.clone() });
+                chunks[*i].push(Chunk {
+                    offsets: b.offsets.clone(),
+                    sizes: b.sizes.clone(),
+                });
             }
             if rank == 0 {
                 for v in &ckpt.values {
@@ -486,8 +523,17 @@ impl<'a> Planner<'a> {
                         _ => Vec::new(),
                     };
                     storage.push((
-                        MetadataIndex { fqn: v.name.clone(), offset: None, index: None },
-                        StorageInfo { relative_path: name.clone(), offset: base, length, transforms },
+                        MetadataIndex {
+                            fqn: v.name.clone(),
+                            offset: None,
+                            index: None,
+                        },
+                        StorageInfo {
+                            relative_path: name.clone(),
+                            offset: base,
+                            length,
+                            transforms,
+                        },
                     ));
                 }
             }
@@ -505,10 +551,17 @@ impl<'a> Planner<'a> {
             planner_data.push((t.name.clone(), t.effective_key_path()));
         }
         for v in &ckpt.values {
-            entries.push(DcpEntry::Bytes { fqn: v.name.clone() });
+            entries.push(DcpEntry::Bytes {
+                fqn: v.name.clone(),
+            });
             planner_data.push((v.name.clone(), v.effective_key_path()));
         }
-        let meta = DcpMetadata { entries, storage, planner_data, version: Some("1.0.0".into()) };
+        let meta = DcpMetadata {
+            entries,
+            storage,
+            planner_data,
+            version: Some("1.0.0".into()),
+        };
         let bytes = dcp_metadata::write(&meta);
         self.plan.files.push(FilePlan {
             path: PathBuf::from(".metadata"),
@@ -545,10 +598,12 @@ impl<'a> Planner<'a> {
             return Ok(blob.length);
         }
         let Some(value) = &v.value else {
-            return Err(Error::invalid("non-tensor entry has neither bytes nor a value")
-                .tensor(&v.name));
+            return Err(
+                Error::invalid("non-tensor entry has neither bytes nor a value").tensor(&v.name),
+            );
         };
-        let pkl = torch_save::data_pkl(&[(Vec::new(), torch_save::WriteLeaf::Value(value.clone()))]);
+        let pkl =
+            torch_save::data_pkl(&[(Vec::new(), torch_save::WriteLeaf::Value(value.clone()))]);
         let records = torch_save::records("archive", pkl, &[]);
         self.archive_into(file, base, &records, |_, _| None)?;
         Ok(file.len - base)
@@ -570,8 +625,10 @@ impl<'a> Planner<'a> {
                 .map(|(i, b)| (ckpt.tensors[*i].name.clone(), b.offsets.clone()))
                 .collect();
             let metadata = dcp::hf::sharding_metadata(&offsets);
-            let metadata: Vec<(&str, &str)> =
-                metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let metadata: Vec<(&str, &str)> = metadata
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
             let name = dcp::hf::file_name(rank, 1, 1);
             self.safetensors_pieces(&name, &entries, items, &metadata);
         }
@@ -601,12 +658,17 @@ fn check_tensor(t: &Tensor) -> Result<()> {
         }
     }
     let boxes: Vec<Box> = unique_pieces(t)
-        .map(|p| Box { offsets: p.offsets.clone(), sizes: p.sizes.clone() })
+        .map(|p| Box {
+            offsets: p.offsets.clone(),
+            sizes: p.sizes.clone(),
+        })
         .collect();
     if let Some(problem) = geometry::check_coverage(&t.shape, &boxes).first() {
-        return Err(Error::invalid(format!("pieces do not cover the tensor exactly once ({problem:?})"))
-            .tensor(&t.name)
-            .hint("run `ckpt verify` on the input for details"));
+        return Err(Error::invalid(format!(
+            "pieces do not cover the tensor exactly once ({problem:?})"
+        ))
+        .tensor(&t.name)
+        .hint("run `ckpt verify` on the input for details"));
     }
     Ok(())
 }

@@ -17,7 +17,11 @@ pub struct Selection {
 
 impl Selection {
     /// Globs match whole names (`*` crosses dots: `model.*.bias` matches `model.layers.0.bias`).
-    pub fn new(include: &[String], exclude: &[String], strip_prefixes: &[String]) -> Result<Selection> {
+    pub fn new(
+        include: &[String],
+        exclude: &[String],
+        strip_prefixes: &[String],
+    ) -> Result<Selection> {
         Ok(Selection {
             include: glob_set(include)?,
             exclude: glob_set(exclude)?,
@@ -63,10 +67,17 @@ impl Selection {
             }
         }
         let mut seen = BTreeSet::new();
-        for name in ckpt.tensors.iter().map(|t| &t.name).chain(ckpt.values.iter().map(|v| &v.name)) {
+        for name in ckpt
+            .tensors
+            .iter()
+            .map(|t| &t.name)
+            .chain(ckpt.values.iter().map(|v| &v.name))
+        {
             if !seen.insert(name.clone()) {
-                return Err(Error::usage(format!("two entries would both be called `{name}`"))
-                    .hint("use a longer --strip-prefix, or --exclude one of them"));
+                return Err(
+                    Error::usage(format!("two entries would both be called `{name}`"))
+                        .hint("use a longer --strip-prefix, or --exclude one of them"),
+                );
             }
         }
         Ok(ckpt)
@@ -82,5 +93,7 @@ fn glob_set(patterns: &[String]) -> Result<Option<GlobSet>> {
         let glob = Glob::new(p).map_err(|e| Error::usage(format!("bad glob `{p}`: {e}")))?;
         b.add(glob);
     }
-    b.build().map(Some).map_err(|e| Error::usage(format!("bad glob: {e}")))
+    b.build()
+        .map(Some)
+        .map_err(|e| Error::usage(format!("bad glob: {e}")))
 }

@@ -37,7 +37,14 @@ pub struct Problem {
 
 impl Problem {
     fn error(message: impl Into<String>) -> Problem {
-        Problem { severity: Severity::Error, message: message.into(), file: None, tensor: None, offset: None, hint: None }
+        Problem {
+            severity: Severity::Error,
+            message: message.into(),
+            file: None,
+            tensor: None,
+            offset: None,
+            hint: None,
+        }
     }
 
     fn from_error(e: &Error) -> Problem {
@@ -99,7 +106,10 @@ impl VerifyReport {
 
 /// Verify the checkpoint at `path`.
 pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
-    let mut report = VerifyReport { path: path.display().to_string(), ..VerifyReport::default() };
+    let mut report = VerifyReport {
+        path: path.display().to_string(),
+        ..VerifyReport::default()
+    };
     let ckpt = match crate::detect::read(path) {
         Ok(c) => c,
         Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
@@ -117,9 +127,12 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
         match digests(&ckpt, opts) {
             Ok(per_tensor) => {
                 for (name, d) in per_tensor {
-                    report.checksums.insert(name.clone(), format!("{:016x}", d.xxh3));
+                    report
+                        .checksums
+                        .insert(name.clone(), format!("{:016x}", d.xxh3));
                     if d.nan + d.inf > 0 {
-                        let mut p = Problem::error(format!("{} NaN and {} infinite values", d.nan, d.inf));
+                        let mut p =
+                            Problem::error(format!("{} NaN and {} infinite values", d.nan, d.inf));
                         p.severity = Severity::Warning;
                         p.tensor = Some(name);
                         report.problems.push(p);
@@ -133,13 +146,30 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
 }
 
 /// Per-tensor digests of a checkpoint's logical bytes, in tensor order.
-pub fn digests(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Vec<(String, exec::RegionDigest)>> {
-    let p = plan::plan(ckpt, &Target::Safetensors { file_name: "digest".into() }, &PlanOptions::default())?;
+pub fn digests(
+    ckpt: &Checkpoint,
+    opts: &VerifyOptions,
+) -> Result<Vec<(String, exec::RegionDigest)>> {
+    let p = plan::plan(
+        ckpt,
+        &Target::Safetensors {
+            file_name: "digest".into(),
+        },
+        &PlanOptions::default(),
+    )?;
     let cancel = std::sync::atomic::AtomicBool::new(false);
-    let exec_opts = ExecOptions { threads: opts.threads, io: opts.io, progress: &exec::NoProgress, cancel: &cancel };
+    let exec_opts = ExecOptions {
+        threads: opts.threads,
+        io: opts.io,
+        progress: &exec::NoProgress,
+        cancel: &cancel,
+    };
     let digests = exec::digest(&p, &exec_opts)?;
     let regions = p.files.iter().flat_map(|f| &f.regions);
-    Ok(regions.zip(digests).map(|(r, d)| (r.name.clone(), d)).collect())
+    Ok(regions
+        .zip(digests)
+        .map(|(r, d)| (r.name.clone(), d))
+        .collect())
 }
 
 /// Checks that need no tensor data: coverage and byte ranges.
@@ -151,25 +181,35 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
         let mut boxes = Vec::new();
         for p in &t.pieces {
             if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
-                let mut pr = Problem::error(format!("a piece has {} dims but the tensor has {rank}", p.offsets.len()));
+                let mut pr = Problem::error(format!(
+                    "a piece has {} dims but the tensor has {rank}",
+                    p.offsets.len()
+                ));
                 pr.tensor = Some(t.name.clone());
                 pr.file = Some(p.data.file.display().to_string());
                 problems.push(pr);
                 continue;
             }
-            boxes.push(Box { offsets: p.offsets.clone(), sizes: p.sizes.clone() });
+            boxes.push(Box {
+                offsets: p.offsets.clone(),
+                sizes: p.sizes.clone(),
+            });
             if p.data.encoding != Encoding::Raw || p.sizes.contains(&0) {
                 continue;
             }
-            let len = *file_lens
-                .entry(&p.data.file)
-                .or_insert_with(|| std::fs::metadata(ckpt.path_of(&p.data.file)).ok().map(|m| m.len()));
+            let len = *file_lens.entry(&p.data.file).or_insert_with(|| {
+                std::fs::metadata(ckpt.path_of(&p.data.file))
+                    .ok()
+                    .map(|m| m.len())
+            });
             let elem = t.dtype.size() as u64;
             let end = p
                 .sizes
                 .iter()
                 .zip(&p.data.strides)
-                .try_fold(0u64, |acc, (&n, &s)| acc.checked_add((n - 1).checked_mul(s)?))
+                .try_fold(0u64, |acc, (&n, &s)| {
+                    acc.checked_add((n - 1).checked_mul(s)?)
+                })
                 .and_then(|last| last.checked_add(1)?.checked_mul(elem))
                 .and_then(|b| b.checked_add(p.data.offset));
             match (len, end) {
@@ -181,7 +221,8 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                 }
                 (Some(len), Some(end)) if end <= len => {}
                 (Some(len), _) => {
-                    let mut pr = Problem::error(format!("data runs past the end of the file ({len} bytes)"));
+                    let mut pr =
+                        Problem::error(format!("data runs past the end of the file ({len} bytes)"));
                     pr.file = Some(p.data.file.display().to_string());
                     pr.tensor = Some(t.name.clone());
                     pr.offset = Some(p.data.offset);
@@ -214,7 +255,9 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
     }
     for v in &ckpt.values {
         if let Some(blob) = &v.raw {
-            let len = std::fs::metadata(ckpt.path_of(&blob.file)).ok().map(|m| m.len());
+            let len = std::fs::metadata(ckpt.path_of(&blob.file))
+                .ok()
+                .map(|m| m.len());
             if len.is_none_or(|len| blob.offset.saturating_add(blob.length) > len) {
                 let mut pr = Problem::error("value bytes run past the end of the file");
                 pr.file = Some(blob.file.display().to_string());
@@ -229,15 +272,26 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
 
 /// Compare the logical tensors of two checkpoints in any layouts. Returns the differences found,
 /// at most `limit`.
-pub fn compare(a: &Checkpoint, b: &Checkpoint, opts: &VerifyOptions, limit: usize) -> Result<Vec<Problem>> {
+pub fn compare(
+    a: &Checkpoint,
+    b: &Checkpoint,
+    opts: &VerifyOptions,
+    limit: usize,
+) -> Result<Vec<Problem>> {
     let mut diffs = Vec::new();
-    let by_name: BTreeMap<&str, &crate::model::Tensor> = b.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    let a_names: std::collections::BTreeSet<&str> = a.tensors.iter().map(|t| t.name.as_str()).collect();
+    let by_name: BTreeMap<&str, &crate::model::Tensor> =
+        b.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let a_names: std::collections::BTreeSet<&str> =
+        a.tensors.iter().map(|t| t.name.as_str()).collect();
     for t in &a.tensors {
         let mut pr = match by_name.get(t.name.as_str()) {
             None => Problem::error("only in the first checkpoint"),
-            Some(o) if o.dtype != t.dtype => Problem::error(format!("dtype {} vs {}", t.dtype, o.dtype)),
-            Some(o) if o.shape != t.shape => Problem::error(format!("shape {:?} vs {:?}", t.shape, o.shape)),
+            Some(o) if o.dtype != t.dtype => {
+                Problem::error(format!("dtype {} vs {}", t.dtype, o.dtype))
+            }
+            Some(o) if o.shape != t.shape => {
+                Problem::error(format!("shape {:?} vs {:?}", t.shape, o.shape))
+            }
             Some(_) => continue,
         };
         pr.tensor = Some(t.name.clone());
@@ -294,34 +348,54 @@ pub fn manifest(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Manifest> {
         .map(|(t, (_, d))| {
             (
                 t.name.clone(),
-                ManifestEntry { dtype: t.dtype.to_string(), shape: t.shape.clone(), xxh3: format!("{:016x}", d.xxh3) },
+                ManifestEntry {
+                    dtype: t.dtype.to_string(),
+                    shape: t.shape.clone(),
+                    xxh3: format!("{:016x}", d.xxh3),
+                },
             )
         })
         .collect();
-    Ok(Manifest { scheme: MANIFEST_SCHEME.to_string(), tensors })
+    Ok(Manifest {
+        scheme: MANIFEST_SCHEME.to_string(),
+        tensors,
+    })
 }
 
 /// Differences between a manifest and a checkpoint's own manifest.
 pub fn check_manifest(want: &Manifest, have: &Manifest) -> Vec<Problem> {
     let mut problems = Vec::new();
     if want.scheme != have.scheme {
-        problems.push(Problem::error(format!("manifest uses `{}`, ckpt makes `{}`", want.scheme, have.scheme)));
+        problems.push(Problem::error(format!(
+            "manifest uses `{}`, ckpt makes `{}`",
+            want.scheme, have.scheme
+        )));
         return problems;
     }
     for (name, w) in &want.tensors {
         let message = match have.tensors.get(name) {
             None => "in the manifest but not in the checkpoint".to_string(),
             Some(h) if h.dtype != w.dtype || h.shape != w.shape => {
-                format!("manifest says {} {:?}, checkpoint has {} {:?}", w.dtype, w.shape, h.dtype, h.shape)
+                format!(
+                    "manifest says {} {:?}, checkpoint has {} {:?}",
+                    w.dtype, w.shape, h.dtype, h.shape
+                )
             }
-            Some(h) if h.xxh3 != w.xxh3 => format!("checksum {} does not match the manifest's {}", h.xxh3, w.xxh3),
+            Some(h) if h.xxh3 != w.xxh3 => format!(
+                "checksum {} does not match the manifest's {}",
+                h.xxh3, w.xxh3
+            ),
             Some(_) => continue,
         };
         let mut p = Problem::error(message);
         p.tensor = Some(name.clone());
         problems.push(p);
     }
-    for name in have.tensors.keys().filter(|n| !want.tensors.contains_key(*n)) {
+    for name in have
+        .tensors
+        .keys()
+        .filter(|n| !want.tensors.contains_key(*n))
+    {
         let mut p = Problem::error("in the checkpoint but not in the manifest");
         p.tensor = Some(name.clone());
         problems.push(p);

@@ -29,7 +29,9 @@ struct TestEnv {
 
 impl TestEnv {
     fn new() -> TestEnv {
-        TestEnv { dir: tempfile::tempdir().expect("temp dir") }
+        TestEnv {
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -75,7 +77,13 @@ fn stderr(out: &Output) -> String {
 
 fn inspect_json(path: &Path) -> Value {
     let out = ckpt(&[&"inspect", &path, &"--json"]);
-    assert_eq!(code(&out), 0, "inspect {}: {}", path.display(), stderr(&out));
+    assert_eq!(
+        code(&out),
+        0,
+        "inspect {}: {}",
+        path.display(),
+        stderr(&out)
+    );
     serde_json::from_slice(&out.stdout).expect("inspect --json prints JSON")
 }
 
@@ -93,17 +101,29 @@ fn inspect_reports_every_tensor_as_pytorch_saved_it() {
         }
         let want_tensors = want["tensors"].as_object().unwrap();
         let got_tensors = got["tensors"].as_array().unwrap();
-        assert_eq!(got_tensors.len(), want_tensors.len(), "{path}: tensor count");
+        assert_eq!(
+            got_tensors.len(),
+            want_tensors.len(),
+            "{path}: tensor count"
+        );
         for t in got_tensors {
             let name = t["name"].as_str().unwrap();
             let w = &want_tensors[name];
             assert_eq!(t["dtype"], w["dtype"], "{path}: {name}");
             assert_eq!(t["shape"], w["shape"], "{path}: {name}");
         }
-        let mut want_values: Vec<&str> =
-            want["non_tensors"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        let mut got_values: Vec<&str> =
-            got["non_tensors"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+        let mut want_values: Vec<&str> = want["non_tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let mut got_values: Vec<&str> = got["non_tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap())
+            .collect();
         want_values.sort();
         got_values.sort();
         assert_eq!(got_values, want_values, "{path}: non-tensor entries");
@@ -112,7 +132,12 @@ fn inspect_reports_every_tensor_as_pytorch_saved_it() {
 
 #[test]
 fn inspect_table_filters_by_glob() {
-    let out = ckpt(&[&"inspect", &fixtures().join("fsdp2_adamw"), &"--filter", &"model.*"]);
+    let out = ckpt(&[
+        &"inspect",
+        &fixtures().join("fsdp2_adamw"),
+        &"--filter",
+        &"model.*",
+    ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("SHARDED_STATE_DICT"));
@@ -124,7 +149,13 @@ fn inspect_table_filters_by_glob() {
 fn verify_passes_every_fixture_deeply() {
     for (_, path) in FIXTURES {
         let out = ckpt(&[&"verify", &fixtures().join(path), &"--deep"]);
-        assert_eq!(code(&out), 0, "{path}: {}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert_eq!(
+            code(&out),
+            0,
+            "{path}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            stderr(&out)
+        );
     }
 }
 
@@ -142,7 +173,12 @@ fn verify_finds_a_truncated_distcp() {
     let dir = env.copy_fixture("fsdp2_adamw");
     let file = dir.join("__2_0.distcp");
     let len = std::fs::metadata(&file).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len - 100).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
     assert_unsound(&dir, "__2_0.distcp");
 }
 
@@ -160,7 +196,12 @@ fn verify_finds_a_missing_middle_rank_in_dcp_safetensors() {
     let dir = env.copy_fixture("dcp_hf");
     for e in std::fs::read_dir(&dir).unwrap() {
         let p = e.unwrap().path();
-        if p.file_name().unwrap().to_str().unwrap().starts_with("shard-00002-") {
+        if p.file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("shard-00002-")
+        {
             std::fs::remove_file(p).unwrap();
         }
     }
@@ -188,7 +229,12 @@ fn verify_finds_a_safetensors_file_shorter_than_its_header() {
     let env = TestEnv::new();
     let file = env.copy_fixture("single.safetensors");
     let len = std::fs::metadata(&file).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len - 10).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
     assert_unsound(&file, "single.safetensors");
 }
 
@@ -218,15 +264,27 @@ fn a_directory_holding_a_checkpoint_gets_a_hint() {
     let env = TestEnv::new();
     let outer = env.path("run");
     std::fs::create_dir(&outer).unwrap();
-    copy_tree(&fixtures().join("dtypes"), &outer.join("pytorch_model_fsdp_0"));
+    copy_tree(
+        &fixtures().join("dtypes"),
+        &outer.join("pytorch_model_fsdp_0"),
+    );
     let out = ckpt(&[&"inspect", &outer]);
     assert_eq!(code(&out), 1);
-    assert!(stderr(&out).contains("pytorch_model_fsdp_0"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pytorch_model_fsdp_0"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
 fn verify_against_compares_layouts() {
-    let out = ckpt(&[&"verify", &fixtures().join("hf_split"), &"--against", &fixtures().join("single.safetensors")]);
+    let out = ckpt(&[
+        &"verify",
+        &fixtures().join("hf_split"),
+        &"--against",
+        &fixtures().join("single.safetensors"),
+    ]);
     // The two fixtures hold different models: the comparison must say so.
     assert_eq!(code(&out), 1, "{}", String::from_utf8_lossy(&out.stdout));
 }
@@ -239,27 +297,64 @@ fn every_fixture_survives_consolidate_and_reshard() {
         let input = fixtures().join(path);
         let outputs: Vec<(String, Vec<String>)> = vec![
             (format!("{name}.safetensors"), vec![]),
-            (format!("{name}-split"), vec!["--max-shard-size".into(), "200B".into()]),
-            (format!("{name}.bin"), vec!["--format".into(), "torch".into()]),
+            (
+                format!("{name}-split"),
+                vec!["--max-shard-size".into(), "200B".into()],
+            ),
+            (
+                format!("{name}.bin"),
+                vec!["--format".into(), "torch".into()],
+            ),
         ];
         for (out_name, extra) in outputs {
             let out_path = env.path(&out_name);
-            let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"consolidate", &input, &"-o", &out_path, &"-q"];
+            let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> =
+                vec![&"consolidate", &input, &"-o", &out_path, &"-q"];
             for e in &extra {
                 args.push(e);
             }
             let out = ckpt(&args);
-            assert_eq!(code(&out), 0, "consolidate {path} -> {out_name}: {}", stderr(&out));
+            assert_eq!(
+                code(&out),
+                0,
+                "consolidate {path} -> {out_name}: {}",
+                stderr(&out)
+            );
             let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
-            assert_eq!(code(&cmp), 0, "{out_name}: {}", String::from_utf8_lossy(&cmp.stdout));
+            assert_eq!(
+                code(&cmp),
+                0,
+                "{out_name}: {}",
+                String::from_utf8_lossy(&cmp.stdout)
+            );
         }
         for n in ["1", "3", "8"] {
             for format in ["dcp", "dcp-safetensors"] {
                 let out_path = env.path(&format!("{name}-{format}-{n}"));
-                let out = ckpt(&[&"reshard", &input, &"-o", &out_path, &"--world-size", &n, &"--format", &format, &"-q"]);
-                assert_eq!(code(&out), 0, "reshard {path} -> {n} {format}: {}", stderr(&out));
+                let out = ckpt(&[
+                    &"reshard",
+                    &input,
+                    &"-o",
+                    &out_path,
+                    &"--world-size",
+                    &n,
+                    &"--format",
+                    &format,
+                    &"-q",
+                ]);
+                assert_eq!(
+                    code(&out),
+                    0,
+                    "reshard {path} -> {n} {format}: {}",
+                    stderr(&out)
+                );
                 let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
-                assert_eq!(code(&cmp), 0, "{name} {format} {n}: {}", String::from_utf8_lossy(&cmp.stdout));
+                assert_eq!(
+                    code(&cmp),
+                    0,
+                    "{name} {format} {n}: {}",
+                    String::from_utf8_lossy(&cmp.stdout)
+                );
             }
         }
     }
@@ -269,21 +364,50 @@ fn every_fixture_survives_consolidate_and_reshard() {
 fn split_output_has_an_index_matching_its_files() {
     let env = TestEnv::new();
     let out_dir = env.path("split");
-    let out = ckpt(&[&"consolidate", &fixtures().join("fsdp2_adamw"), &"-o", &out_dir, &"--max-shard-size", &"300B", &"--include", &"model.*"]);
+    let out = ckpt(&[
+        &"consolidate",
+        &fixtures().join("fsdp2_adamw"),
+        &"-o",
+        &out_dir,
+        &"--max-shard-size",
+        &"300B",
+        &"--include",
+        &"model.*",
+    ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
-    let index: Value = serde_json::from_slice(&std::fs::read(out_dir.join("model.safetensors.index.json")).unwrap()).unwrap();
-    let files: std::collections::BTreeSet<&str> =
-        index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(out_dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     assert!(files.len() >= 3, "{files:?}");
     let on_disk: std::collections::BTreeSet<String> = std::fs::read_dir(&out_dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| n.ends_with(".safetensors"))
         .collect();
-    assert_eq!(on_disk.iter().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), files);
+    assert_eq!(
+        on_disk
+            .iter()
+            .map(String::as_str)
+            .collect::<std::collections::BTreeSet<_>>(),
+        files
+    );
     for (name, file) in index["weight_map"].as_object().unwrap() {
         let listed = inspect_json(&out_dir.join(file.as_str().unwrap()));
-        assert!(listed["tensors"].as_array().unwrap().iter().any(|t| t["name"] == *name), "{name} not in {file}");
+        assert!(
+            listed["tensors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["name"] == *name),
+            "{name} not in {file}"
+        );
     }
 }
 
@@ -296,7 +420,14 @@ fn consolidate_refuses_to_overwrite_without_force() {
     assert_eq!(code(&out), 2, "{}", stderr(&out));
     assert!(stderr(&out).contains("--force"));
     assert_eq!(std::fs::read(&out_path).unwrap(), b"precious");
-    let out = ckpt(&[&"consolidate", &fixtures().join("dtypes"), &"-o", &out_path, &"--force", &"-q"]);
+    let out = ckpt(&[
+        &"consolidate",
+        &fixtures().join("dtypes"),
+        &"-o",
+        &out_path,
+        &"--force",
+        &"-q",
+    ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert_ne!(std::fs::read(&out_path).unwrap(), b"precious");
 }
@@ -323,7 +454,15 @@ fn consolidate_is_deterministic() {
     std::fs::create_dir(env.path("b")).unwrap();
     let (a, b) = (env.path("a/model.bin"), env.path("b/model.bin"));
     for p in [&a, &b] {
-        let out = ckpt(&[&"consolidate", &fixtures().join("fsdp2_adamw"), &"-o", p, &"-q", &"--threads", &"2"]);
+        let out = ckpt(&[
+            &"consolidate",
+            &fixtures().join("fsdp2_adamw"),
+            &"-o",
+            p,
+            &"-q",
+            &"--threads",
+            &"2",
+        ]);
         assert_eq!(code(&out), 0, "{}", stderr(&out));
     }
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
@@ -357,15 +496,28 @@ fn a_manifest_from_a_sharded_checkpoint_checks_its_consolidated_output() {
 fn reshard_reproduces_the_chunks_dtensor_saved() {
     let env = TestEnv::new();
     let want: Value =
-        serde_json::from_slice(&std::fs::read(fixtures().join("expected/dtypes.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(fixtures().join("expected/dtypes.json")).unwrap())
+            .unwrap();
     let out_path = env.path("dtypes-4");
-    let out = ckpt(&[&"reshard", &fixtures().join("dtypes"), &"-o", &out_path, &"--world-size", &"4", &"-q"]);
+    let out = ckpt(&[
+        &"reshard",
+        &fixtures().join("dtypes"),
+        &"-o",
+        &out_path,
+        &"--world-size",
+        &"4",
+        &"-q",
+    ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let got = inspect_json(&out_path);
     for t in got["tensors"].as_array().unwrap() {
         let name = t["name"].as_str().unwrap();
-        let mut got_chunks: Vec<Value> =
-            t["pieces"].as_array().unwrap().iter().map(|p| serde_json::json!([p["offsets"], p["sizes"]])).collect();
+        let mut got_chunks: Vec<Value> = t["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| serde_json::json!([p["offsets"], p["sizes"]]))
+            .collect();
         let mut want_chunks = want["tensors"][name]["chunks"].as_array().unwrap().clone();
         let key = |v: &Value| v.to_string();
         got_chunks.sort_by_key(key);

@@ -11,12 +11,14 @@ use ckpt::dtype::DType;
 /// A FULL safetensors file of `tensors` F32 tensors of `mib` MiB each (zeros; sparse on disk).
 fn synthetic(path: &Path, tensors: usize, mib: u64) {
     let n = mib * (1 << 20) / 4;
-    let entries: Vec<(String, DType, Vec<u64>)> =
-        (0..tensors).map(|i| (format!("layers.{i}.weight"), DType::F32, vec![n])).collect();
+    let entries: Vec<(String, DType, Vec<u64>)> = (0..tensors)
+        .map(|i| (format!("layers.{i}.weight"), DType::F32, vec![n]))
+        .collect();
     let (header, ranges) = ckpt::formats::safetensors::header_bytes(&entries, &[]);
     let file = std::fs::File::create(path).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&file, &header, 0).unwrap();
-    file.set_len(header.len() as u64 + ranges.last().unwrap().1).unwrap();
+    file.set_len(header.len() as u64 + ranges.last().unwrap().1)
+        .unwrap();
 }
 
 fn ckpt_cmd(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Command {
@@ -49,7 +51,11 @@ fn start_and_wait_for_temp(args: &[&dyn AsRef<std::ffi::OsStr>], out: &Path) -> 
 }
 
 fn signal(child: &Child, sig: &str) {
-    let status = Command::new("kill").arg(format!("-{sig}")).arg(child.id().to_string()).status().unwrap();
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
     assert!(status.success());
 }
 
@@ -66,18 +72,39 @@ fn kill_midway_then_rerun(subcommand: &[&str], out_name: &str) {
     for a in subcommand {
         args.push(a);
     }
-    args.extend([&input as &dyn AsRef<std::ffi::OsStr>, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"]);
+    args.extend([
+        &input as &dyn AsRef<std::ffi::OsStr>,
+        &"-o",
+        &out,
+        &"--threads",
+        &"1",
+        &"--io",
+        &"read",
+        &"-q",
+    ]);
     let child = start_and_wait_for_temp(&args, &out);
     signal(&child, "KILL");
     let result = finish(child);
     assert!(result.status.code().is_none(), "killed by a signal");
-    assert!(!out.exists(), "a killed run left something under the final name");
+    assert!(
+        !out.exists(),
+        "a killed run left something under the final name"
+    );
     let left = leftovers(&out);
     assert_eq!(left.len(), 1, "{left:?}");
-    assert!(left[0].file_name().unwrap().to_str().unwrap().contains(".ckpt-tmp-"));
+    assert!(left[0]
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .contains(".ckpt-tmp-"));
     // A rerun succeeds and clears the dead run's temporary.
     let rerun = ckpt_cmd(&args).output().unwrap();
-    assert!(rerun.status.success(), "{}", String::from_utf8_lossy(&rerun.stderr));
+    assert!(
+        rerun.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rerun.stderr)
+    );
     assert!(out.exists());
     assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
 }
@@ -89,7 +116,16 @@ fn sigkill_during_consolidate_leaves_nothing_under_the_final_name() {
 
 #[test]
 fn sigkill_during_reshard_leaves_nothing_under_the_final_name() {
-    kill_midway_then_rerun(&["reshard", "--world-size", "3", "--format", "dcp-safetensors"], "sharded");
+    kill_midway_then_rerun(
+        &[
+            "reshard",
+            "--world-size",
+            "3",
+            "--format",
+            "dcp-safetensors",
+        ],
+        "sharded",
+    );
 }
 
 #[test]
@@ -98,12 +134,26 @@ fn ctrl_c_stops_cleanly_and_removes_temporary_output() {
     let input = tmp.path().join("big.safetensors");
     synthetic(&input, 48, 8);
     let out = tmp.path().join("out.safetensors");
-    let args: [&dyn AsRef<std::ffi::OsStr>; 9] =
-        [&"consolidate", &input, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"];
+    let args: [&dyn AsRef<std::ffi::OsStr>; 9] = [
+        &"consolidate",
+        &input,
+        &"-o",
+        &out,
+        &"--threads",
+        &"1",
+        &"--io",
+        &"read",
+        &"-q",
+    ];
     let child = start_and_wait_for_temp(&args, &out);
     signal(&child, "INT");
     let result = finish(child);
-    assert_eq!(result.status.code(), Some(130), "{}", String::from_utf8_lossy(&result.stderr));
+    assert_eq!(
+        result.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
     assert!(String::from_utf8_lossy(&result.stderr).contains("interrupted"));
     assert!(!out.exists());
     assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
@@ -115,15 +165,34 @@ fn an_input_that_grows_during_the_run_is_an_error() {
     let input = tmp.path().join("big.safetensors");
     synthetic(&input, 48, 8);
     let out = tmp.path().join("out.safetensors");
-    let args: [&dyn AsRef<std::ffi::OsStr>; 9] =
-        [&"consolidate", &input, &"-o", &out, &"--threads", &"1", &"--io", &"read", &"-q"];
+    let args: [&dyn AsRef<std::ffi::OsStr>; 9] = [
+        &"consolidate",
+        &input,
+        &"-o",
+        &out,
+        &"--threads",
+        &"1",
+        &"--io",
+        &"read",
+        &"-q",
+    ];
     let child = start_and_wait_for_temp(&args, &out);
-    let file = std::fs::OpenOptions::new().append(true).open(&input).unwrap();
-    std::io::Write::write_all(&mut &file, b"more bytes from a writer that has not finished").unwrap();
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&input)
+        .unwrap();
+    std::io::Write::write_all(
+        &mut &file,
+        b"more bytes from a writer that has not finished",
+    )
+    .unwrap();
     let result = finish(child);
     let err = String::from_utf8_lossy(&result.stderr);
     assert_eq!(result.status.code(), Some(1), "{err}");
-    assert!(err.contains("changed size during the run") && err.contains("big.safetensors"), "{err}");
+    assert!(
+        err.contains("changed size during the run") && err.contains("big.safetensors"),
+        "{err}"
+    );
     assert!(!out.exists());
     assert!(leftovers(&out).is_empty());
 }
@@ -161,10 +230,15 @@ fn a_full_disk_gives_a_clear_error_and_removes_temporaries() {
     }
     let _guard = Unmount(small.clone());
     let out = small.join("out.safetensors");
-    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"]).output().unwrap();
+    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&result.stderr);
     assert_eq!(result.status.code(), Some(1), "{err}");
-    assert!(err.contains("small/.out.safetensors.ckpt-tmp-") || err.contains("small/out.safetensors"), "{err}");
+    assert!(
+        err.contains("small/.out.safetensors.ckpt-tmp-") || err.contains("small/out.safetensors"),
+        "{err}"
+    );
     assert!(err.contains("No space left on device"), "{err}");
     assert!(!out.exists());
     assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
@@ -183,9 +257,14 @@ fn an_unwritable_output_directory_is_a_clear_error() {
     }
     let _guard = Unmount(ro.clone());
     let out = ro.join("out.safetensors");
-    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"]).output().unwrap();
+    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&result.stderr);
     assert_eq!(result.status.code(), Some(1), "{err}");
-    assert!(err.contains("Read-only file system") && err.contains("ro/"), "{err}");
+    assert!(
+        err.contains("Read-only file system") && err.contains("ro/"),
+        "{err}"
+    );
     assert!(!out.exists());
 }

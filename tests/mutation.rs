@@ -8,7 +8,10 @@ use proptest::test_runner::{Config, TestRunner};
 
 fn files_of(path: &Path) -> Vec<PathBuf> {
     if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         v.sort();
         v
     } else {
@@ -17,7 +20,9 @@ fn files_of(path: &Path) -> Vec<PathBuf> {
 }
 
 fn fuzz_fixture(name: &str) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name);
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join(name);
     let originals: Vec<(PathBuf, Vec<u8>)> = files_of(&src)
@@ -25,14 +30,29 @@ fn fuzz_fixture(name: &str) {
         .map(|f| {
             let bytes = std::fs::read(&f).unwrap();
             let rel = f.strip_prefix(&src).unwrap();
-            (if rel.as_os_str().is_empty() { dst.clone() } else { dst.join(rel) }, bytes)
+            (
+                if rel.as_os_str().is_empty() {
+                    dst.clone()
+                } else {
+                    dst.join(rel)
+                },
+                bytes,
+            )
         })
         .collect();
     if src.is_dir() {
         std::fs::create_dir_all(&dst).unwrap();
     }
-    let dst = if src.is_dir() { dst } else { originals[0].0.clone() };
-    let mut runner = TestRunner::new(Config { cases: 1000, failure_persistence: None, ..Config::default() });
+    let dst = if src.is_dir() {
+        dst
+    } else {
+        originals[0].0.clone()
+    };
+    let mut runner = TestRunner::new(Config {
+        cases: 1000,
+        failure_persistence: None,
+        ..Config::default()
+    });
     let strategy = (
         0..originals.len(),
         prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
@@ -59,7 +79,11 @@ fn fuzz_fixture(name: &str) {
             std::fs::write(path, &damaged).unwrap();
             case.set(case.get() + 1);
             let _ = ckpt::detect::read(&dst);
-            let opts = ckpt::verify::VerifyOptions { deep: deep == 0, threads: 1, ..Default::default() };
+            let opts = ckpt::verify::VerifyOptions {
+                deep: deep == 0,
+                threads: 1,
+                ..Default::default()
+            };
             let _ = ckpt::verify::verify(&dst, &opts);
             Ok(())
         })

@@ -21,14 +21,28 @@ fn tensors() -> impl Strategy<Value = Vec<(DType, Vec<u64>)>> {
 }
 
 fn mesh() -> impl Strategy<Value = MeshSpec> {
-    (prop::collection::vec(1usize..4, 1..3), prop::collection::vec(0usize..4, 2)).prop_map(|(shape, dims)| {
-        let placements = shape
-            .iter()
-            .zip(&dims)
-            .map(|(_, &d)| if d == 3 { Placement::Replicate } else { Placement::Shard(d) })
-            .collect();
-        MeshSpec { shape, placements, replicated: Default::default() }
-    })
+    (
+        prop::collection::vec(1usize..4, 1..3),
+        prop::collection::vec(0usize..4, 2),
+    )
+        .prop_map(|(shape, dims)| {
+            let placements = shape
+                .iter()
+                .zip(&dims)
+                .map(|(_, &d)| {
+                    if d == 3 {
+                        Placement::Replicate
+                    } else {
+                        Placement::Shard(d)
+                    }
+                })
+                .collect();
+            MeshSpec {
+                shape,
+                placements,
+                replicated: Default::default(),
+            }
+        })
 }
 
 /// A FULL checkpoint model over one virtual file: tensors back to back, row-major.
@@ -49,10 +63,22 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
                 },
             };
             offset += shape.iter().product::<u64>() * dtype.size() as u64;
-            Tensor { name: format!("t{i}"), key_path: vec![], dtype: *dtype, shape: shape.clone(), pieces: vec![piece] }
+            Tensor {
+                name: format!("t{i}"),
+                key_path: vec![],
+                dtype: *dtype,
+                shape: shape.clone(),
+                pieces: vec![piece],
+            }
         })
         .collect();
-    Checkpoint { root: PathBuf::from("/nonexistent"), format: Format::Safetensors, world_size: None, tensors, values: vec![] }
+    Checkpoint {
+        root: PathBuf::from("/nonexistent"),
+        format: Format::Safetensors,
+        world_size: None,
+        tensors,
+        values: vec![],
+    }
 }
 
 /// How many times each byte of each destination file is written by `plan`.
@@ -94,9 +120,15 @@ fn write_counts(plan: &Plan) -> Vec<Vec<u32>> {
 
 fn targets(mesh: MeshSpec) -> Vec<Target> {
     vec![
-        Target::Safetensors { file_name: "m.safetensors".into() },
-        Target::SafetensorsSplit { max_shard_bytes: 40 },
-        Target::TorchSave { file_name: "m.bin".into() },
+        Target::Safetensors {
+            file_name: "m.safetensors".into(),
+        },
+        Target::SafetensorsSplit {
+            max_shard_bytes: 40,
+        },
+        Target::TorchSave {
+            file_name: "m.bin".into(),
+        },
         Target::Dcp(mesh.clone()),
         Target::DcpSafetensors(mesh),
     ]
@@ -129,12 +161,21 @@ fn run(input: &Path, output: &Path, target: Target) {
     std::fs::create_dir_all(output).unwrap();
     let dest: Vec<PathBuf> = plan.files.iter().map(|f| output.join(&f.path)).collect();
     let cancel = AtomicBool::new(false);
-    let opts = ExecOptions { threads: 2, io: IoMode::Mmap, progress: &NoProgress, cancel: &cancel };
+    let opts = ExecOptions {
+        threads: 2,
+        io: IoMode::Mmap,
+        progress: &NoProgress,
+        cancel: &cancel,
+    };
     exec::execute(&plan, &dest, &opts).unwrap();
 }
 
 fn world(n: usize) -> MeshSpec {
-    MeshSpec { shape: vec![n], placements: vec![Placement::Shard(0)], replicated: Default::default() }
+    MeshSpec {
+        shape: vec![n],
+        placements: vec![Placement::Shard(0)],
+        replicated: Default::default(),
+    }
 }
 
 proptest! {

@@ -15,7 +15,9 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::model::{Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor};
+use crate::model::{
+    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor,
+};
 use metadata::{DcpEntry, StorageInfo};
 
 /// Name of the metadata file in a DCP directory.
@@ -33,10 +35,14 @@ pub fn looks_like(dir: &Path) -> bool {
 /// Read a DCP directory into the model.
 pub fn read(dir: &Path) -> Result<Checkpoint> {
     let meta_path = dir.join(METADATA);
-    let len = std::fs::metadata(&meta_path).map_err(|e| Error::io(&meta_path, e))?.len();
+    let len = std::fs::metadata(&meta_path)
+        .map_err(|e| Error::io(&meta_path, e))?
+        .len();
     if len > MAX_METADATA_BYTES {
-        return Err(Error::invalid(format!("`.metadata` is {len} bytes, more than ckpt accepts"))
-            .file(&meta_path));
+        return Err(Error::invalid(format!(
+            "`.metadata` is {len} bytes, more than ckpt accepts"
+        ))
+        .file(&meta_path));
     }
     let bytes = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
     let meta = metadata::parse(&bytes).map_err(|e| e.file(&meta_path))?;
@@ -46,32 +52,48 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         .iter()
         .map(|(idx, info)| ((idx.fqn.as_str(), idx.offset.as_deref()), info))
         .collect();
-    let paths: HashMap<&str, &[KeyPart]> =
-        meta.planner_data.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    let paths: HashMap<&str, &[KeyPart]> = meta
+        .planner_data
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_slice()))
+        .collect();
     let mut files = Files::new(dir);
     let mut tensors = Vec::new();
     let mut values = Vec::new();
     for entry in &meta.entries {
         match entry {
-            DcpEntry::Tensor { fqn, dtype, size, chunks } => {
+            DcpEntry::Tensor {
+                fqn,
+                dtype,
+                size,
+                chunks,
+            } => {
                 let mut pieces = Vec::with_capacity(chunks.len());
                 for chunk in chunks {
-                    let info = storage.get(&(fqn.as_str(), Some(chunk.offsets.as_slice()))).ok_or_else(|| {
-                        Error::invalid(format!(
-                            "no storage entry for the chunk at offsets {:?}",
-                            chunk.offsets
-                        ))
-                        .file(&meta_path)
-                        .tensor(fqn)
-                    })?;
+                    let info = storage
+                        .get(&(fqn.as_str(), Some(chunk.offsets.as_slice())))
+                        .ok_or_else(|| {
+                            Error::invalid(format!(
+                                "no storage entry for the chunk at offsets {:?}",
+                                chunk.offsets
+                            ))
+                            .file(&meta_path)
+                            .tensor(fqn)
+                        })?;
                     let piece = files
                         .tensor_piece(info, *dtype, &chunk.sizes)
                         .map_err(|e| e.tensor(fqn))?;
-                    pieces.push(Piece { offsets: chunk.offsets.clone(), ..piece });
+                    pieces.push(Piece {
+                        offsets: chunk.offsets.clone(),
+                        ..piece
+                    });
                 }
                 tensors.push(Tensor {
                     name: fqn.clone(),
-                    key_path: paths.get(fqn.as_str()).map(|p| p.to_vec()).unwrap_or_default(),
+                    key_path: paths
+                        .get(fqn.as_str())
+                        .map(|p| p.to_vec())
+                        .unwrap_or_default(),
                     dtype: *dtype,
                     shape: size.clone(),
                     pieces,
@@ -86,7 +108,10 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 let (blob, value) = files.value(info).map_err(|e| e.tensor(fqn))?;
                 values.push(NonTensor {
                     name: fqn.clone(),
-                    key_path: paths.get(fqn.as_str()).map(|p| p.to_vec()).unwrap_or_default(),
+                    key_path: paths
+                        .get(fqn.as_str())
+                        .map(|p| p.to_vec())
+                        .unwrap_or_default(),
                     value,
                     raw: Some(blob),
                 });
@@ -105,13 +130,26 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 /// Ranks that wrote files: one more than the highest `__{rank}_` prefix in the directory or the
 /// metadata (a rank whose chunks were all deduplicated away still writes its file).
 fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) -> Option<usize> {
-    let mut names: Vec<String> = storage.iter().map(|(_, s)| s.relative_path.clone()).collect();
+    let mut names: Vec<String> = storage
+        .iter()
+        .map(|(_, s)| s.relative_path.clone())
+        .collect();
     if let Ok(list) = std::fs::read_dir(dir) {
-        names.extend(list.flatten().filter_map(|e| e.file_name().into_string().ok()));
+        names.extend(
+            list.flatten()
+                .filter_map(|e| e.file_name().into_string().ok()),
+        );
     }
     names
         .iter()
-        .filter_map(|n| n.strip_prefix("__")?.strip_suffix(".distcp")?.split('_').next()?.parse::<usize>().ok())
+        .filter_map(|n| {
+            n.strip_prefix("__")?
+                .strip_suffix(".distcp")?
+                .split('_')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
         .max()
         .map(|r| r + 1)
 }
@@ -124,7 +162,10 @@ struct Files<'a> {
 
 impl<'a> Files<'a> {
     fn new(dir: &'a Path) -> Files<'a> {
-        Files { dir, maps: HashMap::new() }
+        Files {
+            dir,
+            maps: HashMap::new(),
+        }
     }
 
     /// The bytes of one item, checked against the file's length.
@@ -133,15 +174,24 @@ impl<'a> Files<'a> {
         let path = self.dir.join(&rel);
         if !self.maps.contains_key(&info.relative_path) {
             let file = File::open(&path).map_err(|e| {
-                Error::io(&path, e).hint("a rank's file is missing: was the checkpoint copied completely?")
+                Error::io(&path, e)
+                    .hint("a rank's file is missing: was the checkpoint copied completely?")
             })?;
             let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
             // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
             // truncation caveat.
-            let map = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?) };
+            let map = if len == 0 {
+                None
+            } else {
+                Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?)
+            };
             self.maps.insert(info.relative_path.clone(), map);
         }
-        let map = self.maps.get(&info.relative_path).and_then(|m| m.as_deref()).unwrap_or(&[]);
+        let map = self
+            .maps
+            .get(&info.relative_path)
+            .and_then(|m| m.as_deref())
+            .unwrap_or(&[]);
         let end = info.offset.checked_add(info.length);
         match end {
             Some(end) if end <= map.len() as u64 => Ok(&map[info.offset as usize..end as usize]),
@@ -158,7 +208,12 @@ impl<'a> Files<'a> {
     }
 
     /// Locate the elements of one tensor chunk.
-    fn tensor_piece(&mut self, info: &StorageInfo, dtype: crate::dtype::DType, sizes: &[u64]) -> Result<Piece> {
+    fn tensor_piece(
+        &mut self,
+        info: &StorageInfo,
+        dtype: crate::dtype::DType,
+        sizes: &[u64],
+    ) -> Result<Piece> {
         let path = self.dir.join(&info.relative_path);
         let zstd = transforms_are_zstd(info).map_err(|e| e.file(&path))?;
         let item = self.item(info)?;
@@ -174,7 +229,10 @@ impl<'a> Files<'a> {
         let archive = torch_save::read(archive_bytes).map_err(|e| {
             let e = e.file(&path);
             if zstd {
-                Error { offset: Some(info.offset), ..e }
+                Error {
+                    offset: Some(info.offset),
+                    ..e
+                }
             } else {
                 e.within(info.offset)
             }
@@ -196,13 +254,22 @@ impl<'a> Files<'a> {
             .at(info.offset));
         }
         let entry = archive.storage(&saved.storage_key).ok_or_else(|| {
-            Error::invalid(format!("item has no storage record `{}`", saved.storage_key))
-                .file(&path)
-                .at(info.offset)
+            Error::invalid(format!(
+                "item has no storage record `{}`",
+                saved.storage_key
+            ))
+            .file(&path)
+            .at(info.offset)
         })?;
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
         let (offset, encoding) = if zstd {
-            (within, Encoding::Zstd { item_offset: info.offset, item_length: info.length })
+            (
+                within,
+                Encoding::Zstd {
+                    item_offset: info.offset,
+                    item_length: info.length,
+                },
+            )
         } else {
             (info.offset + within, Encoding::Raw)
         };
@@ -230,11 +297,18 @@ impl<'a> Files<'a> {
             item
         };
         // A value that is not plain data (a custom object) is still carried byte for byte.
-        let value = torch_save::read(bytes).ok().and_then(|a| match a.leaves.as_slice() {
-            [(key, Leaf::Value(v))] if key.is_empty() => Some(v.clone()),
-            _ => None,
-        });
-        let blob = Blob { file: PathBuf::from(&info.relative_path), offset: info.offset, length: info.length, zstd };
+        let value = torch_save::read(bytes)
+            .ok()
+            .and_then(|a| match a.leaves.as_slice() {
+                [(key, Leaf::Value(v))] if key.is_empty() => Some(v.clone()),
+                _ => None,
+            });
+        let blob = Blob {
+            file: PathBuf::from(&info.relative_path),
+            offset: info.offset,
+            length: info.length,
+            zstd,
+        };
         Ok((blob, value))
     }
 }
@@ -243,14 +317,17 @@ fn transforms_are_zstd(info: &StorageInfo) -> Result<bool> {
     match info.transforms.as_slice() {
         [] => Ok(false),
         [t] if t == ZSTD => Ok(true),
-        other => Err(Error::invalid(format!("unsupported item transform {other:?}"))
-            .at(info.offset)
-            .hint("ckpt reads items that are plain or `stream.zstd/1`")),
+        other => Err(
+            Error::invalid(format!("unsupported item transform {other:?}"))
+                .at(info.offset)
+                .hint("ckpt reads items that are plain or `stream.zstd/1`"),
+        ),
     }
 }
 
 fn decompress(item: &[u8]) -> Result<Vec<u8>> {
-    zstd::stream::decode_all(item).map_err(|e| Error::invalid(format!("cannot decompress zstd item: {e}")))
+    zstd::stream::decode_all(item)
+        .map_err(|e| Error::invalid(format!("cannot decompress zstd item: {e}")))
 }
 
 /// A `relative_path` from metadata must name a file inside the checkpoint directory.
@@ -262,7 +339,9 @@ pub fn safe_relative_path(name: &str) -> Result<PathBuf> {
     if plain {
         Ok(path.to_path_buf())
     } else {
-        Err(Error::invalid(format!("file name `{name}` points outside the checkpoint directory"))
-            .hint("the metadata may be hostile; ckpt reads only files inside the checkpoint"))
+        Err(Error::invalid(format!(
+            "file name `{name}` points outside the checkpoint directory"
+        ))
+        .hint("the metadata may be hostile; ckpt reads only files inside the checkpoint"))
     }
 }
