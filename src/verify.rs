@@ -47,6 +47,21 @@ impl Problem {
         }
     }
 
+    fn tensor(mut self, name: &str) -> Problem {
+        self.tensor = Some(name.to_string());
+        self
+    }
+
+    fn file(mut self, path: &Path) -> Problem {
+        self.file = Some(path.display().to_string());
+        self
+    }
+
+    fn at(mut self, offset: u64) -> Problem {
+        self.offset = Some(offset);
+        self
+    }
+
     fn from_error(e: &Error) -> Problem {
         Problem {
             severity: Severity::Error,
@@ -131,11 +146,16 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
                         .checksums
                         .insert(name.clone(), format!("{:016x}", d.xxh3));
                     if d.nan + d.inf > 0 {
-                        let mut p =
-                            Problem::error(format!("{} NaN and {} infinite values", d.nan, d.inf));
-                        p.severity = Severity::Warning;
-                        p.tensor = Some(name);
-                        report.problems.push(p);
+                        report.problems.push(
+                            Problem {
+                                severity: Severity::Warning,
+                                ..Problem::error(format!(
+                                    "{} NaN and {} infinite values",
+                                    d.nan, d.inf
+                                ))
+                            }
+                            .tensor(&name),
+                        );
                     }
                 }
             }
@@ -181,13 +201,14 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
         let mut boxes = Vec::new();
         for p in &t.pieces {
             if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
-                let mut pr = Problem::error(format!(
-                    "a piece has {} dims but the tensor has {rank}",
-                    p.offsets.len()
-                ));
-                pr.tensor = Some(t.name.clone());
-                pr.file = Some(p.data.file.display().to_string());
-                problems.push(pr);
+                problems.push(
+                    Problem::error(format!(
+                        "a piece has {} dims but the tensor has {rank}",
+                        p.offsets.len()
+                    ))
+                    .tensor(&t.name)
+                    .file(&p.data.file),
+                );
                 continue;
             }
             boxes.push(Box {
@@ -214,19 +235,20 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                 .and_then(|b| b.checked_add(p.data.offset));
             match (len, end) {
                 (None, _) => {
-                    let mut pr = Problem::error("file is missing");
-                    pr.file = Some(p.data.file.display().to_string());
-                    pr.tensor = Some(t.name.clone());
-                    problems.push(pr);
+                    problems.push(
+                        Problem::error("file is missing")
+                            .file(&p.data.file)
+                            .tensor(&t.name),
+                    );
                 }
                 (Some(len), Some(end)) if end <= len => {}
                 (Some(len), _) => {
-                    let mut pr =
-                        Problem::error(format!("data runs past the end of the file ({len} bytes)"));
-                    pr.file = Some(p.data.file.display().to_string());
-                    pr.tensor = Some(t.name.clone());
-                    pr.offset = Some(p.data.offset);
-                    problems.push(pr);
+                    problems.push(
+                        Problem::error(format!("data runs past the end of the file ({len} bytes)"))
+                            .file(&p.data.file)
+                            .tensor(&t.name)
+                            .at(p.data.offset),
+                    );
                 }
             }
         }
@@ -248,9 +270,7 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                     t.shape
                 ),
             };
-            let mut pr = Problem::error(message);
-            pr.tensor = Some(t.name.clone());
-            problems.push(pr);
+            problems.push(Problem::error(message).tensor(&t.name));
         }
     }
     for v in &ckpt.values {
@@ -259,11 +279,12 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                 .ok()
                 .map(|m| m.len());
             if len.is_none_or(|len| blob.offset.saturating_add(blob.length) > len) {
-                let mut pr = Problem::error("value bytes run past the end of the file");
-                pr.file = Some(blob.file.display().to_string());
-                pr.tensor = Some(v.name.clone());
-                pr.offset = Some(blob.offset);
-                problems.push(pr);
+                problems.push(
+                    Problem::error("value bytes run past the end of the file")
+                        .file(&blob.file)
+                        .tensor(&v.name)
+                        .at(blob.offset),
+                );
             }
         }
     }
@@ -284,7 +305,7 @@ pub fn compare(
     let a_names: std::collections::BTreeSet<&str> =
         a.tensors.iter().map(|t| t.name.as_str()).collect();
     for t in &a.tensors {
-        let mut pr = match by_name.get(t.name.as_str()) {
+        let problem = match by_name.get(t.name.as_str()) {
             None => Problem::error("only in the first checkpoint"),
             Some(o) if o.dtype != t.dtype => {
                 Problem::error(format!("dtype {} vs {}", t.dtype, o.dtype))
@@ -294,14 +315,11 @@ pub fn compare(
             }
             Some(_) => continue,
         };
-        pr.tensor = Some(t.name.clone());
-        diffs.push(pr);
+        diffs.push(problem.tensor(&t.name));
     }
     for t in &b.tensors {
         if !a_names.contains(t.name.as_str()) {
-            let mut pr = Problem::error("only in the second checkpoint");
-            pr.tensor = Some(t.name.clone());
-            diffs.push(pr);
+            diffs.push(Problem::error("only in the second checkpoint").tensor(&t.name));
         }
     }
     if diffs.is_empty() {
@@ -309,9 +327,7 @@ pub fn compare(
         let db: BTreeMap<String, exec::RegionDigest> = digests(b, opts)?.into_iter().collect();
         for (name, d) in da {
             if db.get(&name).map(|o| o.xxh3) != Some(d.xxh3) {
-                let mut pr = Problem::error("contents differ");
-                pr.tensor = Some(name);
-                diffs.push(pr);
+                diffs.push(Problem::error("contents differ").tensor(&name));
             }
         }
     }
@@ -387,18 +403,14 @@ pub fn check_manifest(want: &Manifest, have: &Manifest) -> Vec<Problem> {
             ),
             Some(_) => continue,
         };
-        let mut p = Problem::error(message);
-        p.tensor = Some(name.clone());
-        problems.push(p);
+        problems.push(Problem::error(message).tensor(name));
     }
     for name in have
         .tensors
         .keys()
         .filter(|n| !want.tensors.contains_key(*n))
     {
-        let mut p = Problem::error("in the checkpoint but not in the manifest");
-        p.tensor = Some(name.clone());
-        problems.push(p);
+        problems.push(Problem::error("in the checkpoint but not in the manifest").tensor(name));
     }
     problems
 }
