@@ -187,7 +187,7 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                     serde_json::to_string_pretty(&report).unwrap_or_default()
                 );
             } else {
-                print!("{}", crate::inspect::render(&report));
+                print!("{}", terminal_safe(&crate::inspect::render(&report)));
             }
             Ok(0)
         }
@@ -238,9 +238,9 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 );
             } else {
                 for p in &report.problems {
-                    println!("{}", p.line());
+                    println!("{}", terminal_safe(&p.line()));
                     if let Some(hint) = &p.hint {
-                        println!("  hint: {hint}");
+                        println!("  hint: {}", terminal_safe(hint));
                     }
                 }
                 let verdict = if report.is_sound() {
@@ -468,7 +468,7 @@ fn convert_with(
     staging.commit()?;
     if !write.quiet {
         for note in &plan.notes {
-            eprintln!("note: {note}");
+            eprintln!("note: {}", terminal_safe(note));
         }
         let secs = started.elapsed().as_secs_f64();
         let bytes = plan.data_bytes();
@@ -518,6 +518,20 @@ impl exec::Progress for Bar {
             b.finish_and_clear();
         }
     }
+}
+
+/// Text for a terminal: names come from checkpoints, and a raw ESC or BEL in one could drive the
+/// user's terminal, so control characters (other than newlines) are shown escaped.
+pub fn terminal_safe(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// `5GB`, `500MB`, `20KB` (decimal), `2GiB`, `512MiB`, `64KiB` (binary), or plain bytes.

@@ -269,26 +269,12 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
     let src = sources
         .get(fill.input)
         .ok_or_else(|| Error::invalid("internal: bad input index"))?;
-    if fill.sizes.contains(&0) {
-        return Ok(());
-    }
-    let elem = fill.dtype.size() as u64;
-    let last = fill
-        .sizes
-        .iter()
-        .zip(&fill.strides)
-        .try_fold(0u64, |acc, (&n, &s)| {
-            acc.checked_add((n - 1).checked_mul(s)?)
-        });
     let limit = match fill.encoding {
         Encoding::Raw => src.len,
         // The decoded length is checked when the item is decompressed.
         Encoding::Zstd { .. } => u64::MAX,
     };
-    let end = last
-        .and_then(|l| l.checked_mul(elem))
-        .and_then(|b| b.checked_add(fill.offset))
-        .and_then(|b| b.checked_add(elem));
+    let end = fill_end(fill);
     match end {
         Some(end) if end <= limit => Ok(()),
         _ => Err(Error::invalid(format!(
@@ -300,6 +286,24 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
         .at(fill.offset)
         .hint("the file is truncated or the metadata is wrong: run `ckpt verify`")),
     }
+}
+
+/// One past the last source byte a fill reads, `None` on overflow.
+fn fill_end(fill: &Fill) -> Option<u64> {
+    if fill.sizes.contains(&0) {
+        return Some(fill.offset);
+    }
+    let elem = fill.dtype.size() as u64;
+    let last = fill
+        .sizes
+        .iter()
+        .zip(&fill.strides)
+        .try_fold(0u64, |acc, (&n, &s)| {
+            acc.checked_add((n - 1).checked_mul(s)?)
+        })?;
+    last.checked_mul(elem)?
+        .checked_add(fill.offset)?
+        .checked_add(elem)
 }
 
 /// Split a region of `shape` into boxes whose bytes are contiguous and at most `max_bytes` (or one
@@ -720,11 +724,11 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
         if cell.as_ref().map(|c| c.0) != Some((fill.input, item_offset)) {
             let mut item = vec![0u8; item_length as usize];
             src.read_at(item_offset, &mut item)?;
-            let decoded = zstd::stream::decode_all(&item[..]).map_err(|e| {
-                Error::invalid(format!("cannot decompress zstd item: {e}"))
-                    .file(&src.path)
-                    .at(item_offset)
-            })?;
+            // Only the prefix up to the fill's last byte is needed (the reader already checked the
+            // whole item when it located the piece).
+            let needed = fill_end(fill).unwrap_or(u64::MAX);
+            let decoded = crate::formats::dcp::decompress_prefix(&item, needed)
+                .map_err(|e| e.file(&src.path).at(item_offset))?;
             *cell = Some(((fill.input, item_offset), decoded));
         }
         Ok(FillSource::Decoded(src, item_offset))

@@ -15,7 +15,7 @@ fn main() -> ExitCode {
     match ckpt::cli::run(cli, cancel.clone()) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", ckpt::cli::terminal_safe(&e.to_string()));
             if cancel.load(Ordering::SeqCst) {
                 return ExitCode::from(130);
             }

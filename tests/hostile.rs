@@ -10,7 +10,8 @@
 //! A few inputs are legal although they look hostile (tensor names holding `/`, safetensors offsets
 //! listed out of order); their tests say so and check that ckpt reads them correctly.
 //!
-//! `fuzz_regressions` at the end holds inputs found by `scripts/fuzz`.
+//! `scripts/fuzz` fuzzes the same entry points (fuzz/fuzz_targets); add any crash it finds here
+//! as a test with the input's bytes embedded.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -319,7 +320,7 @@ impl Pickle {
     }
 
     fn ops(mut self, op: u8, times: usize) -> Pickle {
-        self.0.extend(std::iter::repeat(op).take(times));
+        self.0.extend(std::iter::repeat_n(op, times));
         self
     }
 
@@ -583,12 +584,6 @@ fn builders_make_sound_checkpoints() {
     );
     assert_sound(&st);
     assert_sound(&dtypes_with_metadata(&env, |_, _| {}));
-}
-
-/// The torch.save-based builders (need the torch.save reader).
-#[test]
-fn torch_save_builders_make_sound_checkpoints() {
-    let env = TestEnv::new();
     let bin = env.write(
         "ok.bin",
         &torch_save_state_dict(
@@ -1057,7 +1052,26 @@ fn rebuild_naming_a_storage_record_that_does_not_exist() {
             &[("0", f32_bytes(&[0.0; 4]))],
         ),
     );
-    assert_refused(&env, &bin, ALL, &["storage record `7`", "`7`"]);
+    assert_refused(&env, &bin, ALL, &["has no record `archive/data/7`"]);
+    // A storage key is a record name inside the archive, never a path on disk.
+    let r = Rebuild {
+        key: "../../../../etc/passwd",
+        ..Rebuild::f32(&[4])
+    };
+    let sd = ordered_dict(vec![(s("w"), r.value())]);
+    let bin = env.write(
+        "pytorch_model.bin",
+        &torch_save(
+            &pickle::write(&sd, Protocol::V2),
+            &[("0", f32_bytes(&[0.0; 4]))],
+        ),
+    );
+    assert_refused(
+        &env,
+        &bin,
+        ALL,
+        &["has no record `archive/data/../../../../etc/passwd`"],
+    );
 }
 
 #[test]
@@ -2217,8 +2231,8 @@ fn hf_index_that_is_huge_or_not_json() {
     assert_refused(&env, &dir, ALL, &["index", "JSON", "json", "EOF"]);
     // Deeply nested JSON where a file name should be (serde_json's recursion limit must hold).
     let mut deep = b"{\"weight_map\": {\"a\": ".to_vec();
-    deep.extend(std::iter::repeat(b'[').take(100_000));
-    deep.extend(std::iter::repeat(b']').take(100_000));
+    deep.extend(std::iter::repeat_n(b'[', 100_000));
+    deep.extend(std::iter::repeat_n(b']', 100_000));
     deep.extend_from_slice(b"}}");
     std::fs::write(&index_path, &deep).unwrap();
     assert_refused(&env, &dir, ALL, &["recursion", "not a file name"]);
@@ -2255,8 +2269,11 @@ fn hf_index_omitting_a_whole_file() {
 // DCP's safetensors flavour: names
 // ---------------------------------------------------------------------------------------------
 
-/// Write rank files of `U8` tensors: per rank, `(name, local shape, saved offsets)`.
-fn dcp_hf_dir(env: &TestEnv, name: &str, ranks: &[&[(&str, &[u64], &[u64])]]) -> PathBuf {
+/// The tensors of one rank file: `(name, local shape, saved offsets)`.
+type RankFile<'a> = &'a [(&'a str, &'a [u64], &'a [u64])];
+
+/// Write rank files of `U8` tensors, one per rank.
+fn dcp_hf_dir(env: &TestEnv, name: &str, ranks: &[RankFile]) -> PathBuf {
     let dir = env.path(name);
     std::fs::create_dir_all(&dir).unwrap();
     for (rank, tensors) in ranks.iter().enumerate() {
@@ -2413,9 +2430,3 @@ fn stale_temporaries_that_are_symlinks_are_unlinked_not_followed() {
     assert_eq!(std::fs::read(&victim_file).unwrap(), b"keep me");
     assert!(to_file.symlink_metadata().is_err() && to_dir.symlink_metadata().is_err());
 }
-
-// ---------------------------------------------------------------------------------------------
-// Inputs found by `scripts/fuzz` (bytes embedded), run through the same library entry points
-// ---------------------------------------------------------------------------------------------
-
-mod fuzz_regressions {}

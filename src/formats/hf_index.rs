@@ -17,6 +17,31 @@ use crate::model::{Checkpoint, Format};
 /// The index file name `transformers` and `huggingface_hub` write.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
 
+/// Names of Hugging Face split safetensors files (`model-00001-of-00003.safetensors`) in `dir`.
+fn split_files_in(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let is_split = |name: &str| {
+        let Some(rest) = name.strip_suffix(".safetensors") else {
+            return false;
+        };
+        let parts: Vec<&str> = rest.rsplitn(3, '-').collect();
+        matches!(parts.as_slice(), [n, "of", _] if n.len() >= 5 && n.bytes().all(|b| b.is_ascii_digit()))
+            && rest
+                .rsplitn(4, '-')
+                .nth(2)
+                .is_some_and(|i| i.len() >= 5 && i.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| is_split(n))
+        .collect();
+    names.sort();
+    names
+}
+
 /// The index `transformers` writes next to `pytorch_model-*.bin` files.
 const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 
@@ -55,6 +80,19 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             .entry(file.as_str())
             .or_default()
             .push(tensor.as_str());
+    }
+    // A split file the index forgets would silently drop its tensors: every
+    // `model-0000i-of-0000n.safetensors` of the set in the directory must be indexed.
+    if let Some(unlisted) = split_files_in(&root)
+        .into_iter()
+        .find(|name| !by_file.contains_key(name.as_str()))
+    {
+        return Err(Error::invalid(format!(
+            "`{unlisted}` is in the directory but `{}` names none of its tensors",
+            index_name(&index_path)
+        ))
+        .file(&index_path)
+        .hint("the index and the files come from different saves, or the index was edited"));
     }
     let mapped: HashMap<&str, &str> = weight_map
         .iter()

@@ -24,6 +24,8 @@ use metadata::{DcpEntry, StorageInfo};
 pub const METADATA: &str = ".metadata";
 /// `.metadata` files larger than this are refused: real ones are kilobytes to a few megabytes.
 const MAX_METADATA_BYTES: u64 = 1 << 30;
+/// Largest decompressed non-tensor item (train state, param groups: kilobytes in practice).
+const MAX_VALUE_BYTES: u64 = 256 << 20;
 /// zstd transform descriptor DCP writes.
 pub const ZSTD: &str = "stream.zstd/1";
 
@@ -219,7 +221,13 @@ impl<'a> Files<'a> {
         let item = self.item(info)?;
         let decoded;
         let archive_bytes: &[u8] = if zstd {
-            decoded = decompress(item).map_err(|e| e.file(&path).at(info.offset))?;
+            // A chunk's archive holds its storage plus a little framing; a storage much larger
+            // than the chunk is possible (a saved view) but not without bound.
+            let chunk_bytes = crate::model::numel(sizes)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(dtype.size() as u64);
+            let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
+            decoded = decompress(item, limit).map_err(|e| e.file(&path).at(info.offset))?;
             &decoded
         } else {
             item
@@ -291,7 +299,7 @@ impl<'a> Files<'a> {
         let item = self.item(info)?;
         let decoded;
         let bytes: &[u8] = if zstd {
-            decoded = decompress(item)?;
+            decoded = decompress(item, MAX_VALUE_BYTES)?;
             &decoded
         } else {
             item
@@ -325,9 +333,33 @@ fn transforms_are_zstd(info: &StorageInfo) -> Result<bool> {
     }
 }
 
-fn decompress(item: &[u8]) -> Result<Vec<u8>> {
-    zstd::stream::decode_all(item)
-        .map_err(|e| Error::invalid(format!("cannot decompress zstd item: {e}")))
+/// The first `len` bytes of a zstd item (fewer if it is shorter).
+pub fn decompress_prefix(item: &[u8], len: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
+    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
+    let mut out = Vec::new();
+    decoder.take(len).read_to_end(&mut out).map_err(fail)?;
+    Ok(out)
+}
+
+/// A whole zstd item, refused when it decompresses to more than `limit` bytes.
+pub fn decompress(item: &[u8], limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
+    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
+    let mut out = Vec::new();
+    decoder
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(fail)?;
+    if out.len() as u64 > limit {
+        return Err(Error::invalid(format!(
+            "zstd item decompresses to more than {limit} bytes, larger than its metadata allows"
+        ))
+        .hint("the item may be a decompression bomb; ckpt stops before filling memory"));
+    }
+    Ok(out)
 }
 
 /// A `relative_path` from metadata must name a file inside the checkpoint directory.
