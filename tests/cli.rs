@@ -531,8 +531,17 @@ fn deep_verify_warns_about_nan_and_inf_but_passes() {
     let out = ckpt(&[&"verify", &fixtures().join("dtypes"), &"--deep", &"--json"]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let warnings: Vec<&Value> =
-        report["problems"].as_array().unwrap().iter().filter(|p| p["severity"] == "warning").collect();
-    assert!(warnings.iter().any(|w| w["message"].as_str().unwrap().contains("NaN")), "{warnings:?}");
+    let warnings: Vec<&Value> = report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["severity"] == "warning")
+        .collect();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w["message"].as_str().unwrap().contains("NaN")),
+        "{warnings:?}"
+    );
     assert!(report["checksums"].as_object().unwrap().len() > 10);
 }
