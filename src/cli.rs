@@ -386,8 +386,16 @@ fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
         .and_then(|n| n.to_str())
         .unwrap_or("manifest");
     let tmp = path.with_file_name(format!(".{name}.ckpt-tmp-{}", std::process::id()));
-    let result = std::fs::write(&tmp, bytes)
-        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+    // `create_new` never follows a symlink planted under the temporary name.
+    let _ = std::fs::remove_file(&tmp);
+    let result = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, bytes)?;
+            f.sync_all()
+        })
         .and_then(|_| std::fs::rename(&tmp, path));
     result.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);

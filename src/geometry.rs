@@ -131,6 +131,38 @@ pub enum CoverageProblem {
     Gap { missing: u64 },
 }
 
+impl CoverageProblem {
+    /// A sentence for the user, naming the boxes by their offsets.
+    pub fn describe(&self, shape: &[u64], boxes: &[Box]) -> String {
+        let offsets = |i: usize| {
+            boxes
+                .get(i)
+                .map(|b| format!("{:?}", b.offsets))
+                .unwrap_or_default()
+        };
+        match self {
+            CoverageProblem::OutOfBounds { index } => format!(
+                "piece at offsets {} with sizes {:?} lies outside the shape {shape:?}",
+                offsets(*index),
+                boxes
+                    .get(*index)
+                    .map(|b| b.sizes.clone())
+                    .unwrap_or_default()
+            ),
+            CoverageProblem::Overlap { a, b } => {
+                format!(
+                    "pieces at offsets {} and {} overlap",
+                    offsets(*a),
+                    offsets(*b)
+                )
+            }
+            CoverageProblem::Gap { missing } => {
+                format!("{missing} elements of shape {shape:?} are in no piece (a rank's data is missing?)")
+            }
+        }
+    }
+}
+
 /// Check that `boxes` cover a tensor of `shape` exactly once: every box inside, no two overlapping,
 /// and the volumes adding up to the whole (which, with no overlap, means no gap).
 pub fn check_coverage(shape: &[u64], boxes: &[Box]) -> Vec<CoverageProblem> {

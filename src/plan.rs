@@ -664,11 +664,9 @@ fn check_tensor(t: &Tensor) -> Result<()> {
         })
         .collect();
     if let Some(problem) = geometry::check_coverage(&t.shape, &boxes).first() {
-        return Err(Error::invalid(format!(
-            "pieces do not cover the tensor exactly once ({problem:?})"
-        ))
-        .tensor(&t.name)
-        .hint("run `ckpt verify` on the input for details"));
+        return Err(Error::invalid(problem.describe(&t.shape, &boxes))
+            .tensor(&t.name)
+            .hint("run `ckpt verify` on the input for details"));
     }
     Ok(())
 }

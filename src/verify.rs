@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions};
-use crate::geometry::{check_coverage, Box, CoverageProblem};
+use crate::geometry::{check_coverage, Box};
 use crate::model::{Checkpoint, Encoding};
 use crate::plan::{self, PlanOptions, Target};
 
@@ -256,21 +256,7 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
         boxes.sort();
         boxes.dedup();
         for c in check_coverage(&t.shape, &boxes) {
-            let message = match c {
-                CoverageProblem::OutOfBounds { index } => format!(
-                    "piece at offsets {:?} with sizes {:?} lies outside the shape {:?}",
-                    boxes[index].offsets, boxes[index].sizes, t.shape
-                ),
-                CoverageProblem::Overlap { a, b } => format!(
-                    "pieces at offsets {:?} and {:?} overlap",
-                    boxes[a].offsets, boxes[b].offsets
-                ),
-                CoverageProblem::Gap { missing } => format!(
-                    "{missing} elements of shape {:?} are in no piece (a rank's data is missing?)",
-                    t.shape
-                ),
-            };
-            problems.push(Problem::error(message).tensor(&t.name));
+            problems.push(Problem::error(c.describe(&t.shape, &boxes)).tensor(&t.name));
         }
     }
     for v in &ckpt.values {

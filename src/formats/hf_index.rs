@@ -22,16 +22,15 @@ fn split_files_in(dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
+    // `<prefix>-<index>-of-<count>.safetensors`, index and count of at least 5 digits.
     let is_split = |name: &str| {
+        let digits = |s: &str| s.len() >= 5 && s.bytes().all(|b| b.is_ascii_digit());
         let Some(rest) = name.strip_suffix(".safetensors") else {
             return false;
         };
-        let parts: Vec<&str> = rest.rsplitn(3, '-').collect();
-        matches!(parts.as_slice(), [n, "of", _] if n.len() >= 5 && n.bytes().all(|b| b.is_ascii_digit()))
-            && rest
-                .rsplitn(4, '-')
-                .nth(2)
-                .is_some_and(|i| i.len() >= 5 && i.bytes().all(|b| b.is_ascii_digit()))
+        let mut parts = rest.rsplit('-');
+        let (count, of, index) = (parts.next(), parts.next(), parts.next());
+        matches!((count, of, index), (Some(c), Some("of"), Some(i)) if digits(c) && digits(i))
     };
     let mut names: Vec<String> = entries
         .flatten()
