@@ -545,3 +545,44 @@ fn deep_verify_warns_about_nan_and_inf_but_passes() {
     );
     assert!(report["checksums"].as_object().unwrap().len() > 10);
 }
+
+#[test]
+fn reshard_stores_replicated_tensors_once_on_rank_0() {
+    let env = TestEnv::new();
+    let input = fixtures().join("fsdp2_adamw");
+    let out_path = env.path("replicated");
+    let out = ckpt(&[
+        &"reshard",
+        &input,
+        &"-o",
+        &out_path,
+        &"--world-size",
+        &"3",
+        &"--replicate",
+        &"model.norm.*",
+        &"-q",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let got = inspect_json(&out_path);
+    let mut seen = 0;
+    for t in got["tensors"].as_array().unwrap() {
+        let pieces = t["pieces"].as_array().unwrap();
+        if t["name"].as_str().unwrap().starts_with("model.norm.") {
+            seen += 1;
+            assert_eq!(pieces.len(), 1, "{t}");
+            assert_eq!(pieces[0]["file"], "__0_0.distcp");
+            assert_eq!(pieces[0]["sizes"], t["shape"]);
+        } else if t["shape"]
+            .as_array()
+            .unwrap()
+            .first()
+            .and_then(Value::as_u64)
+            >= Some(3)
+        {
+            assert_eq!(pieces.len(), 3, "{t}");
+        }
+    }
+    assert_eq!(seen, 2);
+    let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
+    assert_eq!(code(&cmp), 0, "{}", String::from_utf8_lossy(&cmp.stdout));
+}
