@@ -719,14 +719,17 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
     else {
         return Ok(FillSource::File(src));
     };
+    // Only the prefix up to the fill's last byte is needed (the reader already checked the whole
+    // item when it located the piece); a cached prefix serves every fill it is long enough for.
+    let needed = fill_end(fill).unwrap_or(u64::MAX);
     DECODED.with(|cell| {
         let mut cell = cell.borrow_mut();
-        if cell.as_ref().map(|c| c.0) != Some((fill.input, item_offset)) {
+        let cached = cell.as_ref().is_some_and(|(key, data)| {
+            *key == (fill.input, item_offset) && data.len() as u64 >= needed
+        });
+        if !cached {
             let mut item = vec![0u8; item_length as usize];
             src.read_at(item_offset, &mut item)?;
-            // Only the prefix up to the fill's last byte is needed (the reader already checked the
-            // whole item when it located the piece).
-            let needed = fill_end(fill).unwrap_or(u64::MAX);
             let decoded = crate::formats::dcp::decompress_prefix(&item, needed)
                 .map_err(|e| e.file(&src.path).at(item_offset))?;
             *cell = Some(((fill.input, item_offset), decoded));
