@@ -10,8 +10,9 @@ RESULTS.tsv has one line per timed run, tab-separated:
 or `-`. Cases are listed in the order they first appear.
 
 Time is the median over rounds (min-max beside it); "x ref" is that median over the median of the
-reference copy of the same input measured in the same run; GB/s is input bytes (decimal GB) over
-the median time. Memory is the maximum over rounds: peak sampled RssAnon of the process tree, and
+reference copy of the same input measured in the same run, "x ref, best" the same for the fastest
+rounds (on a shared disk noise only adds time, so the minimum is the steadier estimate); GB/s is
+input bytes (decimal GB) over the median time. Memory is the maximum over rounds: peak sampled RssAnon of the process tree, and
 the largest VmHWM (resident peak including mapped file pages) of any one process.
 """
 
@@ -27,7 +28,7 @@ def load(path):
             case, group, ref, label, nbytes, _round, wall, anon, hwm = line.rstrip("\n").split("\t")
             c = cases.setdefault(
                 case,
-                {"group": group, "ref": ref, "label": label, "bytes": int(nbytes), "runs": []},
+                {"group": group, "ref": ref, "label": label, "bytes": int(float(nbytes)), "runs": []},
             )
             c["runs"].append((float(wall), int(anon), int(hwm)))
     return cases
@@ -39,21 +40,26 @@ def mib(kib):
 
 def table(cases):
     med = {k: statistics.median(w for w, _, _ in c["runs"]) for k, c in cases.items()}
-    print("| tool | input | median s (min-max) | x ref | GB/s | peak RssAnon MiB | peak VmHWM MiB |")
-    print("|---|---|---|---|---|---|---|")
+    best = {k: min(w for w, _, _ in c["runs"]) for k, c in cases.items()}
+    print(
+        "| tool | input | median s (min-max) | x ref | x ref, best | GB/s "
+        "| peak RssAnon MiB | peak VmHWM MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for k, c in cases.items():
         walls = [w for w, _, _ in c["runs"]]
         ref = c["ref"]
         ratio = f"{med[k] / med[ref]:.2f}" if ref in med and med[ref] > 0 else "-"
+        ratio_best = f"{best[k] / best[ref]:.2f}" if ref in best and best[ref] > 0 else "-"
         if ref == k:
-            ratio = "1.00 (ref)"
+            ratio = ratio_best = "1.00 (ref)"
         gbs = f"{c['bytes'] / 1e9 / med[k]:.3g}" if c["bytes"] else "-"
         size = f"{c['group']} {c['bytes'] / 1e9:.2f} GB" if c["bytes"] else "-"
         anon = max(a for _, a, _ in c["runs"])
         hwm = max(h for _, _, h in c["runs"])
         print(
             f"| {c['label']} | {size} | {med[k]:.2f} ({min(walls):.2f}-{max(walls):.2f}) "
-            f"| {ratio} | {gbs} | {mib(anon):.1f} | {mib(hwm):.0f} |"
+            f"| {ratio} | {ratio_best} | {gbs} | {mib(anon):.1f} | {mib(hwm):.0f} |"
         )
 
 

@@ -1,9 +1,13 @@
 //! Writes a synthetic FULL bf16 checkpoint (one safetensors file) with Llama-like shapes, for
-//! benchmarks: `cargo run --release --example synth -- --size 4GB --out PATH.safetensors [--seed N]`.
+//! benchmarks: `cargo run --release --example synth -- --size 4GB --out PATH.safetensors [--seed N]
+//! [--layers L]`.
 //!
 //! The model is scaled to the requested size: the widest hidden size (from a fixed ladder) that
 //! still gives at least 16 layers, then as many layers as fit. At 2.7GB this is TinyLlama-like
 //! (d=2048, ffn=5632, vocab 32000, 24 layers, 219 tensors), the shape of the reference figures.
+//! `--layers L` fixes the layer count (so the tensor count, 3 + 9L) and picks the hidden size, a
+//! multiple of 64, instead: inputs of different sizes then differ only in bytes, which is what a
+//! memory-flatness check needs.
 //! Bytes are xorshift noise with the top exponent bit cleared, so every bf16 value is finite
 //! (|x| < 2) and `ckpt verify --deep` stays quiet. Memory is bounded: one 8 MiB buffer.
 
@@ -25,12 +29,14 @@ struct Args {
     size: u64,
     out: PathBuf,
     seed: u64,
+    layers: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut size = None;
     let mut out = None;
     let mut seed = 0u64;
+    let mut layers = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -38,8 +44,14 @@ fn parse_args() -> Result<Args, String> {
             "--size" => size = Some(ckpt::cli::parse_size(&value()?)?),
             "--out" | "-o" => out = Some(PathBuf::from(value()?)),
             "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--layers" => {
+                let n: u64 = value()?.parse().map_err(|e| format!("--layers: {e}"))?;
+                layers = Some(n.max(1));
+            }
             "-h" | "--help" => {
-                return Err("usage: synth --size 4GB --out PATH.safetensors [--seed N]".into())
+                return Err(
+                    "usage: synth --size 4GB --out PATH.safetensors [--seed N] [--layers L]".into(),
+                )
             }
             other => return Err(format!("unknown argument `{other}`")),
         }
@@ -48,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
         size: size.ok_or("--size is required")?,
         out: out.ok_or("--out is required")?,
         seed,
+        layers,
     })
 }
 
@@ -56,12 +69,28 @@ fn ffn_of(d: u64) -> u64 {
     (8 * d / 3).div_ceil(256) * 256
 }
 
+/// Bytes of one layer and of everything else, in bf16.
+fn bytes_of(d: u64) -> (u64, u64) {
+    let per_layer = 2 * (4 * d * d + 3 * d * ffn_of(d) + 2 * d);
+    let fixed = 2 * (2 * VOCAB * d + d);
+    (per_layer, fixed)
+}
+
 /// (hidden size, layers) whose bf16 total is closest to `size` under the rule in the module doc.
-fn scale(size: u64) -> (u64, u64) {
+fn scale(size: u64, layers: Option<u64>) -> (u64, u64) {
+    if let Some(layers) = layers {
+        let total = |d: u64| {
+            let (per_layer, fixed) = bytes_of(d);
+            fixed + layers * per_layer
+        };
+        let d = (1..=1024u64)
+            .map(|k| 64 * k)
+            .min_by_key(|&d| total(d).abs_diff(size))
+            .unwrap_or(64);
+        return (d, layers);
+    }
     let fit = |d: u64| {
-        let ffn = ffn_of(d);
-        let per_layer = 2 * (4 * d * d + 3 * d * ffn + 2 * d);
-        let fixed = 2 * (2 * VOCAB * d + d);
+        let (per_layer, fixed) = bytes_of(d);
         let layers = (size.saturating_sub(fixed) + per_layer / 2) / per_layer;
         (d, layers.max(1))
     };
@@ -139,7 +168,7 @@ impl Rng {
 }
 
 fn run(args: &Args) -> std::io::Result<()> {
-    let (d, layers) = scale(args.size);
+    let (d, layers) = scale(args.size, args.layers);
     let tensors = tensors(d, layers);
     let meta = [("format".to_string(), "pt".to_string())];
     let (header, ranges) = ckpt::formats::safetensors::header_bytes(&tensors, &meta);
