@@ -13,6 +13,10 @@ pub struct Report {
     pub format: &'static str,
     pub state_dict_type: &'static str,
     pub world_size: Option<usize>,
+    /// The finest way a tensor is cut: the number of pieces along each cut dim (`[4]` for FSDP over
+    /// 4 ranks, `[2, 2]` for Shard(0),Shard(1) on a 2x2 mesh). DCP does not record the device
+    /// mesh, so this is read off the pieces; null when no tensor is cut.
+    pub mesh: Option<Vec<usize>>,
     pub tensor_count: usize,
     pub total_bytes: u64,
     /// Logical bytes per dtype code.
@@ -107,12 +111,45 @@ pub fn report(ckpt: &Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report {
         format: ckpt.format.name(),
         state_dict_type: ckpt.format.state_dict_type().name(),
         world_size: ckpt.world_size,
+        mesh: inferred_mesh(ckpt),
         tensor_count: tensors.len(),
         total_bytes: tensors.iter().map(|t| t.bytes).fold(0, u64::saturating_add),
         bytes_per_dtype,
         tensors,
         non_tensors,
     }
+}
+
+/// The finest cut among tensors (most pieces; the most common one on a tie): small tensors show
+/// only part of a mesh, the largest ones all of it (see [`Report::mesh`]).
+fn inferred_mesh(ckpt: &Checkpoint) -> Option<Vec<usize>> {
+    let mut counts: std::collections::BTreeMap<Vec<usize>, usize> = Default::default();
+    for t in &ckpt.tensors {
+        let cuts: Vec<usize> = (0..t.shape.len())
+            .map(|d| {
+                let starts: std::collections::BTreeSet<u64> = t
+                    .pieces
+                    .iter()
+                    .filter_map(|p| p.offsets.get(d).copied())
+                    .collect();
+                starts.len()
+            })
+            .filter(|&n| n > 1)
+            .collect();
+        if !cuts.is_empty() {
+            *counts.entry(cuts).or_default() += 1;
+        }
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(cut, n)| {
+            (
+                cut.iter().product::<usize>(),
+                *n,
+                std::cmp::Reverse(cut.clone()),
+            )
+        })
+        .map(|(cut, _)| cut)
 }
 
 /// Plain data as JSON; anything else (a recorded call) as a short description.
@@ -188,6 +225,14 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
     let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
     let _ = writeln!(s, "world size:      {ws}");
+    if let Some(mesh) = &report.mesh {
+        let cut: Vec<String> = mesh.iter().map(|n| n.to_string()).collect();
+        let _ = writeln!(
+            s,
+            "mesh (inferred): {} (pieces per cut dim; DCP does not record the mesh)",
+            cut.join("x")
+        );
+    }
     let _ = writeln!(
         s,
         "tensors:         {} ({})",

@@ -586,3 +586,32 @@ fn reshard_stores_replicated_tensors_once_on_rank_0() {
     let cmp = ckpt(&[&"verify", &out_path, &"--against", &input]);
     assert_eq!(code(&cmp), 0, "{}", String::from_utf8_lossy(&cmp.stdout));
 }
+
+#[test]
+fn inspect_infers_the_mesh_from_how_tensors_are_cut() {
+    assert_eq!(
+        inspect_json(&fixtures().join("fsdp2_adamw"))["mesh"],
+        serde_json::json!([4])
+    );
+    assert_eq!(
+        inspect_json(&fixtures().join("single.safetensors"))["mesh"],
+        Value::Null
+    );
+    let env = TestEnv::new();
+    let out_path = env.path("mesh");
+    let out = ckpt(&[
+        &"reshard",
+        &fixtures().join("fsdp2_adamw"),
+        &"-o",
+        &out_path,
+        &"--mesh",
+        &"2x2",
+        &"--placements",
+        &"S(0),S(1)",
+        &"-q",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let got = inspect_json(&out_path);
+    assert_eq!(got["mesh"], serde_json::json!([2, 2]));
+    assert_eq!(got["world_size"], 4);
+}
