@@ -207,17 +207,9 @@ fn protocol2_spelling(value: Value) -> Value {
             .map(|(k, v)| (protocol2_spelling(k), protocol2_spelling(v)))
             .collect::<Vec<_>>()
     };
-    let call = |module: &str, name: &str, args: Vec<Value>| Value::Object {
-        callable: Box::new(Value::global(module, name)),
-        args,
-        new_obj: false,
-        dict_items: Vec::new(),
-        list_items: Vec::new(),
-        state: None,
-    };
     match value {
         // Latin-1 maps each byte to the code point of the same value, so this is lossless.
-        Value::Bytes(bytes) => call(
+        Value::Bytes(bytes) => Value::reduce(
             "_codecs",
             "encode",
             vec![
@@ -225,7 +217,7 @@ fn protocol2_spelling(value: Value) -> Value {
                 Value::Str("latin1".into()),
             ],
         ),
-        Value::Set(items) => call("builtins", "set", vec![Value::List(all(items))]),
+        Value::Set(items) => Value::reduce("builtins", "set", vec![Value::List(all(items))]),
         Value::Tuple(items) => Value::Tuple(all(items)),
         Value::List(items) => Value::List(all(items)),
         Value::Dict(items) => Value::Dict(pairs(items)),
@@ -923,14 +915,7 @@ fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
         Value::Str("cpu".into()),
         int(storage_numel),
     ])));
-    let backward_hooks = Value::Object {
-        callable: Box::new(Value::global("collections", "OrderedDict")),
-        args: Vec::new(),
-        new_obj: false,
-        dict_items: Vec::new(),
-        list_items: Vec::new(),
-        state: None,
-    };
+    let backward_hooks = Value::reduce("collections", "OrderedDict", Vec::new());
     let mut args = vec![
         storage,
         Value::Int(0),
@@ -945,14 +930,7 @@ fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
         args.push(Value::global("torch", dtype.torch_name()));
         "_rebuild_tensor_v3"
     };
-    Value::Object {
-        callable: Box::new(Value::global("torch._utils", function)),
-        args,
-        new_obj: false,
-        dict_items: Vec::new(),
-        list_items: Vec::new(),
-        state: None,
-    }
+    Value::reduce("torch._utils", function, args)
 }
 
 #[cfg(test)]
@@ -1010,14 +988,7 @@ mod tests {
     }
 
     fn obj(module: &str, name: &str, args: Vec<Value>) -> Value {
-        Value::Object {
-            callable: Box::new(Value::global(module, name)),
-            args,
-            new_obj: false,
-            dict_items: Vec::new(),
-            list_items: Vec::new(),
-            state: None,
-        }
+        Value::reduce(module, name, args)
     }
 
     /// A hand-built `_rebuild_tensor_v2` call, for the cases torch never writes.

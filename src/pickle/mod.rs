@@ -169,6 +169,18 @@ impl Value {
         }
     }
 
+    /// `module.name(*args)`, as `REDUCE` records it.
+    pub fn reduce(module: &str, name: &str, args: Vec<Value>) -> Value {
+        Value::Object {
+            callable: Box::new(Value::global(module, name)),
+            args,
+            new_obj: false,
+            dict_items: Vec::new(),
+            list_items: Vec::new(),
+            state: None,
+        }
+    }
+
     pub fn global(module: &str, name: &str) -> Value {
         Value::Global {
             module: module.to_string(),

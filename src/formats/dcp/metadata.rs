@@ -708,20 +708,8 @@ fn new_obj(module: &str, name: &str, state: Option<Value>) -> Value {
     }
 }
 
-/// `callable(*args)`, as `REDUCE` writes it.
-fn reduce(module: &str, name: &str, args: Vec<Value>) -> Value {
-    Value::Object {
-        callable: Box::new(Value::global(module, name)),
-        args,
-        new_obj: false,
-        dict_items: Vec::new(),
-        list_items: Vec::new(),
-        state: None,
-    }
-}
-
 fn torch_size(dims: &[u64]) -> Value {
-    reduce(
+    Value::reduce(
         "torch",
         "Size",
         vec![Value::Tuple(dims.iter().map(|&d| int(d)).collect())],
@@ -732,14 +720,14 @@ fn tensor_storage_metadata(dtype: DType, size: &[u64], chunks: &[Chunk]) -> Valu
     let strides = contiguous_strides(chunks.first().map_or(size, |c| &c.sizes));
     let properties = Value::Tuple(vec![
         Value::global("torch", dtype.torch_name()),
-        reduce(
+        Value::reduce(
             "torch.serialization",
             "_get_layout",
             vec![Value::Str("torch.strided".into())],
         ),
         Value::Bool(false),
         // `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`
-        reduce(META, "_MEM_FORMAT_ENCODING", vec![Value::Int(0)]),
+        Value::reduce(META, "_MEM_FORMAT_ENCODING", vec![Value::Int(0)]),
         Value::Bool(false),
         Value::Tuple(strides.into_iter().map(int).collect()),
     ]);
@@ -1139,7 +1127,7 @@ mod tests {
 
     /// A `Metadata` whose state is `{"version": callable(*args)}`.
     fn metadata_calling(module: &str, name: &str, args: Vec<Value>) -> Vec<u8> {
-        let call = reduce(module, name, args);
+        let call = Value::reduce(module, name, args);
         pickle::write(
             &new_obj(
                 META,
