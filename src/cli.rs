@@ -481,10 +481,11 @@ fn convert_with(
         let secs = started.elapsed().as_secs_f64();
         let bytes = plan.data_bytes();
         eprintln!(
-            "wrote {} tensors to `{}`: {} files, {} copied in {:.2} s ({}/s)",
+            "wrote {} tensors to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
             ckpt.tensors.len(),
-            final_path.display(),
+            terminal_safe(&final_path.display().to_string()),
             plan.files.len(),
+            if plan.files.len() == 1 { "" } else { "s" },
             human_bytes(bytes),
             secs,
             human_bytes((bytes as f64 / secs.max(1e-9)) as u64)
