@@ -174,17 +174,18 @@ pub fn to_json(v: &Value) -> serde_json::Value {
                 .collect(),
         ),
         Value::Global { module, name } => J::String(format!("{module}.{name}")),
-        Value::Object {
-            callable,
-            dict_items,
-            ..
-        } if !dict_items.is_empty() || is_ordered_dict(callable) => J::Object(
-            dict_items
-                .iter()
-                .map(|(k, v)| (key_string(k), to_json(v)))
-                .collect(),
-        ),
-        Value::Object { callable, .. } => J::String(format!("<object {}>", key_string(callable))),
+        Value::Object(object)
+            if !object.dict_items.is_empty() || is_ordered_dict(&object.callable) =>
+        {
+            J::Object(
+                object
+                    .dict_items
+                    .iter()
+                    .map(|(k, v)| (key_string(k), to_json(v)))
+                    .collect(),
+            )
+        }
+        Value::Object(object) => J::String(format!("<object {}>", key_string(&object.callable))),
         Value::PersistentId(_) => J::String("<persistent id>".into()),
     }
 }
