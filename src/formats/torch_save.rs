@@ -521,7 +521,8 @@ impl Interpreter<'_> {
             )));
         }
         let dtype = match (kind, v3.then(|| args.get(6))) {
-            (_, Some(Some(Value::Global { module, name }))) if module == "torch" => {
+            (_, Some(Some(Value::Global(global)))) if global.module == "torch" => {
+                let name = &global.name;
                 let dtype = DType::from_torch_name(name).ok_or_else(|| {
                     Error::invalid(format!("tensor dtype `torch.{name}` is not supported"))
                 })?;

@@ -14,7 +14,7 @@ pub use write::{write, Protocol};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Value>() <= 56);
+const _: () = assert!(std::mem::size_of::<Value>() <= 32);
 
 /// One node of an unpickled object graph, with nothing executed.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,11 +31,9 @@ pub enum Value {
     /// Key order is kept as pickled.
     Dict(Vec<(Value, Value)>),
     Set(Vec<Value>),
-    /// A module attribute, `module.name` (e.g. `torch.float32`, or a class).
-    Global {
-        module: String,
-        name: String,
-    },
+    /// A module attribute, `module.name` (e.g. `torch.float32`, or a class). Boxed, like
+    /// [`Value::Object`], to keep every `Value` small.
+    Global(Box<Global>),
     /// An object made by a call that ckpt records but never runs; see [`Object`]. Boxed so that
     /// this rare variant does not make every `Value` (most are strings, ints and tuples) as large
     /// as its six fields: that keeps big trees, such as a DCP `.metadata` with 10^5 tensor pieces,
@@ -56,6 +54,13 @@ pub struct Object {
     pub dict_items: Vec<(Value, Value)>,
     pub list_items: Vec<Value>,
     pub state: Option<Value>,
+}
+
+/// A module attribute, `module.name`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Global {
+    pub module: String,
+    pub name: String,
 }
 
 /// Which globals a pickle may name. Anything else is refused with an error naming it.
@@ -136,7 +141,7 @@ impl Value {
     /// `(module, name)` if this is a global.
     pub fn as_global(&self) -> Option<(&str, &str)> {
         match self {
-            Value::Global { module, name } => Some((module, name)),
+            Value::Global(global) => Some((&global.module, &global.name)),
             _ => None,
         }
     }
@@ -193,9 +198,9 @@ impl Value {
     }
 
     pub fn global(module: &str, name: &str) -> Value {
-        Value::Global {
+        Value::Global(Box::new(Global {
             module: module.to_string(),
             name: name.to_string(),
-        }
+        }))
     }
 }

@@ -24,7 +24,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use super::{Globals, Object, PickleError, Value};
+use super::{Global, Globals, Object, PickleError, Value};
 
 /// Safety bounds on what one pickle may build.
 #[derive(Clone, Copy, Debug)]
@@ -159,7 +159,7 @@ struct ObjectNode {
 impl Node {
     fn kind(&self) -> &'static str {
         match self {
-            Node::Leaf(Value::Global { .. }) => "global",
+            Node::Leaf(Value::Global(_)) => "global",
             Node::Leaf(_) => "scalar",
             Node::Tuple(_) => "tuple",
             Node::List(_) => "list",
@@ -654,7 +654,7 @@ impl Machine<'_> {
         if !self.globals.allows(&module, &name) {
             return Err(PickleError::ForbiddenGlobal { module, name });
         }
-        self.leaf(at, Value::Global { module, name })
+        self.leaf(at, Value::Global(Box::new(Global { module, name })))
     }
 
     fn object(

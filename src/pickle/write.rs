@@ -71,7 +71,7 @@ fn count<'v>(value: &'v Value, counts: &mut HashMap<Shared<'v>, usize>) {
     let mut bump = |k| *counts.entry(k).or_insert(0) += 1;
     match value {
         Value::Str(s) => bump(Shared::Str(s)),
-        Value::Global { module, name } => bump(Shared::Global(module, name)),
+        Value::Global(g) => bump(Shared::Global(&g.module, &g.name)),
         Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
             items.iter().for_each(|v| count(v, counts))
         }
@@ -201,7 +201,8 @@ impl<'v> Writer<'_, 'v> {
                     self.op(0x90);
                 }
             }
-            Value::Global { module, name } => {
+            Value::Global(g) => {
+                let (module, name) = (&g.module, &g.name);
                 if !self.recall(Shared::Global(module, name)) {
                     self.global(module, name);
                     self.remember(Shared::Global(module, name));
@@ -476,7 +477,7 @@ mod tests {
             ("[a-z_.]{1,12}", "[A-Za-z_]{1,12}")
                 .prop_filter("renamed module", |(m, _)| m != "__builtin__"
                     && m != "copy_reg")
-                .prop_map(|(m, n)| Value::Global { module: m, name: n }),
+                .prop_map(|(m, n)| Value::global(&m, &n)),
         ]
     }
 

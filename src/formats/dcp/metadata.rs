@@ -676,7 +676,7 @@ fn describe(value: &Value) -> String {
         Value::List(_) => "a list",
         Value::Dict(_) => "a dict",
         Value::Set(_) => "a set",
-        Value::Global { .. } | Value::Object { .. } => "an object",
+        Value::Global(_) | Value::Object(_) => "an object",
         Value::PersistentId(_) => "a persistent id",
     };
     kind.to_string()
