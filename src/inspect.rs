@@ -173,18 +173,19 @@ pub fn to_json(v: &Value) -> serde_json::Value {
                 .map(|(k, v)| (key_string(k), to_json(v)))
                 .collect(),
         ),
-        Value::Global { module, name } => J::String(format!("{module}.{name}")),
-        Value::Object {
-            callable,
-            dict_items,
-            ..
-        } if !dict_items.is_empty() || is_ordered_dict(callable) => J::Object(
-            dict_items
-                .iter()
-                .map(|(k, v)| (key_string(k), to_json(v)))
-                .collect(),
-        ),
-        Value::Object { callable, .. } => J::String(format!("<object {}>", key_string(callable))),
+        Value::Global(g) => J::String(format!("{}.{}", g.module, g.name)),
+        Value::Object(object)
+            if !object.dict_items.is_empty() || is_ordered_dict(&object.callable) =>
+        {
+            J::Object(
+                object
+                    .dict_items
+                    .iter()
+                    .map(|(k, v)| (key_string(k), to_json(v)))
+                    .collect(),
+            )
+        }
+        Value::Object(object) => J::String(format!("<object {}>", key_string(&object.callable))),
         Value::PersistentId(_) => J::String("<persistent id>".into()),
     }
 }
@@ -196,7 +197,7 @@ fn is_ordered_dict(v: &Value) -> bool {
 fn key_string(k: &Value) -> String {
     match k {
         Value::Str(s) => s.clone(),
-        Value::Global { module, name } => format!("{module}.{name}"),
+        Value::Global(g) => format!("{}.{}", g.module, g.name),
         other => to_json(other).to_string(),
     }
 }

@@ -25,7 +25,7 @@ use ckpt::formats::dcp::metadata::{
 };
 use ckpt::formats::zip::{self, ZipRecord};
 use ckpt::model::KeyPart;
-use ckpt::pickle::{self, Limits, Protocol, Value};
+use ckpt::pickle::{self, Limits, Object, Protocol, Value};
 
 // ---------------------------------------------------------------------------------------------
 // Harness
@@ -366,25 +366,25 @@ fn global(module: &str, name: &str) -> Value {
 
 /// `callable(*args)`, recorded as `REDUCE` writes it.
 fn reduce(callable: Value, args: Vec<Value>) -> Value {
-    Value::Object {
-        callable: Box::new(callable),
+    Value::Object(Box::new(Object {
+        callable,
         args,
         new_obj: false,
         dict_items: Vec::new(),
         list_items: Vec::new(),
         state: None,
-    }
+    }))
 }
 
 fn ordered_dict(items: Vec<(Value, Value)>) -> Value {
-    Value::Object {
-        callable: Box::new(global("collections", "OrderedDict")),
+    Value::Object(Box::new(Object {
+        callable: global("collections", "OrderedDict"),
         args: Vec::new(),
         new_obj: false,
         dict_items: items,
         list_items: Vec::new(),
         state: None,
-    }
+    }))
 }
 
 fn ints(v: &[i64]) -> Value {
@@ -548,9 +548,10 @@ fn dtypes_with_metadata_bytes(env: &TestEnv, bytes: &[u8]) -> PathBuf {
 /// Mutable access to the value under string key `key` of a dict, or of an object's state dict.
 fn field<'v>(v: &'v mut Value, key: &str) -> &'v mut Value {
     let dict = match v {
-        Value::Object {
-            state: Some(state), ..
-        } => &mut **state,
+        Value::Object(object) => match &mut object.state {
+            Some(state) => state,
+            None => panic!("not a dict: an object without state"),
+        },
         other => other,
     };
     let Value::Dict(items) = dict else {
@@ -767,13 +768,10 @@ fn first_layout(tree: &mut Value) -> &mut Value {
         .map(|(_, v)| v)
         .find(|v| v.class().is_some_and(|c| c.1 == "TensorStorageMetadata"))
         .unwrap();
-    let Value::Object {
-        state: Some(state), ..
-    } = field(tsm, "properties")
-    else {
-        panic!("properties is not an object with state")
+    let Value::Object(object) = field(tsm, "properties") else {
+        panic!("properties is not an object")
     };
-    let Value::Tuple(items) = &mut **state else {
+    let Some(Value::Tuple(items)) = &mut object.state else {
         panic!("TensorProperties state is not a tuple")
     };
     &mut items[1]
@@ -883,8 +881,8 @@ fn distcp_item_with_a_forbidden_global() {
 fn torch_save_bin_with_a_forbidden_global_inside_a_tensor() {
     let env = TestEnv::new();
     let mut tensor = Rebuild::f32(&[4]).value();
-    if let Value::Object { args, .. } = &mut tensor {
-        args[5] = reduce(
+    if let Value::Object(object) = &mut tensor {
+        object.args[5] = reduce(
             global("posix", "system"),
             vec![s(&format!("touch {}", marker(&env)))],
         );

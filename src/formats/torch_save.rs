@@ -21,7 +21,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
-use crate::pickle::{self, Globals, Limits, PickleError, Protocol, Value};
+use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
 
 /// One tensor as `data.pkl` describes it: a view into a storage record.
 #[derive(Clone, Debug, PartialEq)]
@@ -221,21 +221,24 @@ fn protocol2_spelling(value: Value) -> Value {
         Value::Tuple(items) => Value::Tuple(all(items)),
         Value::List(items) => Value::List(all(items)),
         Value::Dict(items) => Value::Dict(pairs(items)),
-        Value::Object {
-            callable,
-            args,
-            new_obj,
-            dict_items,
-            list_items,
-            state,
-        } => Value::Object {
-            callable,
-            args: all(args),
-            new_obj,
-            dict_items: pairs(dict_items),
-            list_items: all(list_items),
-            state: state.map(|s| Box::new(protocol2_spelling(*s))),
-        },
+        Value::Object(object) => {
+            let Object {
+                callable,
+                args,
+                new_obj,
+                dict_items,
+                list_items,
+                state,
+            } = *object;
+            Value::Object(Box::new(Object {
+                callable,
+                args: all(args),
+                new_obj,
+                dict_items: pairs(dict_items),
+                list_items: all(list_items),
+                state: state.map(protocol2_spelling),
+            }))
+        }
         Value::PersistentId(id) => Value::PersistentId(Box::new(protocol2_spelling(*id))),
         other => other,
     }
@@ -467,9 +470,10 @@ impl Interpreter<'_> {
     }
 
     fn tensor(&mut self, call: &Value, rebuild: Rebuild) -> Result<SavedTensor> {
-        let Value::Object { args, .. } = call else {
+        let Value::Object(object) = call else {
             return Err(bad("tensor is not a call"));
         };
+        let args = &object.args;
         match rebuild {
             Rebuild::Parameter => {
                 let inner = args
@@ -517,7 +521,8 @@ impl Interpreter<'_> {
             )));
         }
         let dtype = match (kind, v3.then(|| args.get(6))) {
-            (_, Some(Some(Value::Global { module, name }))) if module == "torch" => {
+            (_, Some(Some(Value::Global(global)))) if global.module == "torch" => {
+                let name = &global.name;
                 let dtype = DType::from_torch_name(name).ok_or_else(|| {
                     Error::invalid(format!("tensor dtype `torch.{name}` is not supported"))
                 })?;
@@ -603,10 +608,10 @@ enum Rebuild {
 }
 
 fn rebuild_function(value: &Value) -> Option<Rebuild> {
-    let Value::Object { callable, .. } = value else {
+    let Value::Object(object) = value else {
         return None;
     };
-    match callable.as_global()? {
+    match object.callable.as_global()? {
         ("torch._utils", "_rebuild_tensor_v2") => Some(Rebuild::V2),
         ("torch._utils", "_rebuild_tensor_v3") => Some(Rebuild::V3),
         ("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state") => {
@@ -621,17 +626,12 @@ fn rebuild_function(value: &Value) -> Option<Rebuild> {
 fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
     match value {
         Value::Dict(items) => Some(items),
-        Value::Object {
-            callable,
-            args,
-            dict_items,
-            list_items,
-            ..
-        } if callable.as_global() == Some(("collections", "OrderedDict"))
-            && args.is_empty()
-            && list_items.is_empty() =>
+        Value::Object(object)
+            if object.callable.as_global() == Some(("collections", "OrderedDict"))
+                && object.args.is_empty()
+                && object.list_items.is_empty() =>
         {
-            Some(dict_items)
+            Some(&object.dict_items)
         }
         _ => None,
     }
@@ -655,21 +655,15 @@ fn holds_storage(value: &Value) -> bool {
         Value::Dict(items) => items
             .iter()
             .any(|(k, v)| holds_storage(k) || holds_storage(v)),
-        Value::Object {
-            callable,
-            args,
-            dict_items,
-            list_items,
-            state,
-            ..
-        } => {
-            holds_storage(callable)
-                || args.iter().any(holds_storage)
-                || dict_items
+        Value::Object(object) => {
+            holds_storage(&object.callable)
+                || object.args.iter().any(holds_storage)
+                || object
+                    .dict_items
                     .iter()
                     .any(|(k, v)| holds_storage(k) || holds_storage(v))
-                || list_items.iter().any(holds_storage)
-                || state.as_deref().is_some_and(holds_storage)
+                || object.list_items.iter().any(holds_storage)
+                || object.state.as_ref().is_some_and(holds_storage)
         }
         _ => false,
     }
@@ -711,10 +705,8 @@ fn storage_ref(value: Option<&Value>) -> Result<(String, StorageKind, u64)> {
 /// A size or stride tuple (also accepted as `torch.Size(...)`).
 fn dims(value: Option<&Value>, what: &str) -> Result<Vec<u64>> {
     let items = match value {
-        Some(Value::Object { callable, args, .. })
-            if callable.as_global() == Some(("torch", "Size")) =>
-        {
-            args.first().and_then(Value::as_seq)
+        Some(Value::Object(object)) if object.callable.as_global() == Some(("torch", "Size")) => {
+            object.args.first().and_then(Value::as_seq)
         }
         Some(v) => v.as_seq(),
         None => None,

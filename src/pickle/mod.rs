@@ -12,6 +12,10 @@ mod write;
 pub use read::{read, Limits};
 pub use write::{write, Protocol};
 
+// A `Value` is built per pickled item, so its size is most of a big tree's memory.
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Value>() <= 32);
+
 /// One node of an unpickled object graph, with nothing executed.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -27,24 +31,36 @@ pub enum Value {
     /// Key order is kept as pickled.
     Dict(Vec<(Value, Value)>),
     Set(Vec<Value>),
-    /// A module attribute, `module.name` (e.g. `torch.float32`, or a class).
-    Global {
-        module: String,
-        name: String,
-    },
-    /// An object made by a call that ckpt records but never runs: `callable(*args)` (REDUCE) or
-    /// `cls.__new__(cls, *args)` (NEWOBJ), then any items SETITEM(S)/APPEND(S) put into it (an
-    /// `OrderedDict`), then the state BUILD gave it (a dataclass's `__dict__`, a `__setstate__` tuple).
-    Object {
-        callable: Box<Value>,
-        args: Vec<Value>,
-        new_obj: bool,
-        dict_items: Vec<(Value, Value)>,
-        list_items: Vec<Value>,
-        state: Option<Box<Value>>,
-    },
+    /// A module attribute, `module.name` (e.g. `torch.float32`, or a class). Boxed, like
+    /// [`Value::Object`], to keep every `Value` small.
+    Global(Box<Global>),
+    /// An object made by a call that ckpt records but never runs; see [`Object`]. Boxed so that
+    /// this rare variant does not make every `Value` (most are strings, ints and tuples) as large
+    /// as its six fields: that keeps big trees, such as a DCP `.metadata` with 10^5 tensor pieces,
+    /// small in memory.
+    Object(Box<Object>),
     /// A persistent id (BINPERSID), e.g. torch.save's storage reference tuple.
     PersistentId(Box<Value>),
+}
+
+/// An object made by a call that ckpt records but never runs: `callable(*args)` (REDUCE) or
+/// `cls.__new__(cls, *args)` (NEWOBJ), then any items SETITEM(S)/APPEND(S) put into it (an
+/// `OrderedDict`), then the state BUILD gave it (a dataclass's `__dict__`, a `__setstate__` tuple).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Object {
+    pub callable: Value,
+    pub args: Vec<Value>,
+    pub new_obj: bool,
+    pub dict_items: Vec<(Value, Value)>,
+    pub list_items: Vec<Value>,
+    pub state: Option<Value>,
+}
+
+/// A module attribute, `module.name`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Global {
+    pub module: String,
+    pub name: String,
 }
 
 /// Which globals a pickle may name. Anything else is refused with an error naming it.
@@ -125,7 +141,7 @@ impl Value {
     /// `(module, name)` if this is a global.
     pub fn as_global(&self) -> Option<(&str, &str)> {
         match self {
-            Value::Global { module, name } => Some((module, name)),
+            Value::Global(global) => Some((&global.module, &global.name)),
             _ => None,
         }
     }
@@ -148,7 +164,7 @@ impl Value {
     /// `(module, name)` of the class or function that made this object (`REDUCE`/`NEWOBJ`).
     pub fn class(&self) -> Option<(&str, &str)> {
         match self {
-            Value::Object { callable, .. } => callable.as_global(),
+            Value::Object(object) => object.callable.as_global(),
             _ => None,
         }
     }
@@ -156,7 +172,7 @@ impl Value {
     /// The state `BUILD` gave this object.
     pub fn state(&self) -> Option<&Value> {
         match self {
-            Value::Object { state, .. } => state.as_deref(),
+            Value::Object(object) => object.state.as_ref(),
             _ => None,
         }
     }
@@ -164,27 +180,27 @@ impl Value {
     /// Arguments of the call that made this object.
     pub fn args(&self) -> Option<&[Value]> {
         match self {
-            Value::Object { args, .. } => Some(args),
+            Value::Object(object) => Some(&object.args),
             _ => None,
         }
     }
 
     /// `module.name(*args)`, as `REDUCE` records it.
     pub fn reduce(module: &str, name: &str, args: Vec<Value>) -> Value {
-        Value::Object {
-            callable: Box::new(Value::global(module, name)),
+        Value::Object(Box::new(Object {
+            callable: Value::global(module, name),
             args,
             new_obj: false,
             dict_items: Vec::new(),
             list_items: Vec::new(),
             state: None,
-        }
+        }))
     }
 
     pub fn global(module: &str, name: &str) -> Value {
-        Value::Global {
+        Value::Global(Box::new(Global {
             module: module.to_string(),
             name: name.to_string(),
-        }
+        }))
     }
 }

@@ -24,7 +24,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use super::{Globals, PickleError, Value};
+use super::{Global, Globals, Object, PickleError, Value};
 
 /// Safety bounds on what one pickle may build.
 #[derive(Clone, Copy, Debug)]
@@ -65,7 +65,9 @@ pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value
         proto: 0,
     };
     let root = machine.run()?;
-    Tree::new(&machine.nodes, &machine.origins, limits).build(root)
+    // Only the arena is needed from here; the stack and memo are freed before the tree is built.
+    let Machine { nodes, origins, .. } = machine;
+    Tree::new(nodes, origins, limits).build(root)
 }
 
 // Opcodes, named as in CPython's `pickle.py`.
@@ -139,27 +141,31 @@ enum Node {
     List(Vec<Id>),
     Dict(Vec<(Id, Id)>),
     Set(Vec<Id>),
-    Object {
-        callable: Id,
-        args: Vec<Id>,
-        new_obj: bool,
-        dict_items: Vec<(Id, Id)>,
-        list_items: Vec<Id>,
-        state: Option<Id>,
-    },
+    /// Boxed, as [`Value::Object`] is, so that every other node stays small.
+    Object(Box<ObjectNode>),
     PersistentId(Id),
+}
+
+/// The fields of a [`super::Object`] under construction, as node ids.
+struct ObjectNode {
+    callable: Id,
+    args: Vec<Id>,
+    new_obj: bool,
+    dict_items: Vec<(Id, Id)>,
+    list_items: Vec<Id>,
+    state: Option<Id>,
 }
 
 impl Node {
     fn kind(&self) -> &'static str {
         match self {
-            Node::Leaf(Value::Global { .. }) => "global",
+            Node::Leaf(Value::Global(_)) => "global",
             Node::Leaf(_) => "scalar",
             Node::Tuple(_) => "tuple",
             Node::List(_) => "list",
             Node::Dict(_) => "dict",
             Node::Set(_) => "set",
-            Node::Object { .. } => "object",
+            Node::Object(_) => "object",
             Node::PersistentId(_) => "persistent id",
         }
     }
@@ -530,7 +536,7 @@ impl Machine<'_> {
                     let state = self.pop(at)?;
                     let target = self.top(at)?;
                     match self.nodes.get_mut(target) {
-                        Some(Node::Object { state: slot, .. }) => *slot = Some(state),
+                        Some(Node::Object(object)) => object.state = Some(state),
                         other => {
                             let kind = other.map_or("nothing", |n| n.kind());
                             return Err(malformed(at, format!("`BUILD` on a {kind}")));
@@ -648,7 +654,7 @@ impl Machine<'_> {
         if !self.globals.allows(&module, &name) {
             return Err(PickleError::ForbiddenGlobal { module, name });
         }
-        self.leaf(at, Value::Global { module, name })
+        self.leaf(at, Value::Global(Box::new(Global { module, name })))
     }
 
     fn object(
@@ -658,14 +664,14 @@ impl Machine<'_> {
         args: Vec<Id>,
         new_obj: bool,
     ) -> Result<(), PickleError> {
-        let node = Node::Object {
+        let node = Node::Object(Box::new(ObjectNode {
             callable,
             args,
             new_obj,
             dict_items: Vec::new(),
             list_items: Vec::new(),
             state: None,
-        };
+        }));
         self.node(at, node)
     }
 
@@ -694,36 +700,30 @@ impl Machine<'_> {
 
     fn append(&mut self, at: usize, items: Vec<Id>) -> Result<(), PickleError> {
         let target = self.top(at)?;
-        match self.nodes.get_mut(target) {
-            Some(Node::List(list))
-            | Some(Node::Object {
-                list_items: list, ..
-            }) => {
-                list.extend(items);
-                Ok(())
-            }
+        let list = match self.nodes.get_mut(target) {
+            Some(Node::List(list)) => list,
+            Some(Node::Object(object)) => &mut object.list_items,
             other => {
                 let kind = other.map_or("nothing", |n| n.kind());
-                Err(malformed(at, format!("`APPEND` to a {kind}")))
+                return Err(malformed(at, format!("`APPEND` to a {kind}")));
             }
-        }
+        };
+        list.extend(items);
+        Ok(())
     }
 
     fn set_items(&mut self, at: usize, pairs: Vec<(Id, Id)>) -> Result<(), PickleError> {
         let target = self.top(at)?;
-        match self.nodes.get_mut(target) {
-            Some(Node::Dict(dict))
-            | Some(Node::Object {
-                dict_items: dict, ..
-            }) => {
-                dict.extend(pairs);
-                Ok(())
-            }
+        let dict = match self.nodes.get_mut(target) {
+            Some(Node::Dict(dict)) => dict,
+            Some(Node::Object(object)) => &mut object.dict_items,
             other => {
                 let kind = other.map_or("nothing", |n| n.kind());
-                Err(malformed(at, format!("`SETITEM` on a {kind}")))
+                return Err(malformed(at, format!("`SETITEM` on a {kind}")));
             }
-        }
+        };
+        dict.extend(pairs);
+        Ok(())
     }
 
     fn memo_put(&mut self, at: usize, index: u64) -> Result<(), PickleError> {
@@ -775,28 +775,41 @@ fn py3_module(module: String) -> String {
 /// counted at each place they appear, and its height. Only when the whole tree is within
 /// [`Limits`] and acyclic is it built, so a pickle that would expand to billions of nodes is
 /// refused after work proportional to its own length, and the build itself cannot fail.
-struct Tree<'a> {
-    nodes: &'a [Node],
-    origins: &'a [usize],
+///
+/// The build moves each node out of the arena as it converts it, so the arena's strings and id
+/// lists are freed while the tree grows instead of both being alive at the end. A node referenced
+/// more than once (a memoized string or global) is converted once and cloned for its other
+/// references, the last of which takes the kept copy.
+struct Tree {
+    nodes: Vec<Node>,
+    origins: Vec<usize>,
     /// Nodes on the path from the root to the node being measured: reaching one again is a cycle.
     on_path: Vec<bool>,
     /// `(size, height)` of each node measured so far.
     measured: Vec<Option<(usize, usize)>>,
+    /// How many times each node is referenced from the nodes reachable from the root; during the
+    /// build, how many of those references are still to be built.
+    refs: Vec<usize>,
+    /// Converted copies of nodes referenced more than once, kept until their last reference.
+    shared: HashMap<Id, Value>,
     limits: Limits,
 }
 
-impl<'a> Tree<'a> {
-    fn new(nodes: &'a [Node], origins: &'a [usize], limits: Limits) -> Self {
+impl Tree {
+    fn new(nodes: Vec<Node>, origins: Vec<usize>, limits: Limits) -> Self {
+        let n = nodes.len();
         Tree {
             nodes,
             origins,
-            on_path: vec![false; nodes.len()],
-            measured: vec![None; nodes.len()],
+            on_path: vec![false; n],
+            measured: vec![None; n],
+            refs: vec![0; n],
+            shared: HashMap::new(),
             limits,
         }
     }
 
-    fn build(&mut self, root: Id) -> Result<Value, PickleError> {
+    fn build(mut self, root: Id) -> Result<Value, PickleError> {
         let (size, _) = self.measure(root, 0)?;
         if size > self.limits.max_nodes {
             return Err(limit(
@@ -807,6 +820,9 @@ impl<'a> Tree<'a> {
                 ),
             ));
         }
+        // The measuring state is not needed to build; free it first.
+        self.on_path = Vec::new();
+        self.measured = Vec::new();
         self.value(root)
     }
 
@@ -814,7 +830,7 @@ impl<'a> Tree<'a> {
         self.origins.get(id).copied().unwrap_or(0)
     }
 
-    fn node(&self, id: Id) -> Result<&'a Node, PickleError> {
+    fn node(&self, id: Id) -> Result<&Node, PickleError> {
         self.nodes
             .get(id)
             .ok_or_else(|| malformed(self.origin(id), "dangling node"))
@@ -823,14 +839,10 @@ impl<'a> Tree<'a> {
     /// Size and height of the subtree at `id`, which sits at nesting `depth`.
     fn measure(&mut self, id: Id, depth: usize) -> Result<(usize, usize), PickleError> {
         let at = self.origin(id);
-        let too_deep = || {
-            limit(
-                at,
-                format!("containers nested deeper than {}", self.limits.max_depth),
-            )
-        };
+        let max_depth = self.limits.max_depth;
+        let too_deep = || limit(at, format!("containers nested deeper than {max_depth}"));
         if let Some((size, height)) = self.measured.get(id).copied().flatten() {
-            if depth.saturating_add(height) > self.limits.max_depth {
+            if depth.saturating_add(height) > max_depth {
                 return Err(too_deep());
             }
             return Ok((size, height));
@@ -841,14 +853,15 @@ impl<'a> Tree<'a> {
             Node::Leaf(Value::Bytes(b)) => 1 + b.len() / 64,
             _ => 1,
         };
+        let is_leaf = matches!(node, Node::Leaf(_));
         let children = children(node);
-        if children.is_empty() && matches!(node, Node::Leaf(_)) {
+        if children.is_empty() && is_leaf {
             return Ok((own, 0));
         }
         if self.on_path.get(id).copied().unwrap_or(false) {
             return Err(malformed(at, "a container contains itself"));
         }
-        if depth >= self.limits.max_depth {
+        if depth >= max_depth {
             return Err(too_deep());
         }
         if let Some(flag) = self.on_path.get_mut(id) {
@@ -856,6 +869,10 @@ impl<'a> Tree<'a> {
         }
         let (mut size, mut height) = (own, 1);
         for child in children {
+            // Each container is expanded once, so this counts each reference once.
+            if let Some(refs) = self.refs.get_mut(child) {
+                *refs += 1;
+            }
             let (s, h) = self.measure(child, depth + 1)?;
             size = size.saturating_add(s);
             height = height.max(h + 1);
@@ -870,40 +887,61 @@ impl<'a> Tree<'a> {
     }
 
     /// Build the measured subtree at `id`: acyclic and within the limits, so recursion is bounded.
-    fn value(&self, id: Id) -> Result<Value, PickleError> {
-        Ok(match self.node(id)? {
-            Node::Leaf(v) => v.clone(),
-            Node::Tuple(items) => Value::Tuple(self.values(items)?),
-            Node::List(items) => Value::List(self.values(items)?),
-            Node::Set(items) => Value::Set(dedup_set(self.values(items)?)),
-            Node::Dict(items) => Value::Dict(self.pairs(items)?),
-            Node::Object {
-                callable,
-                args,
-                new_obj,
-                dict_items,
-                list_items,
-                state,
-            } => Value::Object {
-                callable: Box::new(self.value(*callable)?),
-                args: self.values(args)?,
-                new_obj: *new_obj,
-                dict_items: self.pairs(dict_items)?,
-                list_items: self.values(list_items)?,
-                state: match state {
-                    Some(s) => Some(Box::new(self.value(*s)?)),
+    fn value(&mut self, id: Id) -> Result<Value, PickleError> {
+        let refs = self.refs.get(id).copied().unwrap_or(0);
+        if refs > 1 {
+            // Not the last reference: keep a copy for the ones still to come.
+            if let Some(r) = self.refs.get_mut(id) {
+                *r -= 1;
+            }
+            if let Some(v) = self.shared.get(&id) {
+                return Ok(v.clone());
+            }
+            let v = self.take(id)?;
+            self.shared.insert(id, v.clone());
+            return Ok(v);
+        }
+        match self.shared.remove(&id) {
+            Some(v) => Ok(v),
+            None => self.take(id),
+        }
+    }
+
+    /// Move the node at `id` out of the arena and convert it.
+    fn take(&mut self, id: Id) -> Result<Value, PickleError> {
+        let node = self
+            .nodes
+            .get_mut(id)
+            .map(|slot| std::mem::replace(slot, Node::Leaf(Value::None)));
+        let Some(node) = node else {
+            return Err(malformed(self.origin(id), "dangling node"));
+        };
+        Ok(match node {
+            Node::Leaf(v) => v,
+            Node::Tuple(items) => Value::Tuple(self.values(&items)?),
+            Node::List(items) => Value::List(self.values(&items)?),
+            Node::Set(items) => Value::Set(dedup_set(self.values(&items)?)),
+            Node::Dict(items) => Value::Dict(self.pairs(&items)?),
+            Node::Object(object) => Value::Object(Box::new(Object {
+                callable: self.value(object.callable)?,
+                args: self.values(&object.args)?,
+                new_obj: object.new_obj,
+                dict_items: self.pairs(&object.dict_items)?,
+                list_items: self.values(&object.list_items)?,
+                state: match object.state {
+                    Some(s) => Some(self.value(s)?),
                     None => None,
                 },
-            },
-            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(*pid)?)),
+            })),
+            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(pid)?)),
         })
     }
 
-    fn values(&self, ids: &[Id]) -> Result<Vec<Value>, PickleError> {
+    fn values(&mut self, ids: &[Id]) -> Result<Vec<Value>, PickleError> {
         ids.iter().map(|&id| self.value(id)).collect()
     }
 
-    fn pairs(&self, ids: &[(Id, Id)]) -> Result<Vec<(Value, Value)>, PickleError> {
+    fn pairs(&mut self, ids: &[(Id, Id)]) -> Result<Vec<(Value, Value)>, PickleError> {
         let mut out = Vec::with_capacity(ids.len());
         for &(k, v) in ids {
             out.push((self.value(k)?, self.value(v)?));
@@ -918,19 +956,12 @@ fn children(node: &Node) -> Vec<Id> {
         Node::Leaf(_) => Vec::new(),
         Node::Tuple(items) | Node::List(items) | Node::Set(items) => items.clone(),
         Node::Dict(items) => items.iter().flat_map(|&(k, v)| [k, v]).collect(),
-        Node::Object {
-            callable,
-            args,
-            dict_items,
-            list_items,
-            state,
-            ..
-        } => {
-            let mut ids = vec![*callable];
-            ids.extend(args);
-            ids.extend(dict_items.iter().flat_map(|&(k, v)| [k, v]));
-            ids.extend(list_items);
-            ids.extend(state);
+        Node::Object(object) => {
+            let mut ids = vec![object.callable];
+            ids.extend(&object.args);
+            ids.extend(object.dict_items.iter().flat_map(|&(k, v)| [k, v]));
+            ids.extend(&object.list_items);
+            ids.extend(object.state);
             ids
         }
         Node::PersistentId(pid) => vec![*pid],
@@ -1096,14 +1127,14 @@ mod tests {
         let v = read_with(ODICT_P2, &[("collections", "OrderedDict")]).unwrap();
         assert_eq!(
             v,
-            Value::Object {
-                callable: Box::new(Value::global("collections", "OrderedDict")),
+            Value::Object(Box::new(Object {
+                callable: Value::global("collections", "OrderedDict"),
                 args: vec![],
                 new_obj: false,
                 dict_items: vec![(s("k"), int(1)), (s("j"), int(2))],
                 list_items: vec![],
                 state: None,
-            }
+            }))
         );
     }
 
@@ -1142,7 +1173,7 @@ mod tests {
         let v = read_with(DATACLASS_P4, &[("__main__", "Point")]).unwrap();
         let point = v.as_seq().and_then(|items| items.first()).unwrap();
         assert_eq!(point.class(), Some(("__main__", "Point")));
-        assert!(matches!(point, Value::Object { new_obj: true, .. }));
+        assert!(matches!(point, Value::Object(o) if o.new_obj));
         assert_eq!(
             point.state(),
             Some(&Value::Dict(vec![(s("x"), int(1)), (s("y"), s("a"))]))
@@ -1383,7 +1414,7 @@ mod tests {
         let allowed = [("m", "C")];
         let p = b"\x8c\x01m\x8c\x01C\x93K\x01\x85}\x92.";
         let v = read_with(p, &allowed).unwrap();
-        assert!(matches!(v, Value::Object { new_obj: true, ref args, .. } if args == &[int(1)]));
+        assert!(matches!(v, Value::Object(ref o) if o.new_obj && o.args == [int(1)]));
         let with_kwargs = b"\x8c\x01m\x8c\x01C\x93)}(\x8c\x01kK\x01u\x92.";
         assert!(matches!(
             read_with(with_kwargs, &allowed),

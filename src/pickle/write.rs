@@ -16,7 +16,7 @@
 //! spelled as text either and is written as `STACK_GLOBAL`.
 use std::collections::HashMap;
 
-use super::Value;
+use super::{Object, Value};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
@@ -71,7 +71,7 @@ fn count<'v>(value: &'v Value, counts: &mut HashMap<Shared<'v>, usize>) {
     let mut bump = |k| *counts.entry(k).or_insert(0) += 1;
     match value {
         Value::Str(s) => bump(Shared::Str(s)),
-        Value::Global { module, name } => bump(Shared::Global(module, name)),
+        Value::Global(g) => bump(Shared::Global(&g.module, &g.name)),
         Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
             items.iter().for_each(|v| count(v, counts))
         }
@@ -79,14 +79,15 @@ fn count<'v>(value: &'v Value, counts: &mut HashMap<Shared<'v>, usize>) {
             count(k, counts);
             count(v, counts);
         }),
-        Value::Object {
-            callable,
-            args,
-            dict_items,
-            list_items,
-            state,
-            ..
-        } => {
+        Value::Object(object) => {
+            let Object {
+                callable,
+                args,
+                dict_items,
+                list_items,
+                state,
+                ..
+            } = &**object;
             count(callable, counts);
             args.iter().for_each(|v| count(v, counts));
             dict_items.iter().for_each(|(k, v)| {
@@ -200,20 +201,22 @@ impl<'v> Writer<'_, 'v> {
                     self.op(0x90);
                 }
             }
-            Value::Global { module, name } => {
+            Value::Global(g) => {
+                let (module, name) = (&g.module, &g.name);
                 if !self.recall(Shared::Global(module, name)) {
                     self.global(module, name);
                     self.remember(Shared::Global(module, name));
                 }
             }
-            Value::Object {
-                callable,
-                args,
-                new_obj,
-                dict_items,
-                list_items,
-                state,
-            } => {
+            Value::Object(object) => {
+                let Object {
+                    callable,
+                    args,
+                    new_obj,
+                    dict_items,
+                    list_items,
+                    state,
+                } = &**object;
                 self.value(callable);
                 self.tuple(args);
                 self.op(if *new_obj { 0x81 } else { b'R' });
@@ -420,14 +423,14 @@ mod tests {
 
     #[test]
     fn objects_write_call_items_then_state() {
-        let v = Value::Object {
-            callable: Box::new(Value::global("collections", "OrderedDict")),
+        let v = Value::Object(Box::new(Object {
+            callable: Value::global("collections", "OrderedDict"),
             args: vec![],
             new_obj: false,
             dict_items: vec![(Value::Str("k".into()), Value::Int(1))],
             list_items: vec![],
             state: None,
-        };
+        }));
         assert_eq!(
             write(&v, Protocol::V2),
             b"\x80\x02ccollections\nOrderedDict\n)R(X\x01\x00\x00\x00kK\x01u."
@@ -474,7 +477,7 @@ mod tests {
             ("[a-z_.]{1,12}", "[A-Za-z_]{1,12}")
                 .prop_filter("renamed module", |(m, _)| m != "__builtin__"
                     && m != "copy_reg")
-                .prop_map(|(m, n)| Value::Global { module: m, name: n }),
+                .prop_map(|(m, n)| Value::global(&m, &n)),
         ]
     }
 
@@ -497,13 +500,15 @@ mod tests {
                     prop::collection::vec(inner.clone(), 0..3),
                     prop::option::of(inner.clone()),
                 )
-                    .prop_map(|(c, args, new_obj, d, l, state)| Value::Object {
-                        callable: Box::new(c),
-                        args,
-                        new_obj,
-                        dict_items: d.into_iter().map(|(k, v)| (Value::Str(k), v)).collect(),
-                        list_items: l,
-                        state: state.map(Box::new),
+                    .prop_map(|(c, args, new_obj, d, l, state)| {
+                        Value::Object(Box::new(Object {
+                            callable: c,
+                            args,
+                            new_obj,
+                            dict_items: d.into_iter().map(|(k, v)| (Value::Str(k), v)).collect(),
+                            list_items: l,
+                            state,
+                        }))
                     }),
                 inner.prop_map(|v| Value::PersistentId(Box::new(v))),
             ]

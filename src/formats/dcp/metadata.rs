@@ -16,7 +16,7 @@ use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{contiguous_strides, numel, KeyPart};
-use crate::pickle::{self, Globals, Limits, PickleError, Protocol, Value};
+use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
 
 /// The parts of DCP's `Metadata` ckpt uses, in pickled order.
 #[derive(Clone, Debug, PartialEq)]
@@ -621,10 +621,8 @@ fn dedup_storage(pairs: Vec<(MetadataIndex, StorageInfo)>) -> Vec<(MetadataIndex
 fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
     match value {
         Value::Dict(items) => Some(items),
-        Value::Object { dict_items, .. }
-            if value.class() == Some(("collections", "OrderedDict")) =>
-        {
-            Some(dict_items)
+        Value::Object(object) if value.class() == Some(("collections", "OrderedDict")) => {
+            Some(&object.dict_items)
         }
         _ => None,
     }
@@ -678,7 +676,7 @@ fn describe(value: &Value) -> String {
         Value::List(_) => "a list",
         Value::Dict(_) => "a dict",
         Value::Set(_) => "a set",
-        Value::Global { .. } | Value::Object { .. } => "an object",
+        Value::Global(_) | Value::Object(_) => "an object",
         Value::PersistentId(_) => "a persistent id",
     };
     kind.to_string()
@@ -698,14 +696,14 @@ fn field(name: &str, value: Value) -> (Value, Value) {
 
 /// A dataclass as pickle writes it: `cls.__new__(cls)` then `BUILD` with its state, if any.
 fn new_obj(module: &str, name: &str, state: Option<Value>) -> Value {
-    Value::Object {
-        callable: Box::new(Value::global(module, name)),
+    Value::Object(Box::new(Object {
+        callable: Value::global(module, name),
         args: Vec::new(),
         new_obj: true,
         dict_items: Vec::new(),
         list_items: Vec::new(),
-        state: state.map(Box::new),
-    }
+        state,
+    }))
 }
 
 fn torch_size(dims: &[u64]) -> Value {
