@@ -2,6 +2,7 @@
 //! each, nothing may sit under the output's final name and temporaries must be gone or clearly
 //! named and cleaned by the next run.
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -21,7 +22,7 @@ fn synthetic(path: &Path, tensors: usize, mib: u64) {
         .unwrap();
 }
 
-fn ckpt_cmd(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Command {
+fn ckpt_cmd<S: AsRef<OsStr>>(args: &[S]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
     for a in args {
         cmd.arg(a);
@@ -35,7 +36,7 @@ fn leftovers(out: &Path) -> Vec<PathBuf> {
 }
 
 /// Start `args`, wait until its temporary output appears, and return the running child.
-fn start_and_wait_for_temp(args: &[&dyn AsRef<std::ffi::OsStr>], out: &Path) -> Child {
+fn start_and_wait_for_temp<S: AsRef<OsStr>>(args: &[S], out: &Path) -> Child {
     let mut child = ckpt_cmd(args).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while leftovers(out).is_empty() {
@@ -63,25 +64,24 @@ fn finish(child: Child) -> Output {
     child.wait_with_output().unwrap()
 }
 
-fn kill_midway_then_rerun(subcommand: &[&str], out_name: &str) {
+/// A run slow enough to interrupt: `subcommand` on a 384 MiB input into `out_name`, one thread,
+/// positional reads. Returns the temp dir (keep it alive), the input, the output and the arguments.
+fn slow_run(
+    subcommand: &[&str],
+    out_name: &str,
+) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<OsString>) {
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("big.safetensors");
     synthetic(&input, 48, 8);
     let out = tmp.path().join(out_name);
-    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![];
-    for a in subcommand {
-        args.push(a);
-    }
-    args.extend([
-        &input as &dyn AsRef<std::ffi::OsStr>,
-        &"-o",
-        &out,
-        &"--threads",
-        &"1",
-        &"--io",
-        &"read",
-        &"-q",
-    ]);
+    let mut args: Vec<OsString> = subcommand.iter().map(OsString::from).collect();
+    args.extend([input.as_os_str(), OsStr::new("-o"), out.as_os_str()].map(OsString::from));
+    args.extend(["--threads", "1", "--io", "read", "-q"].map(OsString::from));
+    (tmp, input, out, args)
+}
+
+fn kill_midway_then_rerun(subcommand: &[&str], out_name: &str) {
+    let (_tmp, _input, out, args) = slow_run(subcommand, out_name);
     let child = start_and_wait_for_temp(&args, &out);
     signal(&child, "KILL");
     let result = finish(child);
@@ -130,21 +130,7 @@ fn sigkill_during_reshard_leaves_nothing_under_the_final_name() {
 
 #[test]
 fn ctrl_c_stops_cleanly_and_removes_temporary_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    let input = tmp.path().join("big.safetensors");
-    synthetic(&input, 48, 8);
-    let out = tmp.path().join("out.safetensors");
-    let args: [&dyn AsRef<std::ffi::OsStr>; 9] = [
-        &"consolidate",
-        &input,
-        &"-o",
-        &out,
-        &"--threads",
-        &"1",
-        &"--io",
-        &"read",
-        &"-q",
-    ];
+    let (_tmp, _input, out, args) = slow_run(&["consolidate"], "out.safetensors");
     let child = start_and_wait_for_temp(&args, &out);
     signal(&child, "INT");
     let result = finish(child);
@@ -161,21 +147,7 @@ fn ctrl_c_stops_cleanly_and_removes_temporary_output() {
 
 #[test]
 fn an_input_that_grows_during_the_run_is_an_error() {
-    let tmp = tempfile::tempdir().unwrap();
-    let input = tmp.path().join("big.safetensors");
-    synthetic(&input, 48, 8);
-    let out = tmp.path().join("out.safetensors");
-    let args: [&dyn AsRef<std::ffi::OsStr>; 9] = [
-        &"consolidate",
-        &input,
-        &"-o",
-        &out,
-        &"--threads",
-        &"1",
-        &"--io",
-        &"read",
-        &"-q",
-    ];
+    let (_tmp, input, out, args) = slow_run(&["consolidate"], "out.safetensors");
     let child = start_and_wait_for_temp(&args, &out);
     let file = std::fs::OpenOptions::new()
         .append(true)
@@ -230,7 +202,7 @@ fn a_full_disk_gives_a_clear_error_and_removes_temporaries() {
     }
     let _guard = Unmount(small.clone());
     let out = small.join("out.safetensors");
-    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"])
+    let result = ckpt_cmd::<&dyn AsRef<OsStr>>(&[&"consolidate", &input, &"-o", &out, &"-q"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&result.stderr);
@@ -257,7 +229,7 @@ fn an_unwritable_output_directory_is_a_clear_error() {
     }
     let _guard = Unmount(ro.clone());
     let out = ro.join("out.safetensors");
-    let result = ckpt_cmd(&[&"consolidate", &input, &"-o", &out, &"-q"])
+    let result = ckpt_cmd::<&dyn AsRef<OsStr>>(&[&"consolidate", &input, &"-o", &out, &"-q"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&result.stderr);
