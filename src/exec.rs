@@ -407,8 +407,13 @@ fn run_unit(
         });
     }
     BUFFERS.with(|bufs| {
-        let (buf, scratch) = &mut *bufs.borrow_mut();
-        buf.resize(len as usize, 0);
+        let (whole, scratch) = &mut *bufs.borrow_mut();
+        // Grow, never re-zero: fills are disjoint (the planner checks coverage) and `written` is
+        // checked against `len` below, so every byte of the slice is overwritten.
+        if whole.len() < len as usize {
+            whole.resize(len as usize, 0);
+        }
+        let buf = &mut whole[..len as usize];
         let mut written = 0u64;
         for fill in &r.fills {
             written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
