@@ -467,6 +467,7 @@ fn convert_with(
         io: run.io.into(),
         progress: &bar,
         cancel,
+        durable: true,
     };
     exec::execute(&plan, &dest, &opts)?;
     if cancel.load(Ordering::Relaxed) {

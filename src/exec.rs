@@ -51,6 +51,9 @@ pub struct ExecOptions<'a> {
     pub progress: &'a dyn Progress,
     /// Set (e.g. by a Ctrl-C handler) to stop early with an error.
     pub cancel: &'a AtomicBool,
+    /// Make outputs durable before returning: start each block's writeback as soon as it is written
+    /// (so the disk works while later blocks are copied) and fsync every output at the end.
+    pub durable: bool,
 }
 
 /// An input file, opened once.
@@ -193,6 +196,9 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
                 let region = &plan.files[u.file].regions[u.region];
                 let out = outputs.get(u.file).zip(dest.get(u.file));
                 let result = run_unit(u, region, &sources, out)?;
+                if let (true, Some((file, _))) = (opts.durable, out) {
+                    start_writeback(file, result.offset, result.len);
+                }
                 opts.progress.advance(result.len);
                 Ok(result)
             })
@@ -230,8 +236,10 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             }
         }
     }
-    for (out, path) in outputs.iter().zip(dest) {
-        out.sync_all().map_err(|e| Error::io(path, e))?;
+    if opts.durable {
+        for (out, path) in outputs.iter().zip(dest) {
+            out.sync_all().map_err(|e| Error::io(path, e))?;
+        }
     }
     for s in &sources {
         let now = std::fs::metadata(&s.path)
@@ -362,6 +370,8 @@ thread_local! {
 
 /// What one unit produced.
 struct UnitResult {
+    /// Where the unit's bytes start in its destination file.
+    offset: u64,
     len: u64,
     crc: u32,
     xxh3: u64,
@@ -399,6 +409,7 @@ fn run_unit(
             .tensor(&r.name));
         }
         return Ok(UnitResult {
+            offset: dest_offset,
             len,
             crc: crc.finalize(),
             xxh3: 0,
@@ -425,6 +436,7 @@ fn run_unit(
             .tensor(&r.name));
         }
         let mut result = UnitResult {
+            offset: dest_offset,
             len,
             crc: 0,
             xxh3: 0,
@@ -618,9 +630,30 @@ fn copy_direct(
             &owned
         }
     };
+    // Hash before writing: the hash faults the mapped pages in with ordinary user-space faults. A
+    // write from pages not yet mapped makes the kernel fault them in one by one from inside its copy
+    // loop, which measured about twice as slow end to end (1 GB reshard FULL -> 4 ranks).
+    let crc = crc32fast::hash(bytes);
     out.write_all_at(bytes, dest_offset)
         .map_err(|e| Error::io(out_path, e).at(dest_offset))?;
-    Ok(crc32fast::hash(bytes))
+    Ok(crc)
+}
+
+/// Ask the kernel to start writing `len` bytes at `offset` of `file` to disk, without waiting.
+///
+/// Without this, every dirty page of a multi-gigabyte output is still in memory when the final
+/// fsync starts, and the run waits for all of it at the end; started block by block, the disk works
+/// while later blocks are copied and the fsync finds little left. Only a hint: errors are reported
+/// by the fsync.
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    // SAFETY: a plain syscall on a descriptor we own; no memory of ours is involved.
+    unsafe {
+        libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE);
+    }
 }
 
 /// `copy_file_range(2)` in a loop, falling back to read + write where the kernel refuses (other

@@ -183,6 +183,7 @@ pub fn digests(
         io: opts.io,
         progress: &exec::NoProgress,
         cancel: &cancel,
+        durable: false,
     };
     let digests = exec::digest(&p, &exec_opts)?;
     let regions = p.files.iter().flat_map(|f| &f.regions);

@@ -166,6 +166,7 @@ fn run(input: &Path, output: &Path, target: Target) {
         io: IoMode::Mmap,
         progress: &NoProgress,
         cancel: &cancel,
+        durable: false,
     };
     exec::execute(&plan, &dest, &opts).unwrap();
 }
