@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -22,6 +22,9 @@ use crate::plan::{Fill, Plan, Region};
 
 /// Largest destination run one work unit gathers.
 pub const BLOCK_BYTES: u64 = 8 << 20;
+
+/// How much is written to an output between two starts of its writeback (durable runs).
+const WRITEBACK_BYTES: u64 = 32 << 20;
 
 /// How source bytes are read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -161,13 +164,6 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         .zip(dest)
         .map(|(f, path)| create_output(path, f.len))
         .collect::<Result<Vec<_>>>()?;
-    for ((f, out), path) in plan.files.iter().zip(&outputs).zip(dest) {
-        for (offset, bytes) in &f.literals {
-            out.write_all_at(bytes, *offset)
-                .map_err(|e| Error::io(path, e).at(*offset))?;
-        }
-    }
-
     let mut units = Vec::new();
     for (fi, f) in plan.files.iter().enumerate() {
         for (ri, r) in f.regions.iter().enumerate() {
@@ -186,6 +182,8 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         .num_threads(opts.threads)
         .build()
         .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
+    // Bytes written to each output since its writeback was last started.
+    let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
     let results: Vec<UnitResult> = pool.install(|| {
         units
             .par_iter()
@@ -196,8 +194,14 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
                 let region = &plan.files[u.file].regions[u.region];
                 let out = outputs.get(u.file).zip(dest.get(u.file));
                 let result = run_unit(u, region, &sources, out)?;
-                if let (true, Some((file, _))) = (opts.durable, out) {
-                    start_writeback(file, result.offset, result.len);
+                if let (true, Some((file, _)), Some(dirty)) =
+                    (opts.durable, out, unflushed.get(u.file))
+                {
+                    // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
+                    let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
+                    if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
+                        start_writeback(file);
+                    }
                 }
                 opts.progress.advance(result.len);
                 Ok(result)
@@ -209,6 +213,7 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
     let mut digests = Vec::new();
     let mut k = 0;
     for (fi, f) in plan.files.iter().enumerate() {
+        let mut crc_patches = Vec::new();
         for ri in 0..f.regions.len() {
             let mut crc = crc32fast::Hasher::new();
             let mut parts = Vec::new();
@@ -227,13 +232,11 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
                 _ => xxhash_rust::xxh3::xxh3_64(&parts),
             };
             digests.push(digest);
-            if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
-                let crc = crc.finalize().to_le_bytes();
-                for slot in &f.regions[ri].crc_slots {
-                    out.write_all_at(&crc, *slot)
-                        .map_err(|e| Error::io(path, e))?;
-                }
-            }
+            let crc = crc.finalize().to_le_bytes();
+            crc_patches.extend(f.regions[ri].crc_slots.iter().map(|&slot| (slot, crc)));
+        }
+        if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
+            write_literals(out, path, &f.literals, &crc_patches)?;
         }
     }
     if opts.durable {
@@ -370,8 +373,6 @@ thread_local! {
 
 /// What one unit produced.
 struct UnitResult {
-    /// Where the unit's bytes start in its destination file.
-    offset: u64,
     len: u64,
     crc: u32,
     xxh3: u64,
@@ -409,7 +410,6 @@ fn run_unit(
             .tensor(&r.name));
         }
         return Ok(UnitResult {
-            offset: dest_offset,
             len,
             crc: crc.finalize(),
             xxh3: 0,
@@ -436,7 +436,6 @@ fn run_unit(
             .tensor(&r.name));
         }
         let mut result = UnitResult {
-            offset: dest_offset,
             len,
             crc: 0,
             xxh3: 0,
@@ -642,20 +641,75 @@ fn copy_direct(
     })
 }
 
-/// Ask the kernel to start writing `len` bytes at `offset` of `file` to disk, without waiting.
+/// Write a file's literal bytes (headers, framing) with the data's CRC-32s patched in.
+///
+/// Literals are written after the data so that the CRCs are known: adjacent literals (a torch.save
+/// item's trailer and the next item's headers) go out as one write with the CRC slots inside them
+/// filled in memory, instead of one small write per header and per slot.
+fn write_literals(
+    out: &File,
+    path: &Path,
+    literals: &[(u64, Vec<u8>)],
+    crc_patches: &[(u64, [u8; 4])],
+) -> Result<()> {
+    let mut order: Vec<&(u64, Vec<u8>)> = literals.iter().collect();
+    order.sort_by_key(|(offset, _)| *offset);
+    let mut patches = crc_patches.to_vec();
+    patches.sort_by_key(|(slot, _)| *slot);
+    let mut patched = vec![false; patches.len()];
+    let mut flush = |start: u64, run: &mut Vec<u8>| -> Result<()> {
+        let end = start + run.len() as u64;
+        let first = patches.partition_point(|(slot, _)| *slot < start);
+        for (k, (slot, crc)) in patches.iter().enumerate().skip(first) {
+            if *slot + 4 > end {
+                break;
+            }
+            let at = (*slot - start) as usize;
+            run[at..at + 4].copy_from_slice(crc);
+            patched[k] = true;
+        }
+        out.write_all_at(run, start)
+            .map_err(|e| Error::io(path, e).at(start))?;
+        run.clear();
+        Ok(())
+    };
+    let mut run = Vec::new();
+    let mut run_start = 0;
+    for (offset, bytes) in order {
+        if !run.is_empty() && run_start + run.len() as u64 != *offset {
+            flush(run_start, &mut run)?;
+        }
+        if run.is_empty() {
+            run_start = *offset;
+        }
+        run.extend_from_slice(bytes);
+    }
+    if !run.is_empty() {
+        flush(run_start, &mut run)?;
+    }
+    // A slot outside every literal (none in the layouts ckpt plans today) is written on its own,
+    // after the literals so that no literal overwrites it.
+    for ((slot, crc), done) in patches.iter().zip(&patched) {
+        if !done {
+            out.write_all_at(crc, *slot)
+                .map_err(|e| Error::io(path, e).at(*slot))?;
+        }
+    }
+    Ok(())
+}
+
+/// Ask the kernel to start writing `file`'s dirty pages to disk, without waiting.
 ///
 /// Without this, every dirty page of a multi-gigabyte output is still in memory when the final
-/// fsync starts, and the run waits for all of it at the end; started block by block, the disk works
-/// while later blocks are copied and the fsync finds little left. Only a hint: errors are reported
-/// by the fsync.
-fn start_writeback(file: &File, offset: u64, len: u64) {
+/// fsync starts, and the run waits for all of it at the end; started every [`WRITEBACK_BYTES`], the
+/// disk works while later blocks are copied and the fsync finds little left. Pages already being
+/// written are skipped. Only a hint: errors are reported by the fsync.
+fn start_writeback(file: &File) {
     use std::os::fd::AsRawFd;
-    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-        return;
-    };
-    // SAFETY: a plain syscall on a descriptor we own; no memory of ours is involved.
+    // SAFETY: a plain syscall on a descriptor we own; no memory of ours is involved. Offset 0 and
+    // length 0 mean the whole file.
     unsafe {
-        libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE);
+        libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
     }
 }
 
@@ -795,5 +849,24 @@ mod tests {
         assert_eq!(blocks(&[], 4, 40), vec![(vec![], vec![])]);
         assert!(blocks(&[0, 3], 4, 40).is_empty());
         assert_eq!(blocks(&[10], 1, 4).len(), 3);
+    }
+
+    #[test]
+    fn literals_are_merged_and_get_their_crcs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        let file = create_output(&path, 20).unwrap();
+        // Two adjacent literals given out of order, and one apart.
+        let literals = vec![
+            (4, b"efgh".to_vec()),
+            (0, b"abcd".to_vec()),
+            (10, b"xyz".to_vec()),
+        ];
+        // A slot inside the merged run, one among data bytes, one running past the lone literal
+        // (written on its own, after the literal, so the literal does not overwrite it).
+        let patches = [(2, *b"1234"), (16, *b"5678"), (10, *b"9999")];
+        write_literals(&file, &path, &literals, &patches).unwrap();
+        let got = std::fs::read(&path).unwrap();
+        assert_eq!(&got, b"ab1234gh\x00\x009999\x00\x005678");
     }
 }
