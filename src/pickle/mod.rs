@@ -6,10 +6,12 @@
 //! would have been called. A global is accepted only when the caller's [`Globals`] policy names it;
 //! any other is an error naming it. Format modules then read meaning out of the tree.
 
+mod graph;
 mod read;
 mod write;
 
-pub use read::{read, Limits};
+pub use graph::{Graph, Items, Kind, View};
+pub use read::{parse, read, Limits};
 pub use write::{write, Protocol};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.
