@@ -4,7 +4,8 @@
 //! per-object cost is what bounds ckpt's memory. Here a node is 16 bytes: scalars are inline,
 //! strings and bytes are ranges of the pickle's own bytes, tuples are ranges of one shared pool of
 //! child ids, and the containers pickle fills after creating them (`APPENDS`, `SETITEMS`) are
-//! chains of batches in that pool. Nothing is copied out until a caller asks: format modules read
+//! chains of batches in that pool. Small non-negative ints, the bulk of a `.metadata` (offsets,
+//! sizes, lengths), are not nodes at all: their id holds the value (see [`small_int`]). Nothing is copied out until a caller asks: format modules read
 //! meaning straight through a [`View`], and [`View::to_value`] builds an owned [`Value`] tree for
 //! callers that want one.
 //!
@@ -18,10 +19,27 @@ use std::collections::HashMap;
 use super::read::{limit, malformed};
 use super::{Global, Limits, Object, PickleError, Value};
 
-/// Index of a node in [`Graph::nodes`].
+/// Index of a node in [`Graph::nodes`], or a small int (see [`small_int`]).
 pub(super) type Id = u32;
 /// "No node" / "no batch" in the fields that may be empty.
 pub(super) const NONE: u32 = u32::MAX;
+/// Ids with this bit set are not nodes but the int in the other 31 bits.
+const SMALL_INT: u32 = 1 << 31;
+
+/// The id that stands for `value` without a node, if it is small enough to have one. The largest
+/// such id would be [`NONE`], so that value keeps a node.
+pub(super) fn small_int(value: i64) -> Option<Id> {
+    u32::try_from(value)
+        .ok()
+        .filter(|&v| v < SMALL_INT - 1)
+        .map(|v| v | SMALL_INT)
+}
+
+/// Node ids stay below the small-int bit.
+pub(super) const MAX_NODES: usize = SMALL_INT as usize;
+
+/// Byte offset of the opcode that made a container, for errors found after reading.
+pub(super) type Origin = u32;
 
 /// `start..start + len` of the pickle bytes (strings, bytes) or of [`Graph::pool`] (tuples).
 #[derive(Clone, Copy, Debug)]
@@ -62,41 +80,51 @@ pub(super) struct Batch {
 }
 
 /// One object of the pickle. Kept at 16 bytes (asserted below): this is the per-object cost.
+/// Numbers are stored as little-endian bytes so that no field needs 8-byte alignment, which leaves
+/// room for each container's [`Origin`].
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Node {
     None,
     Bool(bool),
-    Int(i64),
-    Float(f64),
+    Int([u8; 8]),
+    Float([u8; 8]),
     /// UTF-8, checked when read.
     Str(Span),
     Bytes(Span),
     /// Index into [`Graph::globals`].
     Global(u32),
-    Tuple(Span),
-    List(Chain),
+    Tuple(Span, Origin),
+    List(Chain, Origin),
     /// Keys and values alternate in the chain's batches.
-    Dict(Chain),
-    Set(Chain),
+    Dict(Chain, Origin),
+    Set(Chain, Origin),
     /// Index into [`Graph::objects`].
-    Object(u32),
-    PersistentId(Id),
+    Object(u32, Origin),
+    PersistentId(Id, Origin),
 }
 
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<Node>() == 16);
 
-/// The fields of an [`Object`], as ids and pool ranges.
+/// The fields of an [`Object`], as ids.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ObjectNode {
     pub callable: Id,
-    /// The items of the argument tuple (tuples never change, so sharing its span is safe).
-    pub args: Span,
-    pub new_obj: bool,
-    pub dict_items: Chain,
-    pub list_items: Chain,
+    /// The argument tuple.
+    pub args: Id,
     /// [`NONE`] until `BUILD`.
     pub state: Id,
+    /// Index into [`Graph::object_items`], or [`NONE`]: only an `OrderedDict` (or a list
+    /// subclass) receives items, so most objects do not pay for two empty chains.
+    pub items: u32,
+    pub new_obj: bool,
+}
+
+/// What `SETITEMS` and `APPENDS` put into an object.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ObjectItems {
+    pub dict: Chain,
+    pub list: Chain,
 }
 
 /// An unpickled object graph, borrowing the pickle's bytes.
@@ -104,12 +132,11 @@ pub(super) struct ObjectNode {
 pub struct Graph<'a> {
     pub(super) input: &'a [u8],
     pub(super) nodes: Vec<Node>,
-    /// Byte offset of the opcode that made each node, for errors found after reading.
-    pub(super) origins: Vec<u32>,
     /// Child ids of every tuple and every batch.
     pub(super) pool: Vec<Id>,
     pub(super) batches: Vec<Batch>,
     pub(super) objects: Vec<ObjectNode>,
+    pub(super) object_items: Vec<ObjectItems>,
     /// Each distinct global once.
     pub(super) globals: Vec<Global>,
     pub(super) root: Id,
@@ -149,10 +176,10 @@ impl<'a> Graph<'a> {
         Graph {
             input,
             nodes: Vec::new(),
-            origins: Vec::new(),
             pool: Vec::new(),
             batches: Vec::new(),
             objects: Vec::new(),
+            object_items: Vec::new(),
             globals: Vec::new(),
             root: NONE,
         }
@@ -166,14 +193,51 @@ impl<'a> Graph<'a> {
         }
     }
 
-    fn node(&self, id: Id) -> Node {
-        // Every id in the graph was handed out by the reader for a node it pushed, so this never
-        // falls back; `None` keeps a mistake from panicking.
+    pub(super) fn node(&self, id: Id) -> Node {
+        if id & SMALL_INT != 0 && id != NONE {
+            return Node::Int(i64::from(id & !SMALL_INT).to_le_bytes());
+        }
+        // Every other id in the graph was handed out by the reader for a node it pushed, so this
+        // never falls back; `None` keeps a mistake from panicking.
         self.nodes.get(id as usize).copied().unwrap_or(Node::None)
     }
 
     fn origin(&self, id: Id) -> usize {
-        self.origins.get(id as usize).map_or(0, |&o| o as usize)
+        match self.node(id) {
+            Node::Tuple(_, at)
+            | Node::List(_, at)
+            | Node::Dict(_, at)
+            | Node::Set(_, at)
+            | Node::Object(_, at)
+            | Node::PersistentId(_, at) => at as usize,
+            _ => 0,
+        }
+    }
+
+    pub(super) fn object(&self, id: Id) -> Option<&ObjectNode> {
+        match self.node(id) {
+            Node::Object(i, _) => self.objects.get(i as usize),
+            _ => None,
+        }
+    }
+
+    /// The items of a tuple node (empty for anything else).
+    fn tuple_items(&self, id: Id) -> Items<'_> {
+        match self.node(id) {
+            Node::Tuple(span, _) => self.items(span, NONE),
+            _ => self.items(Span::EMPTY, NONE),
+        }
+    }
+
+    /// The dict and list items of an object.
+    fn object_items(&self, o: &ObjectNode) -> ObjectItems {
+        self.object_items
+            .get(o.items as usize)
+            .copied()
+            .unwrap_or(ObjectItems {
+                dict: Chain::EMPTY,
+                list: Chain::EMPTY,
+            })
     }
 
     fn bytes(&self, span: Span) -> &'a [u8] {
@@ -199,9 +263,9 @@ impl<'a> Graph<'a> {
         f: &mut dyn FnMut(Id) -> Result<(), PickleError>,
     ) -> Result<(), PickleError> {
         let items = match self.node(id) {
-            Node::Tuple(span) => self.items(span, NONE),
-            Node::List(c) | Node::Dict(c) | Node::Set(c) => self.chain(c),
-            Node::Object(i) => {
+            Node::Tuple(span, _) => self.items(span, NONE),
+            Node::List(c, _) | Node::Dict(c, _) | Node::Set(c, _) => self.chain(c),
+            Node::Object(i, _) => {
                 let Some(o) = self.objects.get(i as usize) else {
                     return Ok(());
                 };
@@ -210,16 +274,18 @@ impl<'a> Graph<'a> {
                         f(single)?;
                     }
                 }
+                // The arguments count as the object's own children, as in [`Object::args`].
+                let items = self.object_items(o);
                 for items in [
-                    self.items(o.args, NONE),
-                    self.chain(o.dict_items),
-                    self.chain(o.list_items),
+                    self.tuple_items(o.args),
+                    self.chain(items.dict),
+                    self.chain(items.list),
                 ] {
                     items.map(|v| v.id).try_for_each(&mut *f)?;
                 }
                 return Ok(());
             }
-            Node::PersistentId(pid) => return f(pid),
+            Node::PersistentId(pid, _) => return f(pid),
             _ => return Ok(()),
         };
         items.map(|v| v.id).try_for_each(f)
@@ -367,10 +433,7 @@ impl<'g> View<'g> {
     }
 
     fn object(&self) -> Option<&'g ObjectNode> {
-        match self.node() {
-            Node::Object(i) => self.graph.objects.get(i as usize),
-            _ => None,
-        }
+        self.graph.object(self.id)
     }
 
     fn at(&self, id: Id) -> Option<View<'g>> {
@@ -386,12 +449,12 @@ impl<'g> View<'g> {
             Node::Str(_) => Kind::Str,
             Node::Bytes(_) => Kind::Bytes,
             Node::Global(_) => Kind::Global,
-            Node::Tuple(_) => Kind::Tuple,
-            Node::List(_) => Kind::List,
-            Node::Dict(_) => Kind::Dict,
-            Node::Set(_) => Kind::Set,
-            Node::Object(_) => Kind::Object,
-            Node::PersistentId(_) => Kind::PersistentId,
+            Node::Tuple(..) => Kind::Tuple,
+            Node::List(..) => Kind::List,
+            Node::Dict(..) => Kind::Dict,
+            Node::Set(..) => Kind::Set,
+            Node::Object(..) => Kind::Object,
+            Node::PersistentId(..) => Kind::PersistentId,
         }
     }
 
@@ -418,7 +481,7 @@ impl<'g> View<'g> {
     /// An int, or a bool as 0/1 (as Python's `int(True)`).
     pub fn as_int(&self) -> Option<i64> {
         match self.node() {
-            Node::Int(i) => Some(i),
+            Node::Int(i) => Some(i64::from_le_bytes(i)),
             Node::Bool(b) => Some(i64::from(b)),
             _ => None,
         }
@@ -446,8 +509,8 @@ impl<'g> View<'g> {
     /// Items of a tuple or list.
     pub fn as_seq(&self) -> Option<Items<'g>> {
         match self.node() {
-            Node::Tuple(span) => Some(self.graph.items(span, NONE)),
-            Node::List(chain) => Some(self.graph.chain(chain)),
+            Node::Tuple(span, _) => Some(self.graph.items(span, NONE)),
+            Node::List(chain, _) => Some(self.graph.chain(chain)),
             _ => None,
         }
     }
@@ -455,14 +518,14 @@ impl<'g> View<'g> {
     /// Pairs of a dict, with Python's rule for a repeated key (first position, last value).
     pub fn dict_items(&self) -> Option<Vec<(View<'g>, View<'g>)>> {
         match self.node() {
-            Node::Dict(chain) => Some(dedup_pairs(self.graph.chain(chain))),
+            Node::Dict(chain, _) => Some(dedup_pairs(self.graph.chain(chain))),
             _ => None,
         }
     }
 
     /// Look up a string key in a dict (the last value pickled for it, as Python keeps).
     pub fn get(&self, key: &str) -> Option<View<'g>> {
-        let Node::Dict(chain) = self.node() else {
+        let Node::Dict(chain, _) = self.node() else {
             return None;
         };
         let mut items = self.graph.chain(chain);
@@ -487,12 +550,13 @@ impl<'g> View<'g> {
 
     /// Arguments of the call that made this object.
     pub fn args(&self) -> Option<Items<'g>> {
-        Some(self.graph.items(self.object()?.args, NONE))
+        Some(self.graph.tuple_items(self.object()?.args))
     }
 
     /// Items `SETITEMS` put into this object (an `OrderedDict`), as [`View::dict_items`] gives.
     pub fn object_dict_items(&self) -> Option<Vec<(View<'g>, View<'g>)>> {
-        Some(dedup_pairs(self.graph.chain(self.object()?.dict_items)))
+        let items = self.graph.object_items(self.object()?);
+        Some(dedup_pairs(self.graph.chain(items.dict)))
     }
 
     /// An owned copy of the subtree: a node reached twice is copied twice (validation has
@@ -509,32 +573,33 @@ impl<'g> View<'g> {
         match self.node() {
             Node::None => Value::None,
             Node::Bool(b) => Value::Bool(b),
-            Node::Int(i) => Value::Int(i),
-            Node::Float(f) => Value::Float(f),
+            Node::Int(i) => Value::Int(i64::from_le_bytes(i)),
+            Node::Float(f) => Value::Float(f64::from_le_bytes(f)),
             Node::Str(_) => Value::Str(self.as_str().unwrap_or_default().to_string()),
             Node::Bytes(s) => Value::Bytes(g.bytes(s).to_vec()),
             Node::Global(i) => match g.globals.get(i as usize) {
                 Some(global) => Value::Global(Box::new(global.clone())),
                 None => Value::None,
             },
-            Node::Tuple(span) => Value::Tuple(all(g.items(span, NONE))),
-            Node::List(chain) => Value::List(all(g.chain(chain))),
-            Node::Set(chain) => Value::Set(all_of(dedup_set(g.chain(chain)))),
-            Node::Dict(chain) => Value::Dict(pairs(dedup_pairs(g.chain(chain)))),
-            Node::Object(_) => {
+            Node::Tuple(span, _) => Value::Tuple(all(g.items(span, NONE))),
+            Node::List(chain, _) => Value::List(all(g.chain(chain))),
+            Node::Set(chain, _) => Value::Set(all_of(dedup_set(g.chain(chain)))),
+            Node::Dict(chain, _) => Value::Dict(pairs(dedup_pairs(g.chain(chain)))),
+            Node::Object(..) => {
                 let Some(o) = self.object() else {
                     return Value::None;
                 };
+                let items = g.object_items(o);
                 Value::Object(Box::new(Object {
                     callable: self.at(o.callable).map_or(Value::None, |c| c.to_value()),
-                    args: all(g.items(o.args, NONE)),
+                    args: all(g.tuple_items(o.args)),
                     new_obj: o.new_obj,
-                    dict_items: pairs(dedup_pairs(g.chain(o.dict_items))),
-                    list_items: all(g.chain(o.list_items)),
+                    dict_items: pairs(dedup_pairs(g.chain(items.dict))),
+                    list_items: all(g.chain(items.list)),
                     state: self.at(o.state).map(|s| s.to_value()),
                 }))
             }
-            Node::PersistentId(pid) => Value::PersistentId(Box::new(g.view(pid).to_value())),
+            Node::PersistentId(pid, _) => Value::PersistentId(Box::new(g.view(pid).to_value())),
         }
     }
 }
@@ -557,7 +622,7 @@ fn simple_key<'g>(v: &View<'g>) -> Option<SimpleKey<'g>> {
         Node::None => Some(SimpleKey::None),
         // In Python `True == 1`, so they are the same key.
         Node::Bool(b) => Some(SimpleKey::Int(i64::from(b))),
-        Node::Int(i) => Some(SimpleKey::Int(i)),
+        Node::Int(i) => Some(SimpleKey::Int(i64::from_le_bytes(i))),
         Node::Str(s) => Some(SimpleKey::Str(v.graph.bytes(s))),
         Node::Bytes(s) => Some(SimpleKey::Bytes(v.graph.bytes(s))),
         _ => None,

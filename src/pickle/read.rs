@@ -23,7 +23,10 @@
 
 use std::collections::HashMap;
 
-use super::graph::{Batch, Chain, Graph, Id, Node, ObjectNode, Span, NONE};
+use super::graph::{
+    small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span, MAX_NODES,
+    NONE,
+};
 use super::{Global, Globals, PickleError, Value};
 
 /// Safety bounds on what one pickle may build.
@@ -33,8 +36,10 @@ pub struct Limits {
     pub max_stack: usize,
     /// Most memo entries.
     pub max_memo: usize,
-    /// Most nodes in total, counting those copied by memo gets. A string or bytes value also costs
-    /// one node per 64 bytes, so many references to one large string are bounded too.
+    /// Most nodes: both those the pickle makes and the total it expands to, counting those copied
+    /// by memo gets. A string or bytes value also costs one node per 64 bytes, so many references
+    /// to one large string are bounded too. (Small non-negative ints and the empty tuple take no
+    /// node of their own, so they count only in the expanded total.)
     pub max_nodes: usize,
     /// Deepest nesting of containers. This also bounds the recursion of any walk of the graph.
     pub max_depth: usize,
@@ -74,6 +79,7 @@ pub fn parse<'a>(
         stack: Vec::new(),
         marks: Vec::new(),
         memo: Memo::default(),
+        empty_tuple: None,
         proto: 0,
     };
     let root = machine.run()?;
@@ -225,6 +231,9 @@ struct Machine<'a, 'p> {
     /// Stack lengths at each open `MARK`.
     marks: Vec<usize>,
     memo: Memo,
+    /// The one node every `EMPTY_TUPLE` pushes: tuples never change, and an empty one is as
+    /// common as `NEWOBJ` (its arguments), so each need not cost a node.
+    empty_tuple: Option<Id>,
     proto: u8,
 }
 
@@ -362,40 +371,39 @@ impl<'a> Machine<'a, '_> {
                 INT => {
                     let line = self.input.line()?;
                     // Protocol 0 spells booleans as `I01` / `I00`.
-                    let node = match line {
-                        b"01" => Node::Bool(true),
-                        b"00" => Node::Bool(false),
-                        _ => Node::Int(decimal(at, line)?),
-                    };
-                    self.node(at, node)?;
+                    match line {
+                        b"01" => self.node(at, Node::Bool(true))?,
+                        b"00" => self.node(at, Node::Bool(false))?,
+                        _ => self.int(at, decimal(at, line)?)?,
+                    }
                 }
                 BININT => {
                     let v = self.input.i32()?;
-                    self.node(at, Node::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 BININT1 => {
                     let v = self.input.u8()?;
-                    self.node(at, Node::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 BININT2 => {
                     let v = self.input.u16()?;
-                    self.node(at, Node::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 LONG1 => {
                     let n = self.input.u8()?;
                     let v = long(at, self.input.take(n.into())?)?;
-                    self.node(at, Node::Int(v))?;
+                    self.int(at, v)?;
                 }
                 LONG4 => {
                     let n = self.input.i32()?;
                     let n = usize::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `LONG4`"))?;
                     let v = long(at, self.input.take(n)?)?;
-                    self.node(at, Node::Int(v))?;
+                    self.int(at, v)?;
                 }
                 BINFLOAT => {
                     let v = f64::from_be_bytes(self.input.array()?);
-                    self.node(at, Node::Float(v))?;
+                    self.node(at, Node::Float(v.to_le_bytes()))?;
                 }
                 BINUNICODE => {
                     let n = self.input.u32()?;
@@ -430,23 +438,29 @@ impl<'a> Machine<'a, '_> {
                     let (span, _) = self.span(n)?;
                     self.node(at, Node::Bytes(span))?;
                 }
-                EMPTY_TUPLE => self.node(at, Node::Tuple(Span::EMPTY))?,
+                EMPTY_TUPLE => match self.empty_tuple {
+                    Some(id) => self.push(at, id)?,
+                    None => {
+                        self.node(at, Node::Tuple(Span::EMPTY, origin(at)))?;
+                        self.empty_tuple = self.stack.last().copied();
+                    }
+                },
                 TUPLE => {
                     let mark = self.pop_mark(at)?;
                     let items = self.pool_from(at, mark)?;
-                    self.node(at, Node::Tuple(items))?;
+                    self.node(at, Node::Tuple(items, origin(at)))?;
                 }
                 TUPLE1 | TUPLE2 | TUPLE3 => {
                     let n = usize::from(op - TUPLE1) + 1;
                     let start = self.last(at, n)?;
                     let items = self.pool_from(at, start)?;
-                    self.node(at, Node::Tuple(items))?;
+                    self.node(at, Node::Tuple(items, origin(at)))?;
                 }
-                EMPTY_LIST => self.node(at, Node::List(Chain::EMPTY))?,
+                EMPTY_LIST => self.node(at, Node::List(Chain::EMPTY, origin(at)))?,
                 LIST => {
                     let mark = self.pop_mark(at)?;
                     let chain = self.new_chain(at, mark)?;
-                    self.node(at, Node::List(chain))?;
+                    self.node(at, Node::List(chain, origin(at)))?;
                 }
                 APPEND => {
                     let start = self.last(at, 1)?;
@@ -456,12 +470,12 @@ impl<'a> Machine<'a, '_> {
                     let mark = self.pop_mark(at)?;
                     self.extend(at, mark, "APPEND")?;
                 }
-                EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY))?,
+                EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY, origin(at)))?,
                 DICT => {
                     let mark = self.pop_mark(at)?;
                     self.check_pairs(at, mark)?;
                     let chain = self.new_chain(at, mark)?;
-                    self.node(at, Node::Dict(chain))?;
+                    self.node(at, Node::Dict(chain, origin(at)))?;
                 }
                 SETITEM => {
                     let start = self.last(at, 2)?;
@@ -472,7 +486,7 @@ impl<'a> Machine<'a, '_> {
                     self.check_pairs(at, mark)?;
                     self.extend(at, mark, "SETITEM")?;
                 }
-                EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY))?,
+                EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
                 ADDITEMS => {
                     let mark = self.pop_mark(at)?;
                     self.extend(at, mark, "ADDITEMS")?;
@@ -480,7 +494,7 @@ impl<'a> Machine<'a, '_> {
                 FROZENSET => {
                     let mark = self.pop_mark(at)?;
                     let chain = self.new_chain(at, mark)?;
-                    self.node(at, Node::Set(chain))?;
+                    self.node(at, Node::Set(chain, origin(at)))?;
                 }
                 GLOBAL => {
                     let module = utf8(at, self.input.line()?)?;
@@ -518,8 +532,8 @@ impl<'a> Machine<'a, '_> {
                     let args = self.tuple(at, args, "NEWOBJ_EX")?;
                     // The graph has nowhere to keep keyword arguments; Python only writes
                     // `NEWOBJ_EX` with empty ones for classes whose `__getnewargs_ex__` has none.
-                    match self.graph.nodes.get(kwargs as usize) {
-                        Some(Node::Dict(items)) if items.head == NONE => {}
+                    match self.graph.node(kwargs) {
+                        Node::Dict(items, _) if items.head == NONE => {}
                         _ => {
                             return Err(PickleError::UnsupportedOpcode {
                                 opcode: op,
@@ -542,7 +556,7 @@ impl<'a> Machine<'a, '_> {
                 }
                 BINPERSID => {
                     let pid = self.pop(at)?;
-                    self.node(at, Node::PersistentId(pid))?;
+                    self.node(at, Node::PersistentId(pid, origin(at)))?;
                 }
                 PUT => {
                     let index = decimal(at, self.input.line()?)?;
@@ -698,23 +712,36 @@ impl<'a> Machine<'a, '_> {
             .filter(|&t| t >= self.base())
             .and_then(|t| self.stack.get(t).copied())
             .ok_or_else(|| malformed(at, "stack underflow"))?;
-        let node = self.graph.nodes.get(target as usize).copied();
-        let mut chain = match (opcode, node) {
-            ("APPEND", Some(Node::List(c))) | ("SETITEM", Some(Node::Dict(c))) => c,
-            ("ADDITEMS", Some(Node::Set(c))) => c,
-            ("APPEND", Some(Node::Object(_))) | ("SETITEM", Some(Node::Object(_))) => {
-                let o = self.object_mut(target).map(|o| *o);
-                let Some(mut object) = o else {
+        let mut chain = match (opcode, self.graph.node(target)) {
+            ("APPEND", Node::List(c, _)) | ("SETITEM", Node::Dict(c, _)) => c,
+            ("ADDITEMS", Node::Set(c, _)) => c,
+            ("APPEND" | "SETITEM", Node::Object(..)) => {
+                let mut items = match self.object_mut(target) {
+                    Some(o) => o.items,
+                    None => NONE,
+                };
+                if items == NONE {
+                    items = u32::try_from(self.graph.object_items.len())
+                        .map_err(|_| limit(at, "too many objects"))?;
+                    self.graph.object_items.push(ObjectItems {
+                        dict: Chain::EMPTY,
+                        list: Chain::EMPTY,
+                    });
+                    if let Some(o) = self.object_mut(target) {
+                        o.items = items;
+                    }
+                }
+                let Some(mut both) = self.graph.object_items.get(items as usize).copied() else {
                     return Err(malformed(at, "dangling node"));
                 };
                 let chain = if opcode == "APPEND" {
-                    &mut object.list_items
+                    &mut both.list
                 } else {
-                    &mut object.dict_items
+                    &mut both.dict
                 };
                 self.add_batch(at, chain, start)?;
-                if let Some(slot) = self.object_mut(target) {
-                    *slot = object;
+                if let Some(slot) = self.graph.object_items.get_mut(items as usize) {
+                    *slot = both;
                 }
                 return Ok(());
             }
@@ -725,7 +752,7 @@ impl<'a> Machine<'a, '_> {
             }
         };
         self.add_batch(at, &mut chain, start)?;
-        if let Some(Node::List(c) | Node::Dict(c) | Node::Set(c)) =
+        if let Some(Node::List(c, _) | Node::Dict(c, _) | Node::Set(c, _)) =
             self.graph.nodes.get_mut(target as usize)
         {
             *c = chain;
@@ -741,22 +768,21 @@ impl<'a> Machine<'a, '_> {
     }
 
     fn kind(&self, id: Id) -> &'static str {
-        match self.graph.nodes.get(id as usize) {
-            None => "nothing",
-            Some(Node::Global(_)) => "global",
-            Some(Node::Tuple(_)) => "tuple",
-            Some(Node::List(_)) => "list",
-            Some(Node::Dict(_)) => "dict",
-            Some(Node::Set(_)) => "set",
-            Some(Node::Object(_)) => "object",
-            Some(Node::PersistentId(_)) => "persistent id",
-            Some(_) => "scalar",
+        match self.graph.node(id) {
+            Node::Global(_) => "global",
+            Node::Tuple(..) => "tuple",
+            Node::List(..) => "list",
+            Node::Dict(..) => "dict",
+            Node::Set(..) => "set",
+            Node::Object(..) => "object",
+            Node::PersistentId(..) => "persistent id",
+            _ => "scalar",
         }
     }
 
     fn object_mut(&mut self, id: Id) -> Option<&mut ObjectNode> {
-        match self.graph.nodes.get(id as usize) {
-            Some(&Node::Object(i)) => self.graph.objects.get_mut(i as usize),
+        match self.graph.node(id) {
+            Node::Object(i, _) => self.graph.objects.get_mut(i as usize),
             _ => None,
         }
     }
@@ -770,14 +796,20 @@ impl<'a> Machine<'a, '_> {
                 format!("more than {} nodes", self.limits.max_nodes),
             ));
         }
-        let id = Id::try_from(id)
-            .ok()
-            .filter(|&id| id != NONE)
-            .ok_or_else(|| limit(at, "more nodes than ids"))?;
+        if id >= MAX_NODES {
+            return Err(limit(at, "more nodes than ids"));
+        }
         self.graph.nodes.push(node);
-        // `at` is inside the input, which `parse` checked is shorter than 4 GiB.
-        self.graph.origins.push(at as u32);
-        self.push(at, id)
+        // Below `MAX_NODES`, which is below `u32::MAX`.
+        self.push(at, id as Id)
+    }
+
+    /// Push an int: a small one as its own id, others as a node.
+    fn int(&mut self, at: usize, value: i64) -> Result<(), PickleError> {
+        match small_int(value) {
+            Some(id) => self.push(at, id),
+            None => self.node(at, Node::Int(value.to_le_bytes())),
+        }
     }
 
     /// The next `n` input bytes, and where they are.
@@ -827,7 +859,7 @@ impl<'a> Machine<'a, '_> {
         &mut self,
         at: usize,
         callable: Id,
-        args: Span,
+        args: Id,
         new_obj: bool,
     ) -> Result<(), PickleError> {
         let index =
@@ -835,20 +867,17 @@ impl<'a> Machine<'a, '_> {
         self.graph.objects.push(ObjectNode {
             callable,
             args,
-            new_obj,
-            dict_items: Chain::EMPTY,
-            list_items: Chain::EMPTY,
             state: NONE,
+            items: NONE,
+            new_obj,
         });
-        self.node(at, Node::Object(index))
+        self.node(at, Node::Object(index, origin(at)))
     }
 
     /// The text of a string node (a `STACK_GLOBAL` operand).
     fn string(&self, at: usize, id: Id, what: &str) -> Result<&'a str, PickleError> {
-        match self.graph.nodes.get(id as usize) {
-            Some(&Node::Str(span)) => {
-                utf8(at, self.input.bytes.get(span.range()).unwrap_or_default())
-            }
+        match self.graph.node(id) {
+            Node::Str(span) => utf8(at, self.input.bytes.get(span.range()).unwrap_or_default()),
             _ => Err(malformed(
                 at,
                 format!("`STACK_GLOBAL` {what} is not a string"),
@@ -856,10 +885,10 @@ impl<'a> Machine<'a, '_> {
         }
     }
 
-    /// The items of a tuple node (the arguments of a call).
-    fn tuple(&self, at: usize, id: Id, opcode: &str) -> Result<Span, PickleError> {
-        match self.graph.nodes.get(id as usize) {
-            Some(&Node::Tuple(items)) => Ok(items),
+    /// Check that a call's arguments are a tuple, and return it.
+    fn tuple(&self, at: usize, id: Id, opcode: &str) -> Result<Id, PickleError> {
+        match self.graph.node(id) {
+            Node::Tuple(..) => Ok(id),
             _ => {
                 let kind = self.kind(id);
                 Err(malformed(
@@ -889,6 +918,11 @@ impl<'a> Machine<'a, '_> {
             .ok_or_else(|| malformed(at, format!("memo entry {index} was never stored")))?;
         self.push(at, id)
     }
+}
+
+/// The origin of a container made by the opcode at `at` (inside the input, so below 4 GiB).
+fn origin(at: usize) -> Origin {
+    at as Origin
 }
 
 /// Python 2 module names that Python 3's unpickler renames under `fix_imports`.
@@ -1391,6 +1425,37 @@ mod tests {
             parse(CYCLE_P4, &NOTHING, Limits::default()),
             Err(PickleError::Malformed { .. })
         ));
+    }
+
+    #[test]
+    fn small_ints_and_empty_tuples_take_no_nodes_but_read_the_same() {
+        // (0, 2**31 - 2, 2**31 - 1, 2**31, -1, (), ())
+        let p = b"(K\x00J\xfe\xff\xff\x7fJ\xff\xff\xff\x7f\x8a\x05\x00\x00\x00\x80\x00J\xff\xff\xff\xff))t.";
+        let want = [0, (1 << 31) - 2, (1 << 31) - 1, 1 << 31, -1].map(int);
+        let mut want = want.to_vec();
+        want.extend([Value::Tuple(vec![]), Value::Tuple(vec![])]);
+        assert_eq!(read_with(p, NOTHING), Ok(Value::Tuple(want)));
+        let graph = parse(p, &NOTHING, Limits::default()).unwrap();
+        // The three ints from 2**31 - 1 up, one empty tuple for both, and the outer tuple.
+        assert_eq!(graph.nodes.len(), 5);
+        let items: Vec<_> = graph.root().as_seq().unwrap().collect();
+        assert_eq!(items.len(), 7);
+        assert_eq!(items[1].as_int(), Some((1 << 31) - 2));
+        assert_eq!(items[1].kind(), crate::pickle::Kind::Int);
+        // The expanded size still counts each of them.
+        let tight = Limits {
+            max_nodes: 7,
+            ..Limits::default()
+        };
+        assert!(matches!(
+            parse(p, &NOTHING, tight),
+            Err(PickleError::LimitExceeded { .. })
+        ));
+        let enough = Limits {
+            max_nodes: 8,
+            ..Limits::default()
+        };
+        assert!(parse(p, &NOTHING, enough).is_ok());
     }
 
     #[test]
