@@ -10,8 +10,6 @@
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
 //! `storage_meta` (save and load ids, the original directory), which torch never reads back.
 
-use std::collections::HashMap;
-
 use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -98,10 +96,10 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
         Some(v) => {
             let items =
                 dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
-            let pairs = items
-                .into_iter()
-                .map(|(k, v)| Ok((metadata_index(k)?, storage_info(k, v)?)))
-                .collect::<Result<Vec<_>>>()?;
+            let mut pairs = Vec::with_capacity(items.len());
+            for (k, v) in items {
+                pairs.push((metadata_index(k)?, storage_info(k, v)?));
+            }
             dedup_storage(pairs)
         }
     };
@@ -619,20 +617,43 @@ fn planner_entry(key: View<'_>, value: View<'_>) -> Result<(String, Vec<KeyPart>
 
 /// Python's dict keeps one entry per `MetadataIndex` (equal when `fqn` and `offset` are): the first
 /// key with the last value.
-fn dedup_storage(pairs: Vec<(MetadataIndex, StorageInfo)>) -> Vec<(MetadataIndex, StorageInfo)> {
-    let mut out: Vec<(MetadataIndex, StorageInfo)> = Vec::with_capacity(pairs.len());
-    let mut seen: HashMap<(String, Option<Vec<u64>>), usize> = HashMap::new();
-    for (index, info) in pairs {
-        let key = (index.fqn.clone(), index.offset.clone());
-        match seen.get(&key).and_then(|&i| out.get_mut(i)) {
-            Some(slot) => slot.1 = info,
-            None => {
-                seen.insert(key, out.len());
-                out.push((index, info));
+///
+/// Done in place through a sorted list of positions, so a million entries cost 8 MB of positions
+/// for a moment rather than a map holding a copy of every key.
+fn dedup_storage(
+    mut pairs: Vec<(MetadataIndex, StorageInfo)>,
+) -> Vec<(MetadataIndex, StorageInfo)> {
+    let key = |i: usize| {
+        pairs
+            .get(i)
+            .map(|(k, _)| (k.fqn.as_str(), k.offset.as_deref()))
+    };
+    let mut order: Vec<usize> = (0..pairs.len()).collect();
+    // Equal keys end up together, in pickled order.
+    order.sort_unstable_by(|&a, &b| key(a).cmp(&key(b)).then(a.cmp(&b)));
+    // (first position, last position) of every key pickled more than once.
+    let mut repeated: Vec<(usize, usize)> = Vec::new();
+    let mut dropped = vec![false; pairs.len()];
+    for group in order.chunk_by(|&a, &b| key(a) == key(b)) {
+        if let ([first, .., last], rest) = (group, group.get(1..).unwrap_or_default()) {
+            repeated.push((*first, *last));
+            for &i in rest {
+                if let Some(d) = dropped.get_mut(i) {
+                    *d = true;
+                }
             }
         }
     }
-    out
+    drop(order);
+    for (first, last) in repeated {
+        let info = pairs.get(last).map(|(_, info)| info.clone());
+        if let (Some(info), Some(slot)) = (info, pairs.get_mut(first)) {
+            slot.1 = info;
+        }
+    }
+    let mut dropped = dropped.into_iter();
+    pairs.retain(|_| !dropped.next().unwrap_or(false));
+    pairs
 }
 
 /// Items of a dict or an `OrderedDict`.
@@ -1220,6 +1241,36 @@ mod tests {
         assert_eq!(parsed.storage.len(), 2);
         assert_eq!(parsed.storage[0].0.index, None);
         assert_eq!(parsed.storage[0].1.offset, 99);
+    }
+
+    #[test]
+    fn dedup_storage_keeps_first_positions_and_last_values() {
+        let pair = |fqn: &str, offset: Option<Vec<u64>>, at: u64| {
+            let index = MetadataIndex {
+                fqn: fqn.into(),
+                offset,
+                index: None,
+            };
+            (index, info("__0_0.distcp", at, 1, &[]))
+        };
+        let pairs = vec![
+            pair("a", Some(vec![0]), 1),
+            pair("b", None, 2),
+            pair("a", Some(vec![1]), 3),
+            pair("a", Some(vec![0]), 4),
+            pair("b", None, 5),
+            pair("a", Some(vec![0]), 6),
+        ];
+        let got: Vec<(String, Option<Vec<u64>>, u64)> = dedup_storage(pairs)
+            .into_iter()
+            .map(|(i, s)| (i.fqn, i.offset, s.offset))
+            .collect();
+        let want = vec![
+            ("a".to_string(), Some(vec![0]), 6),
+            ("b".to_string(), None, 5),
+            ("a".to_string(), Some(vec![1]), 3),
+        ];
+        assert_eq!(got, want);
     }
 
     /// Writes `write(parse(real))` over copies of the fixture directories named in
