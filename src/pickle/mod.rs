@@ -1,15 +1,19 @@
 //! A data-only pickle reader and writer.
 //!
 //! Checkpoints carry Python pickles (`.metadata`, `data.pkl`). Unpickling them with Python would run
-//! whatever the file asks for, so ckpt never does: the reader turns opcodes into a [`Value`] tree in
+//! whatever the file asks for, so ckpt never does: the reader turns opcodes into an object graph in
 //! which a global is only a name and a call (`REDUCE`, `NEWOBJ`, `BUILD`) is only a record of what
 //! would have been called. A global is accepted only when the caller's [`Globals`] policy names it;
-//! any other is an error naming it. Format modules then read meaning out of the tree.
+//! any other is an error naming it. Format modules then read meaning out of it: [`parse`] gives a
+//! compact [`Graph`] read in place through a [`View`] (what DCP's `.metadata`, which can hold
+//! millions of objects, uses), and [`read`] an owned [`Value`] tree (for small pickles and tests).
 
+mod graph;
 mod read;
 mod write;
 
-pub use read::{read, Limits};
+pub use graph::{Graph, Items, Kind, View};
+pub use read::{parse, read, Limits};
 pub use write::{write, Protocol};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.

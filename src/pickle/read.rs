@@ -1,17 +1,17 @@
-//! Pickle reader: opcodes to a [`Value`] tree, executing nothing.
+//! Pickle reader: opcodes to a compact object [`Graph`], executing nothing.
 //!
-//! The reader is a small pickle machine that builds nodes in an arena instead of Python objects.
-//! The stack and the memo hold node ids, and every mutating opcode (`APPEND`, `SETITEMS`, `BUILD`,
-//! ...) changes the node in place. That gives Python's reference semantics: pickles memoize a dict
-//! or list while it is still empty and fill it afterwards, and a later `BINGET` must see the filled
-//! container. At `STOP` the root node is turned into an owned [`Value`] tree; a node reached twice
-//! is copied each time, so copies count against [`Limits::max_nodes`] (measured on the shared
-//! graph before anything is copied), and a container that contains itself (a cycle) is rejected.
+//! The reader is a small pickle machine that builds graph nodes instead of Python objects. The
+//! stack and the memo hold node ids, and every mutating opcode (`APPEND`, `SETITEMS`, `BUILD`, ...)
+//! changes the node in place. That gives Python's reference semantics: pickles memoize a dict or
+//! list while it is still empty and fill it afterwards, and a later `BINGET` must see the filled
+//! container. At `STOP` the graph under the root is validated (see [`Graph`]): copies made by
+//! shared references count against [`Limits::max_nodes`], and a container that contains itself
+//! (a cycle) is rejected.
 //!
 //! Choices where Python's pickle leaves room:
-//! - `BINSTRING` / `SHORT_BINSTRING` (Python 2 `str`) become [`Value::Str`], decoded as UTF-8, which
-//!   is what `torch.load` does with its default `encoding="utf-8"`; other bytes are an error there too.
-//! - `BYTEARRAY8` becomes [`Value::Bytes`]: the tree does not distinguish mutable bytes.
+//! - `BINSTRING` / `SHORT_BINSTRING` (Python 2 `str`) become strings, decoded as UTF-8, which is
+//!   what `torch.load` does with its default `encoding="utf-8"`; other bytes are an error there too.
+//! - `BYTEARRAY8` becomes bytes: the graph does not distinguish mutable bytes.
 //! - `GLOBAL` in a protocol 0-2 pickle maps the Python 2 modules `__builtin__` and `copy_reg` to their
 //!   Python 3 names before the policy is asked, as Python's `fix_imports` does.
 //! - A dict (or set) that receives the same simple key (str, bytes, int, bool, None) twice keeps
@@ -19,12 +19,15 @@
 //! - Bytes after `STOP` are ignored, as `pickle.loads` ignores them; nothing torch writes has any,
 //!   but a reader that refuses them gains nothing.
 //! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it.
+//! - Pickles of 4 GiB or more are refused: graph nodes address the input with 32-bit offsets.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 
-use super::{Global, Globals, Object, PickleError, Value};
+use super::graph::{
+    small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span, MAX_NODES,
+    NONE,
+};
+use super::{Global, Globals, PickleError, Value};
 
 /// Safety bounds on what one pickle may build.
 #[derive(Clone, Copy, Debug)]
@@ -33,10 +36,12 @@ pub struct Limits {
     pub max_stack: usize,
     /// Most memo entries.
     pub max_memo: usize,
-    /// Most nodes in total, counting those copied by memo gets. A string or bytes value also costs
-    /// one node per 64 bytes, so many references to one large string are bounded too.
+    /// Most nodes: both those the pickle makes and the total it expands to, counting those copied
+    /// by memo gets. A string or bytes value also costs one node per 64 bytes, so many references
+    /// to one large string are bounded too. (Small non-negative ints and the empty tuple take no
+    /// node of their own, so they count only in the expanded total.)
     pub max_nodes: usize,
-    /// Deepest nesting of containers. This also bounds the reader's recursion when it builds the tree.
+    /// Deepest nesting of containers. This also bounds the recursion of any walk of the graph.
     pub max_depth: usize,
 }
 
@@ -51,23 +56,38 @@ impl Default for Limits {
     }
 }
 
-/// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into a value tree.
+/// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into an owned value tree.
 pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value, PickleError> {
+    Ok(parse(bytes, globals, limits)?.root().to_value())
+}
+
+/// Read one pickle into a validated graph that borrows `bytes`; read it through [`Graph::root`].
+pub fn parse<'a>(
+    bytes: &'a [u8],
+    globals: &dyn Globals,
+    limits: Limits,
+) -> Result<Graph<'a>, PickleError> {
+    if u32::try_from(bytes.len()).is_err() {
+        return Err(limit(0, "pickles of 4 GiB or more are not read"));
+    }
     let mut machine = Machine {
         input: Input { bytes, pos: 0 },
         globals,
         limits,
-        nodes: Vec::new(),
-        origins: Vec::new(),
+        graph: Graph::new(bytes),
+        global_ids: HashMap::new(),
         stack: Vec::new(),
         marks: Vec::new(),
-        memo: HashMap::new(),
+        memo: Memo::default(),
+        empty_tuple: None,
         proto: 0,
     };
     let root = machine.run()?;
-    // Only the arena is needed from here; the stack and memo are freed before the tree is built.
-    let Machine { nodes, origins, .. } = machine;
-    Tree::new(nodes, origins, limits).build(root)
+    // Only the graph is kept; the stack and memo are freed before it is measured.
+    let mut graph = machine.graph;
+    graph.root = root;
+    graph.validate(limits)?;
+    Ok(graph)
 }
 
 // Opcodes, named as in CPython's `pickle.py`.
@@ -80,7 +100,7 @@ const INT: u8 = b'I';
 const BININT: u8 = b'J';
 const BININT1: u8 = b'K';
 const BININT2: u8 = b'M';
-const NONE: u8 = b'N';
+const NONE_OP: u8 = b'N';
 const BINPERSID: u8 = b'Q';
 const REDUCE: u8 = b'R';
 const BINSTRING: u8 = b'T';
@@ -130,46 +150,6 @@ const BYTEARRAY8: u8 = 0x96;
 
 /// The highest protocol Python knows; a higher `PROTO` is not a pickle we understand.
 const HIGHEST_PROTOCOL: u8 = 5;
-
-type Id = usize;
-
-/// A node under construction. Immutable scalars are finished values; containers refer to other
-/// nodes by id so that shared references stay shared until the tree is built.
-enum Node {
-    Leaf(Value),
-    Tuple(Vec<Id>),
-    List(Vec<Id>),
-    Dict(Vec<(Id, Id)>),
-    Set(Vec<Id>),
-    /// Boxed, as [`Value::Object`] is, so that every other node stays small.
-    Object(Box<ObjectNode>),
-    PersistentId(Id),
-}
-
-/// The fields of a [`super::Object`] under construction, as node ids.
-struct ObjectNode {
-    callable: Id,
-    args: Vec<Id>,
-    new_obj: bool,
-    dict_items: Vec<(Id, Id)>,
-    list_items: Vec<Id>,
-    state: Option<Id>,
-}
-
-impl Node {
-    fn kind(&self) -> &'static str {
-        match self {
-            Node::Leaf(Value::Global(_)) => "global",
-            Node::Leaf(_) => "scalar",
-            Node::Tuple(_) => "tuple",
-            Node::List(_) => "list",
-            Node::Dict(_) => "dict",
-            Node::Set(_) => "set",
-            Node::Object(_) => "object",
-            Node::PersistentId(_) => "persistent id",
-        }
-    }
-}
 
 /// The bytes being read and the read position.
 struct Input<'a> {
@@ -240,38 +220,81 @@ impl<'a> Input<'a> {
     }
 }
 
-struct Machine<'a> {
+struct Machine<'a, 'p> {
     input: Input<'a>,
-    globals: &'a dyn Globals,
+    globals: &'p dyn Globals,
     limits: Limits,
-    nodes: Vec<Node>,
-    /// Byte offset of the opcode that created each node, for errors found when building the tree.
-    origins: Vec<usize>,
+    graph: Graph<'a>,
+    /// Index in `graph.globals` of each global already made, so each is stored once.
+    global_ids: HashMap<(String, String), u32>,
     stack: Vec<Id>,
     /// Stack lengths at each open `MARK`.
     marks: Vec<usize>,
-    memo: HashMap<u64, Id>,
+    memo: Memo,
+    /// The one node every `EMPTY_TUPLE` pushes: tuples never change, and an empty one is as
+    /// common as `NEWOBJ` (its arguments), so each need not cost a node.
+    empty_tuple: Option<Id>,
     proto: u8,
 }
 
-fn malformed(offset: usize, reason: impl Into<String>) -> PickleError {
+/// The memo. Python numbers its entries 0, 1, 2, ... (`MEMOIZE`, and `BINPUT` counting up), so
+/// those live in a vector; any other index a pickle picks goes to a map.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Id>,
+    sparse: HashMap<u64, Id>,
+}
+
+impl Memo {
+    fn len(&self) -> usize {
+        self.dense.len() + self.sparse.len()
+    }
+
+    fn contains(&self, index: u64) -> bool {
+        index < self.dense.len() as u64 || self.sparse.contains_key(&index)
+    }
+
+    fn put(&mut self, index: u64, id: Id) {
+        let len = self.dense.len() as u64;
+        if let Some(slot) = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.dense.get_mut(i))
+        {
+            *slot = id;
+        } else if index == len {
+            // An entry put out of order at this index earlier is superseded, not counted twice.
+            self.sparse.remove(&index);
+            self.dense.push(id);
+        } else {
+            self.sparse.insert(index, id);
+        }
+    }
+
+    fn get(&self, index: u64) -> Option<Id> {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.dense.get(i))
+            .or_else(|| self.sparse.get(&index))
+            .copied()
+    }
+}
+
+pub(super) fn malformed(offset: usize, reason: impl Into<String>) -> PickleError {
     PickleError::Malformed {
         offset,
         reason: reason.into(),
     }
 }
 
-fn limit(offset: usize, reason: impl Into<String>) -> PickleError {
+pub(super) fn limit(offset: usize, reason: impl Into<String>) -> PickleError {
     PickleError::LimitExceeded {
         offset,
         reason: reason.into(),
     }
 }
 
-fn utf8(offset: usize, bytes: &[u8]) -> Result<String, PickleError> {
-    std::str::from_utf8(bytes)
-        .map(str::to_string)
-        .map_err(|_| malformed(offset, "string is not valid UTF-8"))
+fn utf8(offset: usize, bytes: &[u8]) -> Result<&str, PickleError> {
+    std::str::from_utf8(bytes).map_err(|_| malformed(offset, "string is not valid UTF-8"))
 }
 
 /// A decimal integer as protocol 0 writes it (`I`, `g`, `p` arguments).
@@ -304,7 +327,7 @@ fn long(offset: usize, bytes: &[u8]) -> Result<i64, PickleError> {
     Ok(value)
 }
 
-impl Machine<'_> {
+impl<'a> Machine<'a, '_> {
     fn run(&mut self) -> Result<Id, PickleError> {
         loop {
             let at = self.input.pos;
@@ -335,155 +358,143 @@ impl Machine<'_> {
                     }
                 }
                 POP_MARK => {
-                    self.pop_mark(at)?;
+                    let mark = self.pop_mark(at)?;
+                    self.stack.truncate(mark);
                 }
                 DUP => {
                     let top = self.top(at)?;
                     self.push(at, top)?;
                 }
-                NONE => self.leaf(at, Value::None)?,
-                NEWTRUE => self.leaf(at, Value::Bool(true))?,
-                NEWFALSE => self.leaf(at, Value::Bool(false))?,
+                NONE_OP => self.node(at, Node::None)?,
+                NEWTRUE => self.node(at, Node::Bool(true))?,
+                NEWFALSE => self.node(at, Node::Bool(false))?,
                 INT => {
                     let line = self.input.line()?;
                     // Protocol 0 spells booleans as `I01` / `I00`.
-                    let value = match line {
-                        b"01" => Value::Bool(true),
-                        b"00" => Value::Bool(false),
-                        _ => Value::Int(decimal(at, line)?),
-                    };
-                    self.leaf(at, value)?;
+                    match line {
+                        b"01" => self.node(at, Node::Bool(true))?,
+                        b"00" => self.node(at, Node::Bool(false))?,
+                        _ => self.int(at, decimal(at, line)?)?,
+                    }
                 }
                 BININT => {
                     let v = self.input.i32()?;
-                    self.leaf(at, Value::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 BININT1 => {
                     let v = self.input.u8()?;
-                    self.leaf(at, Value::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 BININT2 => {
                     let v = self.input.u16()?;
-                    self.leaf(at, Value::Int(v.into()))?;
+                    self.int(at, v.into())?;
                 }
                 LONG1 => {
                     let n = self.input.u8()?;
                     let v = long(at, self.input.take(n.into())?)?;
-                    self.leaf(at, Value::Int(v))?;
+                    self.int(at, v)?;
                 }
                 LONG4 => {
                     let n = self.input.i32()?;
                     let n = usize::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `LONG4`"))?;
                     let v = long(at, self.input.take(n)?)?;
-                    self.leaf(at, Value::Int(v))?;
+                    self.int(at, v)?;
                 }
                 BINFLOAT => {
                     let v = f64::from_be_bytes(self.input.array()?);
-                    self.leaf(at, Value::Float(v))?;
+                    self.node(at, Node::Float(v.to_le_bytes()))?;
                 }
                 BINUNICODE => {
                     let n = self.input.u32()?;
-                    let s = utf8(at, self.input.take_u64(n.into())?)?;
-                    self.leaf(at, Value::Str(s))?;
+                    self.text(at, n.into())?;
                 }
-                SHORT_BINUNICODE => {
+                SHORT_BINUNICODE | SHORT_BINSTRING => {
                     let n = self.input.u8()?;
-                    let s = utf8(at, self.input.take(n.into())?)?;
-                    self.leaf(at, Value::Str(s))?;
+                    self.text(at, n.into())?;
                 }
                 BINUNICODE8 => {
                     let n = self.input.u64()?;
-                    let s = utf8(at, self.input.take_u64(n)?)?;
-                    self.leaf(at, Value::Str(s))?;
+                    self.text(at, n)?;
                 }
                 BINSTRING => {
                     let n = self.input.i32()?;
-                    let n = usize::try_from(n)
+                    let n = u64::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `BINSTRING`"))?;
-                    let s = utf8(at, self.input.take(n)?)?;
-                    self.leaf(at, Value::Str(s))?;
-                }
-                SHORT_BINSTRING => {
-                    let n = self.input.u8()?;
-                    let s = utf8(at, self.input.take(n.into())?)?;
-                    self.leaf(at, Value::Str(s))?;
+                    self.text(at, n)?;
                 }
                 BINBYTES => {
                     let n = self.input.u32()?;
-                    let b = self.input.take_u64(n.into())?.to_vec();
-                    self.leaf(at, Value::Bytes(b))?;
+                    let (span, _) = self.span(n.into())?;
+                    self.node(at, Node::Bytes(span))?;
                 }
                 SHORT_BINBYTES => {
                     let n = self.input.u8()?;
-                    let b = self.input.take(n.into())?.to_vec();
-                    self.leaf(at, Value::Bytes(b))?;
+                    let (span, _) = self.span(n.into())?;
+                    self.node(at, Node::Bytes(span))?;
                 }
                 BINBYTES8 | BYTEARRAY8 => {
                     let n = self.input.u64()?;
-                    let b = self.input.take_u64(n)?.to_vec();
-                    self.leaf(at, Value::Bytes(b))?;
+                    let (span, _) = self.span(n)?;
+                    self.node(at, Node::Bytes(span))?;
                 }
-                EMPTY_TUPLE => self.node(at, Node::Tuple(Vec::new()))?,
+                EMPTY_TUPLE => match self.empty_tuple {
+                    Some(id) => self.push(at, id)?,
+                    None => {
+                        self.node(at, Node::Tuple(Span::EMPTY, origin(at)))?;
+                        self.empty_tuple = self.stack.last().copied();
+                    }
+                },
                 TUPLE => {
-                    let items = self.pop_mark(at)?;
-                    self.node(at, Node::Tuple(items))?;
+                    let mark = self.pop_mark(at)?;
+                    let items = self.pool_from(at, mark)?;
+                    self.node(at, Node::Tuple(items, origin(at)))?;
                 }
                 TUPLE1 | TUPLE2 | TUPLE3 => {
                     let n = usize::from(op - TUPLE1) + 1;
-                    let start = self
-                        .stack
-                        .len()
-                        .checked_sub(n)
-                        .filter(|&s| s >= self.base())
-                        .ok_or_else(|| malformed(at, "stack underflow"))?;
-                    let items = self.stack.split_off(start);
-                    self.node(at, Node::Tuple(items))?;
+                    let start = self.last(at, n)?;
+                    let items = self.pool_from(at, start)?;
+                    self.node(at, Node::Tuple(items, origin(at)))?;
                 }
-                EMPTY_LIST => self.node(at, Node::List(Vec::new()))?,
+                EMPTY_LIST => self.node(at, Node::List(Chain::EMPTY, origin(at)))?,
                 LIST => {
-                    let items = self.pop_mark(at)?;
-                    self.node(at, Node::List(items))?;
+                    let mark = self.pop_mark(at)?;
+                    let chain = self.new_chain(at, mark)?;
+                    self.node(at, Node::List(chain, origin(at)))?;
                 }
                 APPEND => {
-                    let item = self.pop(at)?;
-                    self.append(at, vec![item])?;
+                    let start = self.last(at, 1)?;
+                    self.extend(at, start, "APPEND")?;
                 }
                 APPENDS => {
-                    let items = self.pop_mark(at)?;
-                    self.append(at, items)?;
+                    let mark = self.pop_mark(at)?;
+                    self.extend(at, mark, "APPEND")?;
                 }
-                EMPTY_DICT => self.node(at, Node::Dict(Vec::new()))?,
+                EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY, origin(at)))?,
                 DICT => {
-                    let items = self.pop_mark(at)?;
-                    let pairs = pairs(at, items)?;
-                    self.node(at, Node::Dict(pairs))?;
+                    let mark = self.pop_mark(at)?;
+                    self.check_pairs(at, mark)?;
+                    let chain = self.new_chain(at, mark)?;
+                    self.node(at, Node::Dict(chain, origin(at)))?;
                 }
                 SETITEM => {
-                    let value = self.pop(at)?;
-                    let key = self.pop(at)?;
-                    self.set_items(at, vec![(key, value)])?;
+                    let start = self.last(at, 2)?;
+                    self.extend(at, start, "SETITEM")?;
                 }
                 SETITEMS => {
-                    let items = self.pop_mark(at)?;
-                    let pairs = pairs(at, items)?;
-                    self.set_items(at, pairs)?;
+                    let mark = self.pop_mark(at)?;
+                    self.check_pairs(at, mark)?;
+                    self.extend(at, mark, "SETITEM")?;
                 }
-                EMPTY_SET => self.node(at, Node::Set(Vec::new()))?,
+                EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
                 ADDITEMS => {
-                    let items = self.pop_mark(at)?;
-                    let target = self.top(at)?;
-                    match self.nodes.get_mut(target) {
-                        Some(Node::Set(set)) => set.extend(items),
-                        other => {
-                            let kind = other.map_or("nothing", |n| n.kind());
-                            return Err(malformed(at, format!("`ADDITEMS` to a {kind}")));
-                        }
-                    }
+                    let mark = self.pop_mark(at)?;
+                    self.extend(at, mark, "ADDITEMS")?;
                 }
                 FROZENSET => {
-                    let items = self.pop_mark(at)?;
-                    self.node(at, Node::Set(items))?;
+                    let mark = self.pop_mark(at)?;
+                    let chain = self.new_chain(at, mark)?;
+                    self.node(at, Node::Set(chain, origin(at)))?;
                 }
                 GLOBAL => {
                     let module = utf8(at, self.input.line()?)?;
@@ -519,10 +530,10 @@ impl Machine<'_> {
                     let args = self.pop(at)?;
                     let cls = self.pop(at)?;
                     let args = self.tuple(at, args, "NEWOBJ_EX")?;
-                    // The tree has nowhere to keep keyword arguments; Python only writes
+                    // The graph has nowhere to keep keyword arguments; Python only writes
                     // `NEWOBJ_EX` with empty ones for classes whose `__getnewargs_ex__` has none.
-                    match self.nodes.get(kwargs) {
-                        Some(Node::Dict(items)) if items.is_empty() => {}
+                    match self.graph.node(kwargs) {
+                        Node::Dict(items, _) if items.head == NONE => {}
                         _ => {
                             return Err(PickleError::UnsupportedOpcode {
                                 opcode: op,
@@ -535,17 +546,17 @@ impl Machine<'_> {
                 BUILD => {
                     let state = self.pop(at)?;
                     let target = self.top(at)?;
-                    match self.nodes.get_mut(target) {
-                        Some(Node::Object(object)) => object.state = Some(state),
-                        other => {
-                            let kind = other.map_or("nothing", |n| n.kind());
+                    match self.object_mut(target) {
+                        Some(object) => object.state = state,
+                        None => {
+                            let kind = self.kind(target);
                             return Err(malformed(at, format!("`BUILD` on a {kind}")));
                         }
                     }
                 }
                 BINPERSID => {
                     let pid = self.pop(at)?;
-                    self.node(at, Node::PersistentId(pid))?;
+                    self.node(at, Node::PersistentId(pid, origin(at)))?;
                 }
                 PUT => {
                     let index = decimal(at, self.input.line()?)?;
@@ -624,60 +635,249 @@ impl Machine<'_> {
             .ok_or_else(|| malformed(at, "stack underflow"))
     }
 
-    fn pop_mark(&mut self, at: usize) -> Result<Vec<Id>, PickleError> {
+    /// Where the top `n` values start on the stack; they must be above the innermost mark.
+    fn last(&self, at: usize, n: usize) -> Result<usize, PickleError> {
+        self.stack
+            .len()
+            .checked_sub(n)
+            .filter(|&s| s >= self.base())
+            .ok_or_else(|| malformed(at, "stack underflow"))
+    }
+
+    /// Close the innermost mark; the items above it are `stack[mark..]`, which the caller takes.
+    fn pop_mark(&mut self, at: usize) -> Result<usize, PickleError> {
         let mark = self
             .marks
             .pop()
             .ok_or_else(|| malformed(at, "no open `MARK`"))?;
-        Ok(self.stack.split_off(mark.min(self.stack.len())))
+        Ok(mark.min(self.stack.len()))
     }
 
-    /// Add a node to the arena and push it.
+    /// Move `stack[start..]` to the end of the pool, as one span.
+    fn pool_from(&mut self, at: usize, start: usize) -> Result<Span, PickleError> {
+        let items = self.stack.get(start..).unwrap_or_default();
+        let span = Span {
+            start: self.pool_len(at)?,
+            len: u32::try_from(items.len()).map_err(|_| limit(at, "too many items"))?,
+        };
+        self.graph.pool.extend_from_slice(items);
+        self.stack.truncate(start);
+        self.pool_len(at)?;
+        Ok(span)
+    }
+
+    fn pool_len(&self, at: usize) -> Result<u32, PickleError> {
+        u32::try_from(self.graph.pool.len()).map_err(|_| limit(at, "too many container items"))
+    }
+
+    /// A chain holding `stack[start..]` as its one batch (or nothing).
+    fn new_chain(&mut self, at: usize, start: usize) -> Result<Chain, PickleError> {
+        let mut chain = Chain::EMPTY;
+        self.add_batch(at, &mut chain, start)?;
+        Ok(chain)
+    }
+
+    /// Append `stack[start..]` to a chain. A batch that directly follows the chain's last one in
+    /// the pool (consecutive `APPEND`s of scalars) grows it instead of adding another.
+    fn add_batch(&mut self, at: usize, chain: &mut Chain, start: usize) -> Result<(), PickleError> {
+        if self.stack.len() <= start {
+            self.stack.truncate(start);
+            return Ok(());
+        }
+        let items = self.pool_from(at, start)?;
+        let tail = self.graph.batches.get_mut(chain.tail as usize);
+        if let Some(tail) =
+            tail.filter(|t| t.items.start.checked_add(t.items.len) == Some(items.start))
+        {
+            tail.items.len = tail.items.len.saturating_add(items.len);
+            return Ok(());
+        }
+        let index = u32::try_from(self.graph.batches.len())
+            .ok()
+            .filter(|&i| i != NONE)
+            .ok_or_else(|| limit(at, "too many container batches"))?;
+        self.graph.batches.push(Batch { items, next: NONE });
+        match self.graph.batches.get_mut(chain.tail as usize) {
+            Some(tail) => tail.next = index,
+            None => chain.head = index,
+        }
+        chain.tail = index;
+        Ok(())
+    }
+
+    /// `APPEND(S)`, `SETITEM(S)`, `ADDITEMS`: move `stack[start..]` into the container below them.
+    fn extend(&mut self, at: usize, start: usize, opcode: &str) -> Result<(), PickleError> {
+        let target = start
+            .checked_sub(1)
+            .filter(|&t| t >= self.base())
+            .and_then(|t| self.stack.get(t).copied())
+            .ok_or_else(|| malformed(at, "stack underflow"))?;
+        let mut chain = match (opcode, self.graph.node(target)) {
+            ("APPEND", Node::List(c, _)) | ("SETITEM", Node::Dict(c, _)) => c,
+            ("ADDITEMS", Node::Set(c, _)) => c,
+            ("APPEND" | "SETITEM", Node::Object(..)) => {
+                let mut items = match self.object_mut(target) {
+                    Some(o) => o.items,
+                    None => NONE,
+                };
+                if items == NONE {
+                    items = u32::try_from(self.graph.object_items.len())
+                        .map_err(|_| limit(at, "too many objects"))?;
+                    self.graph.object_items.push(ObjectItems {
+                        dict: Chain::EMPTY,
+                        list: Chain::EMPTY,
+                    });
+                    if let Some(o) = self.object_mut(target) {
+                        o.items = items;
+                    }
+                }
+                let Some(mut both) = self.graph.object_items.get(items as usize).copied() else {
+                    return Err(malformed(at, "dangling node"));
+                };
+                let chain = if opcode == "APPEND" {
+                    &mut both.list
+                } else {
+                    &mut both.dict
+                };
+                self.add_batch(at, chain, start)?;
+                if let Some(slot) = self.graph.object_items.get_mut(items as usize) {
+                    *slot = both;
+                }
+                return Ok(());
+            }
+            _ => {
+                let kind = self.kind(target);
+                let verb = if opcode == "SETITEM" { "on" } else { "to" };
+                return Err(malformed(at, format!("`{opcode}` {verb} a {kind}")));
+            }
+        };
+        self.add_batch(at, &mut chain, start)?;
+        if let Some(Node::List(c, _) | Node::Dict(c, _) | Node::Set(c, _)) =
+            self.graph.nodes.get_mut(target as usize)
+        {
+            *c = chain;
+        }
+        Ok(())
+    }
+
+    fn check_pairs(&self, at: usize, start: usize) -> Result<(), PickleError> {
+        if self.stack.len().saturating_sub(start) % 2 != 0 {
+            return Err(malformed(at, "odd number of items for a dict"));
+        }
+        Ok(())
+    }
+
+    fn kind(&self, id: Id) -> &'static str {
+        match self.graph.node(id) {
+            Node::Global(_) => "global",
+            Node::Tuple(..) => "tuple",
+            Node::List(..) => "list",
+            Node::Dict(..) => "dict",
+            Node::Set(..) => "set",
+            Node::Object(..) => "object",
+            Node::PersistentId(..) => "persistent id",
+            _ => "scalar",
+        }
+    }
+
+    fn object_mut(&mut self, id: Id) -> Option<&mut ObjectNode> {
+        match self.graph.node(id) {
+            Node::Object(i, _) => self.graph.objects.get_mut(i as usize),
+            _ => None,
+        }
+    }
+
+    /// Add a node to the graph and push it.
     fn node(&mut self, at: usize, node: Node) -> Result<(), PickleError> {
-        if self.nodes.len() >= self.limits.max_nodes {
+        let id = self.graph.nodes.len();
+        if id >= self.limits.max_nodes {
             return Err(limit(
                 at,
                 format!("more than {} nodes", self.limits.max_nodes),
             ));
         }
-        let id = self.nodes.len();
-        self.nodes.push(node);
-        self.origins.push(at);
-        self.push(at, id)
-    }
-
-    fn leaf(&mut self, at: usize, value: Value) -> Result<(), PickleError> {
-        self.node(at, Node::Leaf(value))
-    }
-
-    fn global(&mut self, at: usize, module: String, name: String) -> Result<(), PickleError> {
-        if !self.globals.allows(&module, &name) {
-            return Err(PickleError::ForbiddenGlobal { module, name });
+        if id >= MAX_NODES {
+            return Err(limit(at, "more nodes than ids"));
         }
-        self.leaf(at, Value::Global(Box::new(Global { module, name })))
+        self.graph.nodes.push(node);
+        // Below `MAX_NODES`, which is below `u32::MAX`.
+        self.push(at, id as Id)
+    }
+
+    /// Push an int: a small one as its own id, others as a node.
+    fn int(&mut self, at: usize, value: i64) -> Result<(), PickleError> {
+        match small_int(value) {
+            Some(id) => self.push(at, id),
+            None => self.node(at, Node::Int(value.to_le_bytes())),
+        }
+    }
+
+    /// The next `n` input bytes, and where they are.
+    fn span(&mut self, n: u64) -> Result<(Span, &'a [u8]), PickleError> {
+        let start = self.input.pos;
+        let bytes = self.input.take_u64(n)?;
+        // Both fit: the input is shorter than 4 GiB.
+        let span = Span {
+            start: start as u32,
+            len: bytes.len() as u32,
+        };
+        Ok((span, bytes))
+    }
+
+    /// A string of the next `n` input bytes, which must be UTF-8.
+    fn text(&mut self, at: usize, n: u64) -> Result<(), PickleError> {
+        let (span, bytes) = self.span(n)?;
+        utf8(at, bytes)?;
+        self.node(at, Node::Str(span))
+    }
+
+    fn global(&mut self, at: usize, module: &str, name: &str) -> Result<(), PickleError> {
+        if !self.globals.allows(module, name) {
+            return Err(PickleError::ForbiddenGlobal {
+                module: module.to_string(),
+                name: name.to_string(),
+            });
+        }
+        let key = (module.to_string(), name.to_string());
+        let index = match self.global_ids.get(&key) {
+            Some(&i) => i,
+            None => {
+                let i = u32::try_from(self.graph.globals.len())
+                    .map_err(|_| limit(at, "too many globals"))?;
+                self.graph.globals.push(Global {
+                    module: key.0.clone(),
+                    name: key.1.clone(),
+                });
+                self.global_ids.insert(key, i);
+                i
+            }
+        };
+        self.node(at, Node::Global(index))
     }
 
     fn object(
         &mut self,
         at: usize,
         callable: Id,
-        args: Vec<Id>,
+        args: Id,
         new_obj: bool,
     ) -> Result<(), PickleError> {
-        let node = Node::Object(Box::new(ObjectNode {
+        let index =
+            u32::try_from(self.graph.objects.len()).map_err(|_| limit(at, "too many objects"))?;
+        self.graph.objects.push(ObjectNode {
             callable,
             args,
+            state: NONE,
+            items: NONE,
             new_obj,
-            dict_items: Vec::new(),
-            list_items: Vec::new(),
-            state: None,
-        }));
-        self.node(at, node)
+        });
+        self.node(at, Node::Object(index, origin(at)))
     }
 
-    fn string(&self, at: usize, id: Id, what: &str) -> Result<String, PickleError> {
-        match self.nodes.get(id) {
-            Some(Node::Leaf(Value::Str(s))) => Ok(s.clone()),
+    /// The text of a string node (a `STACK_GLOBAL` operand).
+    fn string(&self, at: usize, id: Id, what: &str) -> Result<&'a str, PickleError> {
+        match self.graph.node(id) {
+            Node::Str(span) => utf8(at, self.input.bytes.get(span.range()).unwrap_or_default()),
             _ => Err(malformed(
                 at,
                 format!("`STACK_GLOBAL` {what} is not a string"),
@@ -685,11 +885,12 @@ impl Machine<'_> {
         }
     }
 
-    fn tuple(&self, at: usize, id: Id, opcode: &str) -> Result<Vec<Id>, PickleError> {
-        match self.nodes.get(id) {
-            Some(Node::Tuple(items)) => Ok(items.clone()),
-            other => {
-                let kind = other.map_or("nothing", |n| n.kind());
+    /// Check that a call's arguments are a tuple, and return it.
+    fn tuple(&self, at: usize, id: Id, opcode: &str) -> Result<Id, PickleError> {
+        match self.graph.node(id) {
+            Node::Tuple(..) => Ok(id),
+            _ => {
+                let kind = self.kind(id);
                 Err(malformed(
                     at,
                     format!("`{opcode}` arguments are a {kind}, not a tuple"),
@@ -698,343 +899,45 @@ impl Machine<'_> {
         }
     }
 
-    fn append(&mut self, at: usize, items: Vec<Id>) -> Result<(), PickleError> {
-        let target = self.top(at)?;
-        let list = match self.nodes.get_mut(target) {
-            Some(Node::List(list)) => list,
-            Some(Node::Object(object)) => &mut object.list_items,
-            other => {
-                let kind = other.map_or("nothing", |n| n.kind());
-                return Err(malformed(at, format!("`APPEND` to a {kind}")));
-            }
-        };
-        list.extend(items);
-        Ok(())
-    }
-
-    fn set_items(&mut self, at: usize, pairs: Vec<(Id, Id)>) -> Result<(), PickleError> {
-        let target = self.top(at)?;
-        let dict = match self.nodes.get_mut(target) {
-            Some(Node::Dict(dict)) => dict,
-            Some(Node::Object(object)) => &mut object.dict_items,
-            other => {
-                let kind = other.map_or("nothing", |n| n.kind());
-                return Err(malformed(at, format!("`SETITEM` on a {kind}")));
-            }
-        };
-        dict.extend(pairs);
-        Ok(())
-    }
-
     fn memo_put(&mut self, at: usize, index: u64) -> Result<(), PickleError> {
         let top = self.top(at)?;
-        if !self.memo.contains_key(&index) && self.memo.len() >= self.limits.max_memo {
+        if !self.memo.contains(index) && self.memo.len() >= self.limits.max_memo {
             return Err(limit(
                 at,
                 format!("more than {} memo entries", self.limits.max_memo),
             ));
         }
-        self.memo.insert(index, top);
+        self.memo.put(index, top);
         Ok(())
     }
 
     fn memo_get(&mut self, at: usize, index: u64) -> Result<(), PickleError> {
-        let id = *self
+        let id = self
             .memo
-            .get(&index)
+            .get(index)
             .ok_or_else(|| malformed(at, format!("memo entry {index} was never stored")))?;
         self.push(at, id)
     }
 }
 
-/// Pair up `key, value, key, value, ...` as `DICT` and `SETITEMS` lay them out.
-fn pairs(at: usize, items: Vec<Id>) -> Result<Vec<(Id, Id)>, PickleError> {
-    if items.len() % 2 != 0 {
-        return Err(malformed(at, "odd number of items for a dict"));
-    }
-    let mut out = Vec::with_capacity(items.len() / 2);
-    let mut it = items.into_iter();
-    while let (Some(k), Some(v)) = (it.next(), it.next()) {
-        out.push((k, v));
-    }
-    Ok(out)
+/// The origin of a container made by the opcode at `at` (inside the input, so below 4 GiB).
+fn origin(at: usize) -> Origin {
+    at as Origin
 }
 
 /// Python 2 module names that Python 3's unpickler renames under `fix_imports`.
-fn py3_module(module: String) -> String {
-    match module.as_str() {
-        "__builtin__" => "builtins".to_string(),
-        "copy_reg" => "copyreg".to_string(),
+fn py3_module(module: &str) -> &str {
+    match module {
+        "__builtin__" => "builtins",
+        "copy_reg" => "copyreg",
         _ => module,
     }
-}
-
-/// Turns the arena into an owned tree.
-///
-/// A first pass measures every node once (memoized): the size of its subtree with shared nodes
-/// counted at each place they appear, and its height. Only when the whole tree is within
-/// [`Limits`] and acyclic is it built, so a pickle that would expand to billions of nodes is
-/// refused after work proportional to its own length, and the build itself cannot fail.
-///
-/// The build moves each node out of the arena as it converts it, so the arena's strings and id
-/// lists are freed while the tree grows instead of both being alive at the end. A node referenced
-/// more than once (a memoized string or global) is converted once and cloned for its other
-/// references, the last of which takes the kept copy.
-struct Tree {
-    nodes: Vec<Node>,
-    origins: Vec<usize>,
-    /// Nodes on the path from the root to the node being measured: reaching one again is a cycle.
-    on_path: Vec<bool>,
-    /// `(size, height)` of each node measured so far.
-    measured: Vec<Option<(usize, usize)>>,
-    /// How many times each node is referenced from the nodes reachable from the root; during the
-    /// build, how many of those references are still to be built.
-    refs: Vec<usize>,
-    /// Converted copies of nodes referenced more than once, kept until their last reference.
-    shared: HashMap<Id, Value>,
-    limits: Limits,
-}
-
-impl Tree {
-    fn new(nodes: Vec<Node>, origins: Vec<usize>, limits: Limits) -> Self {
-        let n = nodes.len();
-        Tree {
-            nodes,
-            origins,
-            on_path: vec![false; n],
-            measured: vec![None; n],
-            refs: vec![0; n],
-            shared: HashMap::new(),
-            limits,
-        }
-    }
-
-    fn build(mut self, root: Id) -> Result<Value, PickleError> {
-        let (size, _) = self.measure(root, 0)?;
-        if size > self.limits.max_nodes {
-            return Err(limit(
-                self.origin(root),
-                format!(
-                    "the pickle expands to more than {} nodes once shared references are copied",
-                    self.limits.max_nodes
-                ),
-            ));
-        }
-        // The measuring state is not needed to build; free it first.
-        self.on_path = Vec::new();
-        self.measured = Vec::new();
-        self.value(root)
-    }
-
-    fn origin(&self, id: Id) -> usize {
-        self.origins.get(id).copied().unwrap_or(0)
-    }
-
-    fn node(&self, id: Id) -> Result<&Node, PickleError> {
-        self.nodes
-            .get(id)
-            .ok_or_else(|| malformed(self.origin(id), "dangling node"))
-    }
-
-    /// Size and height of the subtree at `id`, which sits at nesting `depth`.
-    fn measure(&mut self, id: Id, depth: usize) -> Result<(usize, usize), PickleError> {
-        let at = self.origin(id);
-        let max_depth = self.limits.max_depth;
-        let too_deep = || limit(at, format!("containers nested deeper than {max_depth}"));
-        if let Some((size, height)) = self.measured.get(id).copied().flatten() {
-            if depth.saturating_add(height) > max_depth {
-                return Err(too_deep());
-            }
-            return Ok((size, height));
-        }
-        let node = self.node(id)?;
-        let own = match node {
-            Node::Leaf(Value::Str(s)) => 1 + s.len() / 64,
-            Node::Leaf(Value::Bytes(b)) => 1 + b.len() / 64,
-            _ => 1,
-        };
-        let is_leaf = matches!(node, Node::Leaf(_));
-        let children = children(node);
-        if children.is_empty() && is_leaf {
-            return Ok((own, 0));
-        }
-        if self.on_path.get(id).copied().unwrap_or(false) {
-            return Err(malformed(at, "a container contains itself"));
-        }
-        if depth >= max_depth {
-            return Err(too_deep());
-        }
-        if let Some(flag) = self.on_path.get_mut(id) {
-            *flag = true;
-        }
-        let (mut size, mut height) = (own, 1);
-        for child in children {
-            // Each container is expanded once, so this counts each reference once.
-            if let Some(refs) = self.refs.get_mut(child) {
-                *refs += 1;
-            }
-            let (s, h) = self.measure(child, depth + 1)?;
-            size = size.saturating_add(s);
-            height = height.max(h + 1);
-        }
-        if let Some(flag) = self.on_path.get_mut(id) {
-            *flag = false;
-        }
-        if let Some(slot) = self.measured.get_mut(id) {
-            *slot = Some((size, height));
-        }
-        Ok((size, height))
-    }
-
-    /// Build the measured subtree at `id`: acyclic and within the limits, so recursion is bounded.
-    fn value(&mut self, id: Id) -> Result<Value, PickleError> {
-        let refs = self.refs.get(id).copied().unwrap_or(0);
-        if refs > 1 {
-            // Not the last reference: keep a copy for the ones still to come.
-            if let Some(r) = self.refs.get_mut(id) {
-                *r -= 1;
-            }
-            if let Some(v) = self.shared.get(&id) {
-                return Ok(v.clone());
-            }
-            let v = self.take(id)?;
-            self.shared.insert(id, v.clone());
-            return Ok(v);
-        }
-        match self.shared.remove(&id) {
-            Some(v) => Ok(v),
-            None => self.take(id),
-        }
-    }
-
-    /// Move the node at `id` out of the arena and convert it.
-    fn take(&mut self, id: Id) -> Result<Value, PickleError> {
-        let node = self
-            .nodes
-            .get_mut(id)
-            .map(|slot| std::mem::replace(slot, Node::Leaf(Value::None)));
-        let Some(node) = node else {
-            return Err(malformed(self.origin(id), "dangling node"));
-        };
-        Ok(match node {
-            Node::Leaf(v) => v,
-            Node::Tuple(items) => Value::Tuple(self.values(&items)?),
-            Node::List(items) => Value::List(self.values(&items)?),
-            Node::Set(items) => Value::Set(dedup_set(self.values(&items)?)),
-            Node::Dict(items) => Value::Dict(self.pairs(&items)?),
-            Node::Object(object) => Value::Object(Box::new(Object {
-                callable: self.value(object.callable)?,
-                args: self.values(&object.args)?,
-                new_obj: object.new_obj,
-                dict_items: self.pairs(&object.dict_items)?,
-                list_items: self.values(&object.list_items)?,
-                state: match object.state {
-                    Some(s) => Some(self.value(s)?),
-                    None => None,
-                },
-            })),
-            Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(pid)?)),
-        })
-    }
-
-    fn values(&mut self, ids: &[Id]) -> Result<Vec<Value>, PickleError> {
-        ids.iter().map(|&id| self.value(id)).collect()
-    }
-
-    fn pairs(&mut self, ids: &[(Id, Id)]) -> Result<Vec<(Value, Value)>, PickleError> {
-        let mut out = Vec::with_capacity(ids.len());
-        for &(k, v) in ids {
-            out.push((self.value(k)?, self.value(v)?));
-        }
-        Ok(dedup_pairs(out))
-    }
-}
-
-/// Ids a node refers to, in no particular order.
-fn children(node: &Node) -> Vec<Id> {
-    match node {
-        Node::Leaf(_) => Vec::new(),
-        Node::Tuple(items) | Node::List(items) | Node::Set(items) => items.clone(),
-        Node::Dict(items) => items.iter().flat_map(|&(k, v)| [k, v]).collect(),
-        Node::Object(object) => {
-            let mut ids = vec![object.callable];
-            ids.extend(&object.args);
-            ids.extend(object.dict_items.iter().flat_map(|&(k, v)| [k, v]));
-            ids.extend(&object.list_items);
-            ids.extend(object.state);
-            ids
-        }
-        Node::PersistentId(pid) => vec![*pid],
-    }
-}
-
-/// A dict or set key whose equality ckpt can decide the way Python would.
-#[derive(PartialEq, Eq, Hash)]
-enum SimpleKey<'a> {
-    None,
-    Int(i64),
-    Str(&'a str),
-    Bytes(&'a [u8]),
-}
-
-fn simple_key(v: &Value) -> Option<SimpleKey<'_>> {
-    match v {
-        Value::None => Some(SimpleKey::None),
-        // In Python `True == 1`, so they are the same key.
-        Value::Bool(b) => Some(SimpleKey::Int(i64::from(*b))),
-        Value::Int(i) => Some(SimpleKey::Int(*i)),
-        Value::Str(s) => Some(SimpleKey::Str(s)),
-        Value::Bytes(b) => Some(SimpleKey::Bytes(b)),
-        _ => None,
-    }
-}
-
-fn key_hash(k: &SimpleKey<'_>) -> u64 {
-    let mut h = DefaultHasher::new();
-    k.hash(&mut h);
-    h.finish()
-}
-
-/// Python dict semantics for repeated keys: first position, last value.
-fn dedup_pairs(items: Vec<(Value, Value)>) -> Vec<(Value, Value)> {
-    if items.len() < 2 {
-        return items;
-    }
-    let mut out: Vec<(Value, Value)> = Vec::with_capacity(items.len());
-    // Hash -> positions in `out`; hashes are compared first so keys need not be copied.
-    let mut seen: HashMap<u64, Vec<usize>> = HashMap::new();
-    for (k, v) in items {
-        if let Some(key) = simple_key(&k) {
-            let slots = seen.entry(key_hash(&key)).or_default();
-            let found = slots
-                .iter()
-                .copied()
-                .find(|&i| out.get(i).and_then(|(ok, _)| simple_key(ok)).as_ref() == Some(&key));
-            if let Some(i) = found {
-                if let Some(slot) = out.get_mut(i) {
-                    slot.1 = v;
-                }
-                continue;
-            }
-            slots.push(out.len());
-        }
-        out.push((k, v));
-    }
-    out
-}
-
-/// Python set semantics for repeated simple items: the first is kept.
-fn dedup_set(items: Vec<Value>) -> Vec<Value> {
-    if items.len() < 2 {
-        return items;
-    }
-    let pairs = items.into_iter().map(|v| (v, Value::None)).collect();
-    dedup_pairs(pairs).into_iter().map(|(v, _)| v).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pickle::Object;
 
     // Reference pickles written by CPython 3.11's `pickle.dumps` (and torch 2.15's `torch.save` for
     // `TORCH_DATA_PKL`), embedded byte for byte.
@@ -1420,6 +1323,139 @@ mod tests {
             read_with(with_kwargs, &allowed),
             Err(PickleError::UnsupportedOpcode { opcode: 0x92, .. })
         ));
+    }
+
+    #[test]
+    fn views_read_what_the_tree_holds_without_copying() {
+        let graph = parse(PLAIN_P4, &NOTHING, Limits::default()).unwrap();
+        let root = graph.root();
+        let text = root.get("s").and_then(|v| v.as_str()).unwrap();
+        assert_eq!(text, "héllo");
+        // Borrowed from the pickle bytes, not copied.
+        let input = PLAIN_P4.as_ptr_range();
+        assert!(input.contains(&text.as_ptr()));
+        let ints: Vec<i64> = root
+            .get("a")
+            .unwrap()
+            .as_seq()
+            .unwrap()
+            .filter_map(|v| v.as_int())
+            .collect();
+        assert_eq!(
+            ints,
+            [1, -2, 300, 70000, -70000, 1 << 40, i64::MIN, i64::MAX]
+        );
+        assert_eq!(
+            root.get("c").map(|v| v.kind()),
+            Some(crate::pickle::Kind::Float)
+        );
+        assert!(root.get("missing").is_none());
+        for p in [PLAIN_P2, PLAIN_P4, BYTES_SETS_P5, SHARED_P4] {
+            let graph = parse(p, &NOTHING, Limits::default()).unwrap();
+            let keys: Vec<&str> = graph
+                .root()
+                .dict_items()
+                .unwrap()
+                .iter()
+                .filter_map(|(k, _)| k.as_str())
+                .collect();
+            let Ok(Value::Dict(tree)) = read_with(p, NOTHING) else {
+                panic!("not a dict")
+            };
+            let tree_keys: Vec<&str> = tree.iter().filter_map(|(k, _)| k.as_str()).collect();
+            assert_eq!(keys, tree_keys);
+        }
+        let odict = parse(
+            ODICT_P2,
+            &[("collections", "OrderedDict")].as_slice(),
+            Limits::default(),
+        )
+        .unwrap();
+        let items = odict.root().object_dict_items().unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!(items[1].0.as_str(), Some("j"));
+    }
+
+    #[test]
+    fn views_keep_the_last_value_of_a_repeated_key() {
+        let p = b"}(\x8c\x01kK\x01\x8c\x01jK\x02\x8c\x01kK\x03u.";
+        let graph = parse(p, &NOTHING, Limits::default()).unwrap();
+        let root = graph.root();
+        assert_eq!(root.get("k").and_then(|v| v.as_int()), Some(3));
+        let items = root.dict_items().unwrap();
+        let pairs: Vec<(&str, i64)> = items
+            .iter()
+            .map(|(k, v)| (k.as_str().unwrap(), v.as_int().unwrap()))
+            .collect();
+        assert_eq!(pairs, [("k", 3), ("j", 2)]);
+    }
+
+    #[test]
+    fn memo_indices_may_come_in_any_order() {
+        // `BINPUT 5` before `BINPUT 0`, then both fetched: (None, 1).
+        let p = b"Nq\x05K\x01q\x00h\x05h\x00\x86.";
+        assert_eq!(
+            read_with(p, NOTHING),
+            Ok(Value::Tuple(vec![Value::None, int(1)]))
+        );
+        // An index put out of order, then reached by counting up, is one entry, not two.
+        let tight = Limits {
+            max_memo: 2,
+            ..Limits::default()
+        };
+        assert!(read(b"Nq\x01q\x00q\x01q\x00.", &NOTHING, tight).is_ok());
+        assert!(read(b"Nq\x01q\x00q\x02.", &NOTHING, tight).is_err());
+    }
+
+    #[test]
+    fn memo_bombs_are_refused_before_any_view_walks_them() {
+        let mut p = b"\x80\x04K\x00\x94".to_vec();
+        for level in 0u8..9 {
+            p.push(b'(');
+            for _ in 0..10 {
+                p.extend_from_slice(&[b'h', level]);
+            }
+            p.extend_from_slice(b"l\x94");
+        }
+        p.push(b'.');
+        let err = parse(&p, &NOTHING, Limits::default()).unwrap_err();
+        assert!(matches!(err, PickleError::LimitExceeded { .. }), "{err}");
+        // A cycle is refused by `parse` too, so no view can loop.
+        assert!(matches!(
+            parse(CYCLE_P4, &NOTHING, Limits::default()),
+            Err(PickleError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn small_ints_and_empty_tuples_take_no_nodes_but_read_the_same() {
+        // (0, 2**31 - 2, 2**31 - 1, 2**31, -1, (), ())
+        let p = b"(K\x00J\xfe\xff\xff\x7fJ\xff\xff\xff\x7f\x8a\x05\x00\x00\x00\x80\x00J\xff\xff\xff\xff))t.";
+        let want = [0, (1 << 31) - 2, (1 << 31) - 1, 1 << 31, -1].map(int);
+        let mut want = want.to_vec();
+        want.extend([Value::Tuple(vec![]), Value::Tuple(vec![])]);
+        assert_eq!(read_with(p, NOTHING), Ok(Value::Tuple(want)));
+        let graph = parse(p, &NOTHING, Limits::default()).unwrap();
+        // The three ints from 2**31 - 1 up, one empty tuple for both, and the outer tuple.
+        assert_eq!(graph.nodes.len(), 5);
+        let items: Vec<_> = graph.root().as_seq().unwrap().collect();
+        assert_eq!(items.len(), 7);
+        assert_eq!(items[1].as_int(), Some((1 << 31) - 2));
+        assert_eq!(items[1].kind(), crate::pickle::Kind::Int);
+        // The expanded size still counts each of them.
+        let tight = Limits {
+            max_nodes: 7,
+            ..Limits::default()
+        };
+        assert!(matches!(
+            parse(p, &NOTHING, tight),
+            Err(PickleError::LimitExceeded { .. })
+        ));
+        let enough = Limits {
+            max_nodes: 8,
+            ..Limits::default()
+        };
+        assert!(parse(p, &NOTHING, enough).is_ok());
     }
 
     #[test]

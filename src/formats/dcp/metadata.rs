@@ -10,13 +10,11 @@
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
 //! `storage_meta` (save and load ids, the original directory), which torch never reads back.
 
-use std::collections::HashMap;
-
 use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{contiguous_strides, numel, KeyPart};
-use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
+use crate::pickle::{self, Globals, Kind, Limits, Object, PickleError, Protocol, Value, View};
 
 /// The parts of DCP's `Metadata` ckpt uses, in pickled order.
 #[derive(Clone, Debug, PartialEq)]
@@ -70,12 +68,16 @@ pub struct StorageInfo {
 }
 
 /// Parse `.metadata` bytes. Never executes anything; unknown globals are errors naming them.
+///
+/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), so no
+/// owned copy of the whole pickle is ever built.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
-    let root = pickle::read(bytes, &DcpGlobals, limits_for(bytes.len())).map_err(pickle_error)?;
-    let state = object_state(&root, &[META, OLD_META], "Metadata").ok_or_else(|| {
+    let graph = pickle::parse(bytes, &DcpGlobals, limits_for(bytes.len())).map_err(pickle_error)?;
+    let root = graph.root();
+    let state = object_state(root, &[META, OLD_META], "Metadata").ok_or_else(|| {
         Error::invalid(format!(
             "the pickle holds {}, not a DCP `Metadata`",
-            describe(&root)
+            describe(root)
         ))
     })?;
 
@@ -85,39 +87,41 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
     let sdm =
         dict_items(sdm).ok_or_else(|| Error::invalid("`state_dict_metadata` is not a dict"))?;
     let entries = sdm
-        .iter()
+        .into_iter()
         .map(|(k, v)| entry(k, v))
         .collect::<Result<Vec<_>>>()?;
 
-    let storage = match state.get("storage_data") {
-        None | Some(Value::None) => Vec::new(),
+    let storage = match state.get("storage_data").filter(|v| !v.is_none()) {
+        None => Vec::new(),
         Some(v) => {
             let items =
                 dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
-            let pairs = items
-                .iter()
-                .map(|(k, v)| Ok((metadata_index(k)?, storage_info(k, v)?)))
-                .collect::<Result<Vec<_>>>()?;
+            let mut pairs = Vec::with_capacity(items.len());
+            for (k, v) in items {
+                pairs.push((metadata_index(k)?, storage_info(k, v)?));
+            }
             dedup_storage(pairs)
         }
     };
 
-    let planner_data = match state.get("planner_data") {
-        None | Some(Value::None) => Vec::new(),
+    let planner_data = match state.get("planner_data").filter(|v| !v.is_none()) {
+        None => Vec::new(),
         Some(v) => {
             let items =
                 dict_items(v).ok_or_else(|| Error::invalid("`planner_data` is not a dict"))?;
             items
-                .iter()
+                .into_iter()
                 .map(|(k, v)| planner_entry(k, v))
                 .collect::<Result<Vec<_>>>()?
         }
     };
 
-    let version = match state.get("version") {
-        None | Some(Value::None) => None,
-        Some(Value::Str(v)) => Some(v.clone()),
-        Some(other) => bail_invalid!("`Metadata.version` is {}, not a string", describe(other)),
+    let version = match state.get("version").filter(|v| !v.is_none()) {
+        None => None,
+        Some(v) => match v.as_str() {
+            Some(text) => Some(text.to_string()),
+            None => bail_invalid!("`Metadata.version` is {}, not a string", describe(v)),
+        },
     };
 
     Ok(DcpMetadata {
@@ -335,7 +339,7 @@ fn pickle_error(err: PickleError) -> Error {
 }
 
 /// One `state_dict_metadata` item.
-fn entry(key: &Value, value: &Value) -> Result<DcpEntry> {
+fn entry(key: View<'_>, value: View<'_>) -> Result<DcpEntry> {
     let fqn = key
         .as_str()
         .ok_or_else(|| {
@@ -357,7 +361,7 @@ fn entry(key: &Value, value: &Value) -> Result<DcpEntry> {
     tensor(&fqn, state).map_err(|e| e.tensor(&fqn))
 }
 
-fn tensor(fqn: &str, state: &Value) -> Result<DcpEntry> {
+fn tensor(fqn: &str, state: View<'_>) -> Result<DcpEntry> {
     let properties = state
         .get("properties")
         .ok_or_else(|| Error::invalid("`properties` is missing"))?;
@@ -374,10 +378,9 @@ fn tensor(fqn: &str, state: &Value) -> Result<DcpEntry> {
     }
     let chunk_values = state
         .get("chunks")
-        .and_then(Value::as_seq)
+        .and_then(|c| c.as_seq())
         .ok_or_else(|| Error::invalid("`chunks` is not a list"))?;
     let chunks = chunk_values
-        .iter()
         .map(|c| chunk(c, &size))
         .collect::<Result<Vec<_>>>()?;
     Ok(DcpEntry::Tensor {
@@ -389,7 +392,7 @@ fn tensor(fqn: &str, state: &Value) -> Result<DcpEntry> {
 }
 
 /// The dtype out of a `TensorProperties`, after checking the layout is strided.
-fn tensor_dtype(properties: &Value) -> Result<DType> {
+fn tensor_dtype(properties: View<'_>) -> Result<DType> {
     let state = object_state(
         properties,
         &[META, OLD_META, SHARDED_TENSOR_META],
@@ -403,17 +406,24 @@ fn tensor_dtype(properties: &Value) -> Result<DType> {
     })?;
     // `__getstate__` gives (dtype, layout, requires_grad, memory_format, pin_memory[, strides]);
     // a dataclass pickled without it would give its `__dict__`.
-    let (dtype, layout) = match state {
-        Value::Tuple(items) if items.len() == 5 || items.len() == 6 => {
-            (items.first(), items.get(1))
+    let (dtype, layout) = match state.kind() {
+        Kind::Tuple => {
+            let items: Vec<View<'_>> = state.as_seq().into_iter().flatten().collect();
+            if items.len() != 5 && items.len() != 6 {
+                bail_invalid!(
+                    "`TensorProperties` state is {}, not a 5- or 6-tuple or a dict",
+                    describe(state)
+                );
+            }
+            (items.first().copied(), items.get(1).copied())
         }
-        Value::Dict(_) => (state.get("dtype"), state.get("layout")),
-        other => bail_invalid!(
+        Kind::Dict => (state.get("dtype"), state.get("layout")),
+        _ => bail_invalid!(
             "`TensorProperties` state is {}, not a 5- or 6-tuple or a dict",
-            describe(other)
+            describe(state)
         ),
     };
-    let dtype = match dtype.and_then(Value::as_global) {
+    let dtype = match dtype.and_then(|d| d.as_global()) {
         Some(("torch", name)) => DType::from_torch_name(name).ok_or_else(|| {
             Error::invalid(format!("dtype `torch.{name}` is not supported by ckpt"))
         })?,
@@ -422,25 +432,30 @@ fn tensor_dtype(properties: &Value) -> Result<DType> {
             describe_opt(dtype)
         ),
     };
-    match layout {
-        // A missing layout takes the dataclass default, `torch.strided`.
-        None => {}
-        Some(l) => match (l.class(), l.args()) {
-            (Some(("torch.serialization", "_get_layout")), Some([Value::Str(name)]))
-                if name == "torch.strided" => {}
-            (Some(("torch.serialization", "_get_layout")), Some([Value::Str(name)])) => {
+    // A missing layout takes the dataclass default, `torch.strided`.
+    if let Some(l) = layout {
+        let name = match (l.class(), l.args().map(|a| a.collect::<Vec<_>>())) {
+            (Some(("torch.serialization", "_get_layout")), Some(args)) => match args.as_slice() {
+                [name] => name.as_str(),
+                _ => None,
+            },
+            _ => None,
+        };
+        match name {
+            Some("torch.strided") => {}
+            Some(name) => {
                 bail_invalid!("layout `{name}` is not supported by ckpt (only `torch.strided`)")
             }
-            _ => bail_invalid!(
+            None => bail_invalid!(
                 "`TensorProperties.layout` is {}, not a torch layout",
                 describe(l)
             ),
-        },
+        }
     }
     Ok(dtype)
 }
 
-fn chunk(value: &Value, size: &[u64]) -> Result<Chunk> {
+fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
     let state =
         object_state(value, &[META, OLD_META], "ChunkStorageMetadata").ok_or_else(|| {
             Error::invalid(format!(
@@ -470,31 +485,31 @@ fn chunk(value: &Value, size: &[u64]) -> Result<Chunk> {
     Ok(Chunk { offsets, sizes })
 }
 
-fn metadata_index(value: &Value) -> Result<MetadataIndex> {
+fn metadata_index(value: View<'_>) -> Result<MetadataIndex> {
     let state = object_state(value, &[META, OLD_META], "MetadataIndex").ok_or_else(|| {
         Error::invalid(format!(
             "a `storage_data` key is {}, not `MetadataIndex`",
             describe(value)
         ))
     })?;
-    let fqn = match state.get("fqn") {
-        Some(Value::Str(s)) => s.clone(),
-        other => bail_invalid!(
+    let fqn = match state.get("fqn").and_then(|f| f.as_str()) {
+        Some(s) => s.to_string(),
+        None => bail_invalid!(
             "`MetadataIndex.fqn` is {}, not a string",
-            describe_opt(other)
+            describe_opt(state.get("fqn"))
         ),
     };
-    let offset = match state.get("offset") {
-        None | Some(Value::None) => None,
+    let offset = match state.get("offset").filter(|v| !v.is_none()) {
+        None => None,
         Some(v) => Some(torch_size_of(v).ok_or_else(|| {
             Error::invalid(format!(
                 "`MetadataIndex.offset` of `{fqn}` is not a `torch.Size`"
             ))
         })?),
     };
-    let index = match state.get("index") {
-        None | Some(Value::None) => None,
-        Some(Value::Int(i)) => Some(*i),
+    let index = match state.get("index").filter(|v| !v.is_none()) {
+        None => None,
+        Some(v) if v.kind() == Kind::Int => v.as_int(),
         Some(other) => bail_invalid!(
             "`MetadataIndex.index` of `{fqn}` is {}, not an int",
             describe(other)
@@ -503,11 +518,11 @@ fn metadata_index(value: &Value) -> Result<MetadataIndex> {
     Ok(MetadataIndex { fqn, offset, index })
 }
 
-fn storage_info(key: &Value, value: &Value) -> Result<StorageInfo> {
+fn storage_info(key: View<'_>, value: View<'_>) -> Result<StorageInfo> {
     let fqn = key
         .state()
         .and_then(|s| s.get("fqn"))
-        .and_then(Value::as_str)
+        .and_then(|f| f.as_str())
         .unwrap_or("?");
     let state = object_state(value, &[FS, OLD_FS], "_StorageInfo").ok_or_else(|| {
         Error::invalid(format!(
@@ -515,20 +530,21 @@ fn storage_info(key: &Value, value: &Value) -> Result<StorageInfo> {
             describe(value)
         ))
     })?;
-    let relative_path = match state.get("relative_path") {
-        Some(Value::Str(p)) if is_plain_relative(p) => p.clone(),
-        Some(Value::Str(p)) => {
+    let path = state.get("relative_path");
+    let relative_path = match path.and_then(|p| p.as_str()) {
+        Some(p) if is_plain_relative(p) => p.to_string(),
+        Some(p) => {
             bail_invalid!("storage of `{fqn}` points at `{p}`, outside the checkpoint directory")
         }
-        other => bail_invalid!(
+        None => bail_invalid!(
             "`relative_path` of `{fqn}` is {}, not a string",
-            describe_opt(other)
+            describe_opt(path)
         ),
     };
     let number = |name: &str| -> Result<u64> {
         state
             .get(name)
-            .and_then(Value::as_int)
+            .and_then(|n| n.as_int())
             .and_then(|i| u64::try_from(i).ok())
             .ok_or_else(|| {
                 Error::invalid(format!(
@@ -540,15 +556,15 @@ fn storage_info(key: &Value, value: &Value) -> Result<StorageInfo> {
     if offset.checked_add(length).is_none() {
         bail_invalid!("storage of `{fqn}` ends past 2^64 bytes");
     }
-    let transforms = match state.get("transform_descriptors") {
-        None | Some(Value::None) => Vec::new(),
+    let transforms = match state.get("transform_descriptors").filter(|v| !v.is_none()) {
+        None => Vec::new(),
         Some(v) => v
             .as_seq()
-            .and_then(|items| {
-                items
-                    .iter()
-                    .map(|t| t.as_str().map(str::to_string))
-                    .collect::<Option<Vec<_>>>()
+            .and_then(|mut items| {
+                items.try_fold(Vec::new(), |mut out, t| {
+                    out.push(t.as_str()?.to_string());
+                    Some(out)
+                })
             })
             .ok_or_else(|| {
                 Error::invalid(format!(
@@ -573,22 +589,22 @@ fn is_plain_relative(path: &str) -> bool {
         && path.split(['/', '\\']).all(|part| part != "..")
 }
 
-fn planner_entry(key: &Value, value: &Value) -> Result<(String, Vec<KeyPart>)> {
+fn planner_entry(key: View<'_>, value: View<'_>) -> Result<(String, Vec<KeyPart>)> {
     let fqn = key.as_str().ok_or_else(|| {
         Error::invalid(format!(
             "a `planner_data` key is {}, not a string",
             describe(key)
         ))
     })?;
-    let parts = value.as_seq().and_then(|items| {
-        items
-            .iter()
-            .map(|p| match p {
-                Value::Str(s) => Some(KeyPart::Key(s.clone())),
-                Value::Int(i) => Some(KeyPart::Index(*i)),
-                _ => None,
-            })
-            .collect::<Option<Vec<_>>>()
+    let parts = value.as_seq().and_then(|mut items| {
+        items.try_fold(Vec::new(), |mut out, p| {
+            out.push(match p.kind() {
+                Kind::Str => KeyPart::Key(p.as_str()?.to_string()),
+                Kind::Int => KeyPart::Index(p.as_int()?),
+                _ => return None,
+            });
+            Some(out)
+        })
     });
     let parts = parts.ok_or_else(|| {
         Error::invalid(format!(
@@ -601,44 +617,64 @@ fn planner_entry(key: &Value, value: &Value) -> Result<(String, Vec<KeyPart>)> {
 
 /// Python's dict keeps one entry per `MetadataIndex` (equal when `fqn` and `offset` are): the first
 /// key with the last value.
-fn dedup_storage(pairs: Vec<(MetadataIndex, StorageInfo)>) -> Vec<(MetadataIndex, StorageInfo)> {
-    let mut out: Vec<(MetadataIndex, StorageInfo)> = Vec::with_capacity(pairs.len());
-    let mut seen: HashMap<(String, Option<Vec<u64>>), usize> = HashMap::new();
-    for (index, info) in pairs {
-        let key = (index.fqn.clone(), index.offset.clone());
-        match seen.get(&key).and_then(|&i| out.get_mut(i)) {
-            Some(slot) => slot.1 = info,
-            None => {
-                seen.insert(key, out.len());
-                out.push((index, info));
+///
+/// Done in place through a sorted list of positions, so a million entries cost 8 MB of positions
+/// for a moment rather than a map holding a copy of every key.
+fn dedup_storage(
+    mut pairs: Vec<(MetadataIndex, StorageInfo)>,
+) -> Vec<(MetadataIndex, StorageInfo)> {
+    let key = |i: usize| {
+        pairs
+            .get(i)
+            .map(|(k, _)| (k.fqn.as_str(), k.offset.as_deref()))
+    };
+    let mut order: Vec<usize> = (0..pairs.len()).collect();
+    // Equal keys end up together, in pickled order.
+    order.sort_unstable_by(|&a, &b| key(a).cmp(&key(b)).then(a.cmp(&b)));
+    // (first position, last position) of every key pickled more than once.
+    let mut repeated: Vec<(usize, usize)> = Vec::new();
+    let mut dropped = vec![false; pairs.len()];
+    for group in order.chunk_by(|&a, &b| key(a) == key(b)) {
+        if let ([first, .., last], rest) = (group, group.get(1..).unwrap_or_default()) {
+            repeated.push((*first, *last));
+            for &i in rest {
+                if let Some(d) = dropped.get_mut(i) {
+                    *d = true;
+                }
             }
         }
     }
-    out
+    drop(order);
+    for (first, last) in repeated {
+        let info = pairs.get(last).map(|(_, info)| info.clone());
+        if let (Some(info), Some(slot)) = (info, pairs.get_mut(first)) {
+            slot.1 = info;
+        }
+    }
+    let mut dropped = dropped.into_iter();
+    pairs.retain(|_| !dropped.next().unwrap_or(false));
+    pairs
 }
 
 /// Items of a dict or an `OrderedDict`.
-fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
-    match value {
-        Value::Dict(items) => Some(items),
-        Value::Object(object) if value.class() == Some(("collections", "OrderedDict")) => {
-            Some(&object.dict_items)
-        }
-        _ => None,
+fn dict_items(value: View<'_>) -> Option<Vec<(View<'_>, View<'_>)>> {
+    match value.class() {
+        Some(("collections", "OrderedDict")) => value.object_dict_items(),
+        _ => value.dict_items(),
     }
 }
 
 /// The state of an object of class `name` from one of `modules`, which must have one.
-fn object_state<'v>(value: &'v Value, modules: &[&str], name: &str) -> Option<&'v Value> {
+fn object_state<'g>(value: View<'g>, modules: &[&str], name: &str) -> Option<View<'g>> {
     object_state_or_none(value, modules, name).flatten()
 }
 
 /// `Some(state)` if `value` is an object of class `name` from one of `modules`.
-fn object_state_or_none<'v>(
-    value: &'v Value,
+fn object_state_or_none<'g>(
+    value: View<'g>,
     modules: &[&str],
     name: &str,
-) -> Option<Option<&'v Value>> {
+) -> Option<Option<View<'g>>> {
     match value.class() {
         Some((m, n)) if n == name && modules.contains(&m) => Some(value.state()),
         _ => None,
@@ -646,43 +682,45 @@ fn object_state_or_none<'v>(
 }
 
 /// A `torch.Size` (or, leniently, a plain tuple or list) of non-negative ints.
-fn torch_size_of(value: &Value) -> Option<Vec<u64>> {
+fn torch_size_of(value: View<'_>) -> Option<Vec<u64>> {
     let dims = match value.class() {
-        Some(("torch", "Size")) => match value.args()? {
-            [dims] => dims.as_seq()?,
-            [] => &[],
-            _ => return None,
-        },
+        Some(("torch", "Size")) => {
+            let mut args = value.args()?;
+            match (args.next(), args.next()) {
+                (Some(dims), None) => dims.as_seq()?,
+                (None, _) => return Some(Vec::new()),
+                _ => return None,
+            }
+        }
         _ => value.as_seq()?,
     };
-    dims.iter()
-        .map(|d| d.as_int().and_then(|i| u64::try_from(i).ok()))
+    dims.map(|d| d.as_int().and_then(|i| u64::try_from(i).ok()))
         .collect()
 }
 
 /// A short description of a value for error messages: its class, or its kind.
-fn describe(value: &Value) -> String {
+fn describe(value: View<'_>) -> String {
     if let Some((m, n)) = value.class().or_else(|| value.as_global()) {
         return format!("`{m}.{n}`");
     }
-    let kind = match value {
-        Value::None => "None",
-        Value::Bool(_) => "a bool",
-        Value::Int(_) => "an int",
-        Value::Float(_) => "a float",
-        Value::Str(_) => "a string",
-        Value::Bytes(_) => "bytes",
-        Value::Tuple(_) => "a tuple",
-        Value::List(_) => "a list",
-        Value::Dict(_) => "a dict",
-        Value::Set(_) => "a set",
-        Value::Global(_) | Value::Object(_) => "an object",
-        Value::PersistentId(_) => "a persistent id",
+    let kind = match value.kind() {
+        Kind::None => "None",
+        Kind::Bool => "a bool",
+        Kind::Int => "an int",
+        Kind::Float => "a float",
+        Kind::Str => "a string",
+        Kind::Bytes => "bytes",
+        Kind::Tuple => "a tuple",
+        Kind::List => "a list",
+        Kind::Dict => "a dict",
+        Kind::Set => "a set",
+        Kind::Global | Kind::Object => "an object",
+        Kind::PersistentId => "a persistent id",
     };
     kind.to_string()
 }
 
-fn describe_opt(value: Option<&Value>) -> String {
+fn describe_opt(value: Option<View<'_>>) -> String {
     value.map_or_else(|| "missing".to_string(), describe)
 }
 
@@ -1203,6 +1241,36 @@ mod tests {
         assert_eq!(parsed.storage.len(), 2);
         assert_eq!(parsed.storage[0].0.index, None);
         assert_eq!(parsed.storage[0].1.offset, 99);
+    }
+
+    #[test]
+    fn dedup_storage_keeps_first_positions_and_last_values() {
+        let pair = |fqn: &str, offset: Option<Vec<u64>>, at: u64| {
+            let index = MetadataIndex {
+                fqn: fqn.into(),
+                offset,
+                index: None,
+            };
+            (index, info("__0_0.distcp", at, 1, &[]))
+        };
+        let pairs = vec![
+            pair("a", Some(vec![0]), 1),
+            pair("b", None, 2),
+            pair("a", Some(vec![1]), 3),
+            pair("a", Some(vec![0]), 4),
+            pair("b", None, 5),
+            pair("a", Some(vec![0]), 6),
+        ];
+        let got: Vec<(String, Option<Vec<u64>>, u64)> = dedup_storage(pairs)
+            .into_iter()
+            .map(|(i, s)| (i.fqn, i.offset, s.offset))
+            .collect();
+        let want = vec![
+            ("a".to_string(), Some(vec![0]), 6),
+            ("b".to_string(), None, 5),
+            ("a".to_string(), Some(vec![1]), 3),
+        ];
+        assert_eq!(got, want);
     }
 
     /// Writes `write(parse(real))` over copies of the fixture directories named in

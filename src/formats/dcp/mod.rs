@@ -48,21 +48,28 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     }
     let bytes = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
     let meta = metadata::parse(&bytes).map_err(|e| e.file(&meta_path))?;
+    drop(bytes);
+    // Entries are consumed as they become tensors, so each one's chunks are freed as its pieces
+    // are made rather than both being alive at the end.
+    let metadata::DcpMetadata {
+        entries,
+        storage: storage_data,
+        planner_data,
+        ..
+    } = meta;
 
-    let storage: HashMap<(&str, Option<&[u64]>), &StorageInfo> = meta
-        .storage
+    let storage: HashMap<(&str, Option<&[u64]>), &StorageInfo> = storage_data
         .iter()
         .map(|(idx, info)| ((idx.fqn.as_str(), idx.offset.as_deref()), info))
         .collect();
-    let paths: HashMap<&str, &[KeyPart]> = meta
-        .planner_data
+    let paths: HashMap<&str, &[KeyPart]> = planner_data
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_slice()))
         .collect();
     let mut files = Files::new(dir);
     let mut tensors = Vec::new();
     let mut values = Vec::new();
-    for entry in &meta.entries {
+    for entry in entries {
         match entry {
             DcpEntry::Tensor {
                 fqn,
@@ -80,24 +87,21 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                                 chunk.offsets
                             ))
                             .file(&meta_path)
-                            .tensor(fqn)
+                            .tensor(&fqn)
                         })?;
                     let piece = files
-                        .tensor_piece(info, *dtype, &chunk.sizes)
-                        .map_err(|e| e.tensor(fqn))?;
-                    pieces.push(Piece {
-                        offsets: chunk.offsets.clone(),
-                        ..piece
-                    });
+                        .tensor_piece(info, dtype, chunk)
+                        .map_err(|e| e.tensor(&fqn))?;
+                    pieces.push(piece);
                 }
                 tensors.push(Tensor {
-                    name: fqn.clone(),
                     key_path: paths
                         .get(fqn.as_str())
                         .map(|p| p.to_vec())
                         .unwrap_or_default(),
-                    dtype: *dtype,
-                    shape: size.clone(),
+                    name: fqn,
+                    dtype,
+                    shape: size,
                     pieces,
                 });
             }
@@ -105,15 +109,15 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 let info = storage.get(&(fqn.as_str(), None)).ok_or_else(|| {
                     Error::invalid("no storage entry for this value")
                         .file(&meta_path)
-                        .tensor(fqn)
+                        .tensor(&fqn)
                 })?;
-                let (blob, value) = files.value(info).map_err(|e| e.tensor(fqn))?;
+                let (blob, value) = files.value(info).map_err(|e| e.tensor(&fqn))?;
                 values.push(NonTensor {
-                    name: fqn.clone(),
                     key_path: paths
                         .get(fqn.as_str())
                         .map(|p| p.to_vec())
                         .unwrap_or_default(),
+                    name: fqn,
                     value,
                     raw: Some(blob),
                 });
@@ -123,7 +127,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     Ok(Checkpoint {
         root: dir.to_path_buf(),
         format: Format::Dcp,
-        world_size: world_size(dir, &meta.storage),
+        world_size: world_size(dir, &storage_data),
         tensors,
         values,
     })
@@ -214,8 +218,9 @@ impl<'a> Files<'a> {
         &mut self,
         info: &StorageInfo,
         dtype: crate::dtype::DType,
-        sizes: &[u64],
+        chunk: metadata::Chunk,
     ) -> Result<Piece> {
+        let sizes = chunk.sizes.as_slice();
         let path = self.dir.join(&info.relative_path);
         let zstd = transforms_are_zstd(info).map_err(|e| e.file(&path))?;
         let item = self.item(info)?;
@@ -282,8 +287,8 @@ impl<'a> Files<'a> {
             (info.offset + within, Encoding::Raw)
         };
         Ok(Piece {
-            offsets: vec![0; sizes.len()],
-            sizes: sizes.to_vec(),
+            offsets: chunk.offsets,
+            sizes: chunk.sizes,
             data: DataRef {
                 file: PathBuf::from(&info.relative_path),
                 offset,
