@@ -1295,6 +1295,121 @@ mod tests {
         }
     }
 
+    /// Metadata with `tensors` tensors of `pieces` chunks each, exercising every shape the writer
+    /// has: bytes entries, offsets of `None`, transforms, int and string planner keys, strings past
+    /// 255 bytes, sizes past `i64::MAX`, and more than 256 memoized strings (4-byte memo indices).
+    fn synthetic(tensors: usize, pieces: u64) -> DcpMetadata {
+        let mut meta = DcpMetadata {
+            entries: Vec::new(),
+            storage: Vec::new(),
+            planner_data: Vec::new(),
+            version: Some("1.0.0".into()),
+        };
+        for t in 0..tensors {
+            let fqn = if t % 7 == 3 {
+                format!("model.{}.w{t}", "long".repeat(70))
+            } else {
+                format!("model.layers.{t}.weight")
+            };
+            let dtype = DType::ALL[t % DType::ALL.len()];
+            let rows = pieces * 3 + t as u64;
+            let size = if t == 5 {
+                vec![rows, u64::MAX]
+            } else {
+                vec![rows, 7, 1 + t as u64 % 3]
+            };
+            let chunks: Vec<Chunk> = (0..pieces)
+                .map(|p| {
+                    let mut sizes = size.clone();
+                    sizes[0] = if p + 1 == pieces { rows - 3 * p } else { 3 };
+                    let mut offsets = vec![0; size.len()];
+                    offsets[0] = 3 * p;
+                    chunk(&offsets, &sizes)
+                })
+                .collect();
+            for (p, c) in chunks.iter().enumerate() {
+                let transforms: &[&str] = if t % 3 == 1 { &["stream.zstd/1"] } else { &[] };
+                meta.storage.push((
+                    MetadataIndex {
+                        fqn: fqn.clone(),
+                        offset: Some(c.offsets.clone()),
+                        index: (t % 2 == 0).then_some(p as i64),
+                    },
+                    info(
+                        &format!("__{}_0.distcp", p % 200),
+                        (t as u64) << 20,
+                        1 << (t % 40),
+                        transforms,
+                    ),
+                ));
+            }
+            meta.entries.push(DcpEntry::Tensor {
+                fqn: fqn.clone(),
+                dtype,
+                size,
+                chunks,
+            });
+            let mut path = key(&["model", "layers"]);
+            path.push(KeyPart::IntKey(t as i64));
+            path.push(KeyPart::Key("weight".into()));
+            meta.planner_data.push((fqn, path));
+            if t % 4 == 0 {
+                let fqn = format!("extra.{t}");
+                meta.entries.push(DcpEntry::Bytes { fqn: fqn.clone() });
+                meta.storage.push((
+                    MetadataIndex {
+                        fqn: fqn.clone(),
+                        offset: None,
+                        index: None,
+                    },
+                    info("__0_0.distcp", 9, 12, &[]),
+                ));
+                meta.planner_data.push((fqn, key(&["extra", "0"])));
+            }
+        }
+        meta
+    }
+
+    /// Digests of what the tree-building writer wrote for each fixture and synthetic metadata,
+    /// taken before the streaming writer replaced it: torch must keep loading the same bytes.
+    #[test]
+    fn written_bytes_are_unchanged() {
+        let cases = [
+            ("single", parse(SINGLE).unwrap()),
+            ("sharded4", parse(SHARDED4).unwrap()),
+            ("zstd", parse(ZSTD).unwrap()),
+            ("legacy", parse(LEGACY).unwrap()),
+            (
+                "empty",
+                DcpMetadata {
+                    entries: Vec::new(),
+                    storage: Vec::new(),
+                    planner_data: Vec::new(),
+                    version: None,
+                },
+            ),
+            ("synthetic-1x1", synthetic(1, 1)),
+            ("synthetic-40x300", synthetic(40, 300)),
+        ];
+        let got: Vec<(&str, usize, u64)> = cases
+            .iter()
+            .map(|(name, meta)| {
+                let bytes = write(meta);
+                (*name, bytes.len(), xxhash_rust::xxh3::xxh3_64(&bytes))
+            })
+            .collect();
+        let want: &[(&str, usize, u64)] = &[
+            ("single", 4399, 0x7da8_9ca5_68db_0bb0),
+            ("sharded4", 2646, 0x5b70_e844_9b1e_764a),
+            ("zstd", 1077, 0x26ec_dbac_91b8_e6b2),
+            ("legacy", 1015, 0xf609_cf7a_3d11_78dd),
+            ("empty", 249, 0x537c_2d96_a60c_1e5e),
+            ("synthetic-1x1", 1079, 0x3918_5f4d_1574_ac97),
+            ("synthetic-40x300", 1137984, 0x004b_318a_4a8b_0592),
+        ];
+        assert_eq!(got, want);
+    }
+
     /// One random edit of a byte string: overwrite, insert, delete, or cut.
     fn mutate(bytes: &mut Vec<u8>, op: u8, at: usize, b: u8) {
         let at = at % (bytes.len() + 1);
