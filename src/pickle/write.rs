@@ -1,9 +1,12 @@
-//! Pickle writer: a [`Value`] tree to bytes Python's `pickle.load` reads back.
+//! Pickle writer: bytes Python's `pickle.load` reads back, from a [`Value`] tree ([`write`]) or
+//! described item by item to a [`Stream`] ([`write_with`]), so that a large pickle such as DCP's
+//! `.metadata` with a million tensor pieces never exists as a tree in memory.
 //!
 //! The output mirrors what CPython's pickler writes for the same objects. Strings and globals that
 //! occur more than once are written once and then fetched from the memo (DCP's `.metadata` repeats
 //! class paths and fqns for every chunk, so this keeps files about as small as torch's); every other
-//! value is written out wherever it occurs, which only costs bytes.
+//! value is written out wherever it occurs, which only costs bytes. Which ones repeat is learned by
+//! describing the pickle twice: the first pass only counts strings and globals, the second writes.
 //! - [`Protocol::V2`] is torch.save's `data.pkl`: globals as `GLOBAL` (`c module\nname\n`), strings
 //!   as `BINUNICODE`.
 //! - [`Protocol::V4`] is DCP's `.metadata`: one `FRAME`, globals as `STACK_GLOBAL`, short strings as
@@ -28,35 +31,53 @@ pub enum Protocol {
 
 /// Serialize `value` as one pickle ending in `STOP`.
 pub fn write(value: &Value, protocol: Protocol) -> Vec<u8> {
-    let mut body = Vec::new();
-    let mut counts = HashMap::new();
-    count(value, &mut counts);
-    Writer {
-        out: &mut body,
+    write_with(protocol, |w| w.value(value))
+}
+
+/// Serialize the one value `describe` writes to a [`Stream`], as one pickle ending in `STOP`.
+///
+/// `describe` is called twice (to count repeated strings, then to write) and must describe the
+/// same value both times.
+pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v>)) -> Vec<u8> {
+    let mut counter = Stream {
+        out: Vec::new(),
         protocol,
-        memo: counts
-            .into_iter()
-            .filter(|&(_, n)| n > 1)
-            .map(|(k, _)| (k, None))
-            .collect(),
-        next_memo: 0,
-    }
-    .value(value);
-    body.push(b'.');
-    match protocol {
-        Protocol::V2 => {
-            let mut out = vec![0x80, 2];
-            out.extend_from_slice(&body);
-            out
+        memo: Memo::Counting(HashMap::new()),
+    };
+    describe(&mut counter);
+    let Memo::Counting(counts) = counter.memo else {
+        unreachable!("the counting pass never starts writing")
+    };
+    let repeated = counts
+        .into_iter()
+        .filter(|&(_, n)| n > 1)
+        .map(|(k, _)| (k, None))
+        .collect();
+    // The header goes first so the body never has to be copied behind it; protocol 4's frame
+    // length is filled in once the body is known.
+    let out = match protocol {
+        Protocol::V2 => vec![0x80, 2],
+        Protocol::V4 => vec![0x80, 4, 0x95, 0, 0, 0, 0, 0, 0, 0, 0],
+    };
+    let header = out.len();
+    let mut writer = Stream {
+        out,
+        protocol,
+        memo: Memo::Writing {
+            memo: repeated,
+            next: 0,
+        },
+    };
+    describe(&mut writer);
+    writer.op(b'.');
+    let mut out = writer.out;
+    if protocol == Protocol::V4 {
+        let body = (out.len() - header) as u64;
+        if let Some(len) = out.get_mut(3..header) {
+            len.copy_from_slice(&body.to_le_bytes());
         }
-        Protocol::V4 => {
-            let mut out = Vec::with_capacity(body.len() + 11);
-            out.extend_from_slice(&[0x80, 4, 0x95]);
-            out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-            out.extend_from_slice(&body);
-            out
-        }
     }
+    out
 }
 
 /// A value worth memoizing: immutable in Python, so sharing it cannot change what is loaded.
@@ -66,148 +87,111 @@ enum Shared<'v> {
     Global(&'v str, &'v str),
 }
 
-/// How often each string and global occurs in `value`.
-fn count<'v>(value: &'v Value, counts: &mut HashMap<Shared<'v>, usize>) {
-    let mut bump = |k| *counts.entry(k).or_insert(0) += 1;
-    match value {
-        Value::Str(s) => bump(Shared::Str(s)),
-        Value::Global(g) => bump(Shared::Global(&g.module, &g.name)),
-        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
-            items.iter().for_each(|v| count(v, counts))
-        }
-        Value::Dict(items) => items.iter().for_each(|(k, v)| {
-            count(k, counts);
-            count(v, counts);
-        }),
-        Value::Object(object) => {
-            let Object {
-                callable,
-                args,
-                dict_items,
-                list_items,
-                state,
-                ..
-            } = &**object;
-            count(callable, counts);
-            args.iter().for_each(|v| count(v, counts));
-            dict_items.iter().for_each(|(k, v)| {
-                count(k, counts);
-                count(v, counts);
-            });
-            list_items.iter().for_each(|v| count(v, counts));
-            if let Some(s) = state {
-                count(s, counts);
-            }
-        }
-        Value::PersistentId(pid) => count(pid, counts),
-        Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Bytes(_) => {}
-    }
+enum Memo<'v> {
+    /// The first pass: how often each string and global occurs; no bytes are kept.
+    Counting(HashMap<Shared<'v>, usize>),
+    /// The second pass: values that occur more than once, with their memo index once written.
+    Writing {
+        memo: HashMap<Shared<'v>, Option<u32>>,
+        next: u32,
+    },
 }
 
-struct Writer<'a, 'v> {
-    out: &'a mut Vec<u8>,
+/// A pickle being written one item at a time, in the order the unpickler's stack sees them.
+///
+/// Containers take their length up front (a tuple's opcode depends on it, a list or dict writes
+/// its `MARK` only when non-empty) and a closure that writes exactly that many items (for a dict,
+/// key then value, that many pairs). Objects are spelled as pickle does: the callable, its
+/// arguments as a tuple, [`Stream::call`], then any [`Stream::appends`], [`Stream::setitems`] and
+/// [`Stream::build`].
+pub struct Stream<'v> {
+    out: Vec<u8>,
     protocol: Protocol,
-    /// Values that occur more than once, with their memo index once written.
-    memo: HashMap<Shared<'v>, Option<u32>>,
-    next_memo: u32,
+    memo: Memo<'v>,
 }
 
-impl<'v> Writer<'_, 'v> {
-    fn op(&mut self, op: u8) {
-        self.out.push(op);
+impl<'v> Stream<'v> {
+    fn put(&mut self, bytes: &[u8]) {
+        if let Memo::Writing { .. } = self.memo {
+            self.out.extend_from_slice(bytes);
+        }
     }
 
-    /// Fetch `key` from the memo if it was written before; otherwise note that it is about to be.
-    /// Returns true when the value was fetched and nothing more needs writing.
-    fn recall(&mut self, key: Shared<'v>) -> bool {
-        match self.memo.get(&key) {
-            Some(Some(index)) => {
-                let index = *index;
-                match u8::try_from(index) {
-                    Ok(i) => {
-                        self.op(b'h');
-                        self.out.push(i);
-                    }
-                    Err(_) => {
-                        self.op(b'j');
-                        self.out.extend_from_slice(&index.to_le_bytes());
-                    }
-                }
-                true
-            }
-            _ => false,
+    fn op(&mut self, op: u8) {
+        self.put(&[op]);
+    }
+
+    /// Write a string or global through the memo: counted in the first pass; in the second, fetched
+    /// if it was written before, else written by `write` and stored if it occurs again.
+    fn shared(&mut self, key: Shared<'v>, write: impl FnOnce(&mut Self)) {
+        if let Memo::Counting(counts) = &mut self.memo {
+            *counts.entry(key).or_insert(0) += 1;
+        } else if !self.recall(key) {
+            write(self);
+            self.remember(key);
         }
+    }
+
+    /// Fetch `key` from the memo if it was written before. Returns true when it was.
+    fn recall(&mut self, key: Shared<'v>) -> bool {
+        let Memo::Writing { memo, .. } = &self.memo else {
+            return false;
+        };
+        let Some(&Some(index)) = memo.get(&key) else {
+            return false;
+        };
+        match u8::try_from(index) {
+            Ok(i) => self.put(&[b'h', i]),
+            Err(_) => {
+                self.op(b'j');
+                self.put(&index.to_le_bytes());
+            }
+        }
+        true
     }
 
     /// Store what was just written under `key`, if it occurs again later.
     fn remember(&mut self, key: Shared<'v>) {
-        let index = self.next_memo;
-        let Some(slot @ None) = self.memo.get_mut(&key) else {
+        let Memo::Writing { memo, next } = &mut self.memo else {
+            return;
+        };
+        let index = *next;
+        let Some(slot @ None) = memo.get_mut(&key) else {
             return;
         };
         // Past u32::MAX entries the value is simply written again.
-        let Some(next) = index.checked_add(1) else {
+        let Some(after) = index.checked_add(1) else {
             return;
         };
         *slot = Some(index);
-        self.next_memo = next;
+        *next = after;
         match self.protocol {
             // MEMOIZE stores at `len(memo)`, which is `index` because every entry is added here.
             Protocol::V4 => self.op(0x94),
             Protocol::V2 => match u8::try_from(index) {
-                Ok(i) => {
-                    self.op(b'q');
-                    self.out.push(i);
-                }
+                Ok(i) => self.put(&[b'q', i]),
                 Err(_) => {
                     self.op(b'r');
-                    self.out.extend_from_slice(&index.to_le_bytes());
+                    self.put(&index.to_le_bytes());
                 }
             },
         }
     }
 
-    fn value(&mut self, value: &'v Value) {
+    /// A whole [`Value`] tree.
+    pub fn value(&mut self, value: &'v Value) {
         match value {
-            Value::None => self.op(b'N'),
-            Value::Bool(true) => self.op(0x88),
-            Value::Bool(false) => self.op(0x89),
+            Value::None => self.none(),
+            Value::Bool(b) => self.bool(*b),
             Value::Int(i) => self.int(*i),
-            Value::Float(f) => {
-                self.op(b'G');
-                self.out.extend_from_slice(&f.to_be_bytes());
-            }
-            Value::Str(s) => {
-                if !self.recall(Shared::Str(s)) {
-                    self.str(s);
-                    self.remember(Shared::Str(s));
-                }
-            }
+            Value::Float(f) => self.float(*f),
+            Value::Str(s) => self.str(s),
             Value::Bytes(b) => self.bytes(b),
-            Value::Tuple(items) => self.tuple(items),
-            Value::List(items) => {
-                self.op(b']');
-                self.appends(items);
-            }
-            Value::Dict(items) => {
-                self.op(b'}');
-                self.setitems(items);
-            }
-            Value::Set(items) => {
-                self.op(0x8f);
-                if !items.is_empty() {
-                    self.op(b'(');
-                    items.iter().for_each(|v| self.value(v));
-                    self.op(0x90);
-                }
-            }
-            Value::Global(g) => {
-                let (module, name) = (&g.module, &g.name);
-                if !self.recall(Shared::Global(module, name)) {
-                    self.global(module, name);
-                    self.remember(Shared::Global(module, name));
-                }
-            }
+            Value::Tuple(items) => self.tuple(items.len(), |w| w.values(items)),
+            Value::List(items) => self.list(items.len(), |w| w.values(items)),
+            Value::Dict(items) => self.dict(items.len(), |w| w.pairs(items)),
+            Value::Set(items) => self.set(items.len(), |w| w.values(items)),
+            Value::Global(g) => self.global(&g.module, &g.name),
             Value::Object(object) => {
                 let Object {
                     callable,
@@ -218,14 +202,13 @@ impl<'v> Writer<'_, 'v> {
                     state,
                 } = &**object;
                 self.value(callable);
-                self.tuple(args);
-                self.op(if *new_obj { 0x81 } else { b'R' });
+                self.tuple(args.len(), |w| w.values(args));
+                self.call(*new_obj);
                 // CPython's `save_reduce` order: list items, dict items, then state.
-                self.appends(list_items);
-                self.setitems(dict_items);
+                self.appends(list_items.len(), |w| w.values(list_items));
+                self.setitems(dict_items.len(), |w| w.pairs(dict_items));
                 if let Some(state) = state {
-                    self.value(state);
-                    self.op(b'b');
+                    self.build(|w| w.value(state));
                 }
             }
             Value::PersistentId(pid) => {
@@ -235,17 +218,35 @@ impl<'v> Writer<'_, 'v> {
         }
     }
 
+    fn values(&mut self, items: &'v [Value]) {
+        items.iter().for_each(|v| self.value(v));
+    }
+
+    fn pairs(&mut self, items: &'v [(Value, Value)]) {
+        for (k, v) in items {
+            self.value(k);
+            self.value(v);
+        }
+    }
+
+    pub fn none(&mut self) {
+        self.op(b'N');
+    }
+
+    pub fn bool(&mut self, b: bool) {
+        self.op(if b { 0x88 } else { 0x89 });
+    }
+
     /// The smallest integer opcode, as CPython's `save_long` picks it.
-    fn int(&mut self, i: i64) {
+    pub fn int(&mut self, i: i64) {
         if let Ok(b) = u8::try_from(i) {
-            self.op(b'K');
-            self.out.push(b);
+            self.put(&[b'K', b]);
         } else if let Ok(b) = u16::try_from(i) {
             self.op(b'M');
-            self.out.extend_from_slice(&b.to_le_bytes());
+            self.put(&b.to_le_bytes());
         } else if let Ok(b) = i32::try_from(i) {
             self.op(b'J');
-            self.out.extend_from_slice(&b.to_le_bytes());
+            self.put(&b.to_le_bytes());
         } else {
             // LONG1 with the shortest two's complement that keeps the sign.
             let bytes = i.to_le_bytes();
@@ -259,111 +260,139 @@ impl<'v> Writer<'_, 'v> {
                 }
                 n -= 1;
             }
-            self.op(0x8a);
-            self.out.push(n as u8);
-            self.out.extend_from_slice(&bytes[..n]);
+            self.put(&[0x8a, n as u8]);
+            self.put(&bytes[..n]);
         }
     }
 
-    fn str(&mut self, s: &str) {
+    pub fn float(&mut self, f: f64) {
+        self.op(b'G');
+        self.put(&f.to_be_bytes());
+    }
+
+    /// A string, through the memo.
+    pub fn str(&mut self, s: &'v str) {
+        self.shared(Shared::Str(s), |w| w.raw_str(s));
+    }
+
+    fn raw_str(&mut self, s: &str) {
         let b = s.as_bytes();
         match (self.protocol, u8::try_from(b.len()), u32::try_from(b.len())) {
-            (Protocol::V4, Ok(n), _) => {
-                self.op(0x8c);
-                self.out.push(n);
-            }
+            (Protocol::V4, Ok(n), _) => self.put(&[0x8c, n]),
             (_, _, Ok(n)) => {
                 self.op(b'X');
-                self.out.extend_from_slice(&n.to_le_bytes());
+                self.put(&n.to_le_bytes());
             }
             _ => {
                 self.op(0x8d);
-                self.out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                self.put(&(b.len() as u64).to_le_bytes());
             }
         }
-        self.out.extend_from_slice(b);
+        self.put(b);
     }
 
-    fn bytes(&mut self, b: &[u8]) {
+    pub fn bytes(&mut self, b: &[u8]) {
         match (u8::try_from(b.len()), u32::try_from(b.len())) {
-            (Ok(n), _) => {
-                self.op(b'C');
-                self.out.push(n);
-            }
+            (Ok(n), _) => self.put(&[b'C', n]),
             (_, Ok(n)) => {
                 self.op(b'B');
-                self.out.extend_from_slice(&n.to_le_bytes());
+                self.put(&n.to_le_bytes());
             }
             _ => {
                 self.op(0x8e);
-                self.out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                self.put(&(b.len() as u64).to_le_bytes());
             }
         }
-        self.out.extend_from_slice(b);
+        self.put(b);
     }
 
-    fn tuple(&mut self, items: &'v [Value]) {
-        match items {
-            [] => self.op(b')'),
-            [a] => {
-                self.value(a);
-                self.op(0x85);
+    /// A module attribute `module.name`, through the memo.
+    pub fn global(&mut self, module: &'v str, name: &'v str) {
+        self.shared(Shared::Global(module, name), |w| {
+            let textual = !module.contains('\n') && !name.contains('\n');
+            if w.protocol == Protocol::V2 && textual {
+                w.op(b'c');
+                w.put(module.as_bytes());
+                w.op(b'\n');
+                w.put(name.as_bytes());
+                w.op(b'\n');
+            } else {
+                w.raw_str(module);
+                w.raw_str(name);
+                w.op(0x93);
             }
-            [a, b] => {
-                self.value(a);
-                self.value(b);
-                self.op(0x86);
+        });
+    }
+
+    /// A tuple of the `len` items `items` writes.
+    pub fn tuple(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+        match len {
+            0 => {
+                items(self);
+                self.op(b')');
             }
-            [a, b, c] => {
-                self.value(a);
-                self.value(b);
-                self.value(c);
-                self.op(0x87);
+            1..=3 => {
+                items(self);
+                self.op(0x84 + len as u8);
             }
             _ => {
                 self.op(b'(');
-                items.iter().for_each(|v| self.value(v));
+                items(self);
                 self.op(b't');
             }
         }
     }
 
-    /// Items into the list (or object) on top of the stack.
-    fn appends(&mut self, items: &'v [Value]) {
-        if items.is_empty() {
-            return;
-        }
-        self.op(b'(');
-        items.iter().for_each(|v| self.value(v));
-        self.op(b'e');
+    /// A list of the `len` items `items` writes.
+    pub fn list(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+        self.op(b']');
+        self.appends(len, items);
     }
 
-    /// Pairs into the dict (or object) on top of the stack.
-    fn setitems(&mut self, items: &'v [(Value, Value)]) {
-        if items.is_empty() {
-            return;
-        }
-        self.op(b'(');
-        for (k, v) in items {
-            self.value(k);
-            self.value(v);
-        }
-        self.op(b'u');
+    /// A dict of the `len` key-value pairs `pairs` writes, key first.
+    pub fn dict(&mut self, len: usize, pairs: impl FnOnce(&mut Self)) {
+        self.op(b'}');
+        self.setitems(len, pairs);
     }
 
-    fn global(&mut self, module: &str, name: &str) {
-        let textual = !module.contains('\n') && !name.contains('\n');
-        if self.protocol == Protocol::V2 && textual {
-            self.op(b'c');
-            self.out.extend_from_slice(module.as_bytes());
-            self.out.push(b'\n');
-            self.out.extend_from_slice(name.as_bytes());
-            self.out.push(b'\n');
-        } else {
-            self.str(module);
-            self.str(name);
-            self.op(0x93);
+    /// A set of the `len` items `items` writes.
+    pub fn set(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+        self.op(0x8f);
+        if len > 0 {
+            self.op(b'(');
+            items(self);
+            self.op(0x90);
         }
+    }
+
+    /// Call the callable under the argument tuple on the stack: `callable(*args)` (`REDUCE`), or
+    /// `callable.__new__(callable, *args)` (`NEWOBJ`) when `new_obj`.
+    pub fn call(&mut self, new_obj: bool) {
+        self.op(if new_obj { 0x81 } else { b'R' });
+    }
+
+    /// The `len` items `items` writes, appended to the list (or object) on top of the stack.
+    pub fn appends(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+        if len > 0 {
+            self.op(b'(');
+            items(self);
+            self.op(b'e');
+        }
+    }
+
+    /// The `len` pairs `pairs` writes, set into the dict (or object) on top of the stack.
+    pub fn setitems(&mut self, len: usize, pairs: impl FnOnce(&mut Self)) {
+        if len > 0 {
+            self.op(b'(');
+            pairs(self);
+            self.op(b'u');
+        }
+    }
+
+    /// The state `state` writes, given to the object on top of the stack (`BUILD`).
+    pub fn build(&mut self, state: impl FnOnce(&mut Self)) {
+        state(self);
+        self.op(b'b');
     }
 }
 
