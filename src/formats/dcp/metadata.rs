@@ -3,8 +3,9 @@
 //!
 //! The file is a pickle of dataclasses, so it is read with the data-only reader under a whitelist of
 //! exactly the globals DCP writes (current and older module paths, see [`DcpGlobals`]); anything else
-//! is refused by name before any meaning is read out of the tree. The writer builds the same object
-//! graph torch 2.15 pickles (protocol 4) and lets [`crate::pickle::write`] serialize it.
+//! is refused by name before any meaning is read out of the tree. The writer describes the same object
+//! graph torch 2.15 pickles (protocol 4) item by item to a [`pickle::Stream`], so no tree of it is
+//! ever built (that would cost kilobytes per tensor piece, and a reshard can have millions).
 //!
 //! What is not kept: `TensorProperties` besides the dtype (layout must be strided; `requires_grad`,
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
@@ -14,7 +15,7 @@ use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{contiguous_strides, numel, KeyPart};
-use crate::pickle::{self, Globals, Kind, Limits, Object, PickleError, Protocol, Value, View};
+use crate::pickle::{self, Globals, Kind, Limits, PickleError, Protocol, Stream, View};
 
 /// The parts of DCP's `Metadata` ckpt uses, in pickled order.
 #[derive(Clone, Debug, PartialEq)]
@@ -140,78 +141,72 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
 /// `storage_meta` is a `StorageMeta` with no ids or path. Sizes above `i64::MAX`, which no torch
 /// tensor can have, are written as `i64::MAX`.
 pub fn write(meta: &DcpMetadata) -> Vec<u8> {
-    let entries = meta.entries.iter().map(|e| match e {
-        DcpEntry::Tensor {
-            fqn,
-            dtype,
-            size,
-            chunks,
-        } => (
-            Value::Str(fqn.clone()),
-            tensor_storage_metadata(*dtype, size, chunks),
-        ),
-        DcpEntry::Bytes { fqn } => (
-            Value::Str(fqn.clone()),
-            new_obj(META, "BytesStorageMetadata", None),
-        ),
+    pickle::write_with(Protocol::V4, |w| metadata(w, meta))
+}
+
+/// `Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)`.
+fn metadata<'m>(w: &mut Stream<'m>, meta: &'m DcpMetadata) {
+    dataclass(w, META, "Metadata", |w| {
+        w.dict(5, |w| {
+            w.str("state_dict_metadata");
+            w.dict(meta.entries.len(), |w| {
+                for entry in &meta.entries {
+                    match entry {
+                        DcpEntry::Tensor {
+                            fqn,
+                            dtype,
+                            size,
+                            chunks,
+                        } => {
+                            w.str(fqn);
+                            tensor_storage_metadata(w, *dtype, size, chunks);
+                        }
+                        DcpEntry::Bytes { fqn } => {
+                            w.str(fqn);
+                            new_obj(w, META, "BytesStorageMetadata");
+                        }
+                    }
+                }
+            });
+            w.str("planner_data");
+            w.dict(meta.planner_data.len(), |w| {
+                for (fqn, path) in &meta.planner_data {
+                    w.str(fqn);
+                    w.tuple(path.len(), |w| {
+                        for part in path {
+                            match part {
+                                KeyPart::Key(k) => w.str(k),
+                                KeyPart::Index(i) | KeyPart::IntKey(i) => w.int(*i),
+                            }
+                        }
+                    });
+                }
+            });
+            w.str("storage_data");
+            w.dict(meta.storage.len(), |w| {
+                for (index, info) in &meta.storage {
+                    write_metadata_index(w, index);
+                    write_storage_info(w, info);
+                }
+            });
+            w.str("storage_meta");
+            dataclass(w, META, "StorageMeta", |w| {
+                w.dict(4, |w| {
+                    for name in ["checkpoint_id", "save_id", "load_id"] {
+                        w.str(name);
+                        w.none();
+                    }
+                    w.str("modules");
+                    w.list(0, |_| {});
+                });
+            });
+            w.str("version");
+            match &meta.version {
+                Some(v) => w.str(v),
+                None => w.none(),
+            }
+        });
     });
-    let planner_data = meta.planner_data.iter().map(|(fqn, path)| {
-        let parts = path
-            .iter()
-            .map(|p| match p {
-                KeyPart::Key(k) => Value::Str(k.clone()),
-                KeyPart::Index(i) | KeyPart::IntKey(i) => Value::Int(*i),
-            })
-            .collect();
-        (Value::Str(fqn.clone()), Value::Tuple(parts))
-    });
-    let storage = meta.storage.iter().map(|(index, info)| {
-        let mut key = vec![
-            field("fqn", Value::Str(index.fqn.clone())),
-            field("index", index.index.map_or(Value::None, Value::Int)),
-        ];
-        if let Some(offset) = &index.offset {
-            key.push(field("offset", torch_size(offset)));
-        }
-        let mut value = vec![
-            field("relative_path", Value::Str(info.relative_path.clone())),
-            field("offset", int(info.offset)),
-            field("length", int(info.length)),
-        ];
-        // torch leaves the field out when there are no transforms.
-        if !info.transforms.is_empty() {
-            let t = info
-                .transforms
-                .iter()
-                .map(|t| Value::Str(t.clone()))
-                .collect();
-            value.push(field("transform_descriptors", Value::List(t)));
-        }
-        (
-            new_obj(META, "MetadataIndex", Some(Value::Dict(key))),
-            new_obj(FS, "_StorageInfo", Some(Value::Dict(value))),
-        )
-    });
-    let storage_meta = Value::Dict(vec![
-        field("checkpoint_id", Value::None),
-        field("save_id", Value::None),
-        field("load_id", Value::None),
-        field("modules", Value::List(Vec::new())),
-    ]);
-    let state = Value::Dict(vec![
-        field("state_dict_metadata", Value::Dict(entries.collect())),
-        field("planner_data", Value::Dict(planner_data.collect())),
-        field("storage_data", Value::Dict(storage.collect())),
-        field(
-            "storage_meta",
-            new_obj(META, "StorageMeta", Some(storage_meta)),
-        ),
-        field(
-            "version",
-            meta.version.clone().map_or(Value::None, Value::Str),
-        ),
-    ]);
-    pickle::write(&new_obj(META, "Metadata", Some(state)), Protocol::V4)
 }
 
 /// Where DCP defines its classes now, and where torch 1.13 defined them (`torch.distributed._shard`
@@ -724,74 +719,261 @@ fn describe_opt(value: Option<View<'_>>) -> String {
     value.map_or_else(|| "missing".to_string(), describe)
 }
 
-fn int(v: u64) -> Value {
-    Value::Int(i64::try_from(v).unwrap_or(i64::MAX))
+fn int(w: &mut Stream<'_>, v: u64) {
+    w.int(i64::try_from(v).unwrap_or(i64::MAX));
 }
 
-fn field(name: &str, value: Value) -> (Value, Value) {
-    (Value::Str(name.to_string()), value)
+/// A dataclass with no state as pickle writes it: `cls.__new__(cls)`.
+fn new_obj<'m>(w: &mut Stream<'m>, module: &'m str, name: &'m str) {
+    w.global(module, name);
+    w.tuple(0, |_| {});
+    w.call(true);
 }
 
-/// A dataclass as pickle writes it: `cls.__new__(cls)` then `BUILD` with its state, if any.
-fn new_obj(module: &str, name: &str, state: Option<Value>) -> Value {
-    Value::Object(Box::new(Object {
-        callable: Value::global(module, name),
-        args: Vec::new(),
-        new_obj: true,
-        dict_items: Vec::new(),
-        list_items: Vec::new(),
-        state,
-    }))
+/// A dataclass as pickle writes it: `cls.__new__(cls)`, then `BUILD` with the state `state` writes.
+fn dataclass<'m>(
+    w: &mut Stream<'m>,
+    module: &'m str,
+    name: &'m str,
+    state: impl FnOnce(&mut Stream<'m>),
+) {
+    new_obj(w, module, name);
+    w.build(state);
 }
 
-fn torch_size(dims: &[u64]) -> Value {
-    Value::reduce(
-        "torch",
-        "Size",
-        vec![Value::Tuple(dims.iter().map(|&d| int(d)).collect())],
-    )
+fn torch_size(w: &mut Stream<'_>, dims: &[u64]) {
+    w.global("torch", "Size");
+    w.tuple(1, |w| {
+        w.tuple(dims.len(), |w| dims.iter().for_each(|&d| int(w, d)))
+    });
+    w.call(false);
 }
 
-fn tensor_storage_metadata(dtype: DType, size: &[u64], chunks: &[Chunk]) -> Value {
-    let strides = contiguous_strides(chunks.first().map_or(size, |c| &c.sizes));
-    let properties = Value::Tuple(vec![
-        Value::global("torch", dtype.torch_name()),
-        Value::reduce(
-            "torch.serialization",
-            "_get_layout",
-            vec![Value::Str("torch.strided".into())],
-        ),
-        Value::Bool(false),
-        // `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`
-        Value::reduce(META, "_MEM_FORMAT_ENCODING", vec![Value::Int(0)]),
-        Value::Bool(false),
-        Value::Tuple(strides.into_iter().map(int).collect()),
-    ]);
-    let chunks = chunks
-        .iter()
-        .map(|c| {
-            let state = Value::Dict(vec![
-                field("offsets", torch_size(&c.offsets)),
-                field("sizes", torch_size(&c.sizes)),
-            ]);
-            new_obj(META, "ChunkStorageMetadata", Some(state))
-        })
-        .collect();
-    let state = Value::Dict(vec![
-        field(
-            "properties",
-            new_obj(META, "TensorProperties", Some(properties)),
-        ),
-        field("size", torch_size(size)),
-        field("chunks", Value::List(chunks)),
-    ]);
-    new_obj(META, "TensorStorageMetadata", Some(state))
+fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunks: &[Chunk]) {
+    dataclass(w, META, "TensorStorageMetadata", |w| {
+        w.dict(3, |w| {
+            w.str("properties");
+            dataclass(w, META, "TensorProperties", |w| {
+                let strides = contiguous_strides(chunks.first().map_or(size, |c| &c.sizes));
+                w.tuple(6, |w| {
+                    w.global("torch", dtype.torch_name());
+                    w.global("torch.serialization", "_get_layout");
+                    w.tuple(1, |w| w.str("torch.strided"));
+                    w.call(false);
+                    w.bool(false);
+                    // `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`
+                    w.global(META, "_MEM_FORMAT_ENCODING");
+                    w.tuple(1, |w| w.int(0));
+                    w.call(false);
+                    w.bool(false);
+                    w.tuple(strides.len(), |w| strides.iter().for_each(|&s| int(w, s)));
+                });
+            });
+            w.str("size");
+            torch_size(w, size);
+            w.str("chunks");
+            w.list(chunks.len(), |w| {
+                for c in chunks {
+                    dataclass(w, META, "ChunkStorageMetadata", |w| {
+                        w.dict(2, |w| {
+                            w.str("offsets");
+                            torch_size(w, &c.offsets);
+                            w.str("sizes");
+                            torch_size(w, &c.sizes);
+                        });
+                    });
+                }
+            });
+        });
+    });
+}
+
+/// `MetadataIndex`'s state: `fqn`, `index`, and `offset` for tensors.
+fn write_metadata_index<'m>(w: &mut Stream<'m>, index: &'m MetadataIndex) {
+    dataclass(w, META, "MetadataIndex", |w| {
+        w.dict(2 + usize::from(index.offset.is_some()), |w| {
+            w.str("fqn");
+            w.str(&index.fqn);
+            w.str("index");
+            match index.index {
+                Some(i) => w.int(i),
+                None => w.none(),
+            }
+            if let Some(offset) = &index.offset {
+                w.str("offset");
+                torch_size(w, offset);
+            }
+        });
+    });
+}
+
+fn write_storage_info<'m>(w: &mut Stream<'m>, info: &'m StorageInfo) {
+    dataclass(w, FS, "_StorageInfo", |w| {
+        // torch leaves `transform_descriptors` out when there are none.
+        let transforms = &info.transforms;
+        w.dict(3 + usize::from(!transforms.is_empty()), |w| {
+            w.str("relative_path");
+            w.str(&info.relative_path);
+            w.str("offset");
+            int(w, info.offset);
+            w.str("length");
+            int(w, info.length);
+            if !transforms.is_empty() {
+                w.str("transform_descriptors");
+                w.list(transforms.len(), |w| {
+                    transforms.iter().for_each(|t| w.str(t))
+                });
+            }
+        });
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pickle::{Object, Value};
     use proptest::prelude::*;
+
+    /// The writer before [`write`] streamed: the whole `Metadata` as a [`Value`] tree, then
+    /// serialized. Kept to check the streamed bytes against.
+    fn write_tree(meta: &DcpMetadata) -> Vec<u8> {
+        let entries = meta.entries.iter().map(|e| match e {
+            DcpEntry::Tensor {
+                fqn,
+                dtype,
+                size,
+                chunks,
+            } => (
+                Value::Str(fqn.clone()),
+                tensor_storage_metadata(*dtype, size, chunks),
+            ),
+            DcpEntry::Bytes { fqn } => (
+                Value::Str(fqn.clone()),
+                new_obj(META, "BytesStorageMetadata", None),
+            ),
+        });
+        let planner_data = meta.planner_data.iter().map(|(fqn, path)| {
+            let parts = path
+                .iter()
+                .map(|p| match p {
+                    KeyPart::Key(k) => Value::Str(k.clone()),
+                    KeyPart::Index(i) | KeyPart::IntKey(i) => Value::Int(*i),
+                })
+                .collect();
+            (Value::Str(fqn.clone()), Value::Tuple(parts))
+        });
+        let storage = meta.storage.iter().map(|(index, info)| {
+            let mut key = vec![
+                field("fqn", Value::Str(index.fqn.clone())),
+                field("index", index.index.map_or(Value::None, Value::Int)),
+            ];
+            if let Some(offset) = &index.offset {
+                key.push(field("offset", torch_size(offset)));
+            }
+            let mut value = vec![
+                field("relative_path", Value::Str(info.relative_path.clone())),
+                field("offset", int(info.offset)),
+                field("length", int(info.length)),
+            ];
+            // torch leaves the field out when there are no transforms.
+            if !info.transforms.is_empty() {
+                let t = info
+                    .transforms
+                    .iter()
+                    .map(|t| Value::Str(t.clone()))
+                    .collect();
+                value.push(field("transform_descriptors", Value::List(t)));
+            }
+            (
+                new_obj(META, "MetadataIndex", Some(Value::Dict(key))),
+                new_obj(FS, "_StorageInfo", Some(Value::Dict(value))),
+            )
+        });
+        let storage_meta = Value::Dict(vec![
+            field("checkpoint_id", Value::None),
+            field("save_id", Value::None),
+            field("load_id", Value::None),
+            field("modules", Value::List(Vec::new())),
+        ]);
+        let state = Value::Dict(vec![
+            field("state_dict_metadata", Value::Dict(entries.collect())),
+            field("planner_data", Value::Dict(planner_data.collect())),
+            field("storage_data", Value::Dict(storage.collect())),
+            field(
+                "storage_meta",
+                new_obj(META, "StorageMeta", Some(storage_meta)),
+            ),
+            field(
+                "version",
+                meta.version.clone().map_or(Value::None, Value::Str),
+            ),
+        ]);
+        pickle::write(&new_obj(META, "Metadata", Some(state)), Protocol::V4)
+    }
+
+    fn int(v: u64) -> Value {
+        Value::Int(i64::try_from(v).unwrap_or(i64::MAX))
+    }
+
+    fn field(name: &str, value: Value) -> (Value, Value) {
+        (Value::Str(name.to_string()), value)
+    }
+
+    /// A dataclass as pickle writes it: `cls.__new__(cls)` then `BUILD` with its state, if any.
+    fn new_obj(module: &str, name: &str, state: Option<Value>) -> Value {
+        Value::Object(Box::new(Object {
+            callable: Value::global(module, name),
+            args: Vec::new(),
+            new_obj: true,
+            dict_items: Vec::new(),
+            list_items: Vec::new(),
+            state,
+        }))
+    }
+
+    fn torch_size(dims: &[u64]) -> Value {
+        Value::reduce(
+            "torch",
+            "Size",
+            vec![Value::Tuple(dims.iter().map(|&d| int(d)).collect())],
+        )
+    }
+
+    fn tensor_storage_metadata(dtype: DType, size: &[u64], chunks: &[Chunk]) -> Value {
+        let strides = contiguous_strides(chunks.first().map_or(size, |c| &c.sizes));
+        let properties = Value::Tuple(vec![
+            Value::global("torch", dtype.torch_name()),
+            Value::reduce(
+                "torch.serialization",
+                "_get_layout",
+                vec![Value::Str("torch.strided".into())],
+            ),
+            Value::Bool(false),
+            // `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`
+            Value::reduce(META, "_MEM_FORMAT_ENCODING", vec![Value::Int(0)]),
+            Value::Bool(false),
+            Value::Tuple(strides.into_iter().map(int).collect()),
+        ]);
+        let chunks = chunks
+            .iter()
+            .map(|c| {
+                let state = Value::Dict(vec![
+                    field("offsets", torch_size(&c.offsets)),
+                    field("sizes", torch_size(&c.sizes)),
+                ]);
+                new_obj(META, "ChunkStorageMetadata", Some(state))
+            })
+            .collect();
+        let state = Value::Dict(vec![
+            field(
+                "properties",
+                new_obj(META, "TensorProperties", Some(properties)),
+            ),
+            field("size", torch_size(size)),
+            field("chunks", Value::List(chunks)),
+        ]);
+        new_obj(META, "TensorStorageMetadata", Some(state))
+    }
 
     // Real files written by torch 2.15 (see `testdata/make_fixtures.py`).
     /// One process: every dtype ckpt knows, a 0-dim, an empty and a transposed tensor, a list in
@@ -1408,6 +1590,87 @@ mod tests {
             ("synthetic-40x300", 1137984, 0x004b_318a_4a8b_0592),
         ];
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn streamed_bytes_equal_the_tree_writers() {
+        for real in [SINGLE, SHARDED4, ZSTD, LEGACY] {
+            let meta = parse(real).unwrap();
+            assert_eq!(write(&meta), write_tree(&meta));
+        }
+        for (tensors, pieces) in [(0, 0), (1, 1), (3, 0), (40, 300), (300, 2)] {
+            let meta = synthetic(tensors, pieces);
+            assert_eq!(write(&meta), write_tree(&meta), "{tensors}x{pieces}");
+        }
+    }
+
+    /// Random metadata; names come from small pools so that strings repeat (or not) every way.
+    fn any_metadata() -> impl Strategy<Value = DcpMetadata> {
+        let name = || prop::sample::select(vec!["a", "b.c", "offset", "torch", "Size", "x\ny"]);
+        let dims = || prop::collection::vec(any::<u64>(), 0..5);
+        let entry = prop_oneof![
+            (
+                name(),
+                prop::sample::select(DType::ALL.to_vec()),
+                dims(),
+                prop::collection::vec((dims(), dims()), 0..4),
+            )
+                .prop_map(|(fqn, dtype, size, chunks)| DcpEntry::Tensor {
+                    fqn: fqn.into(),
+                    dtype,
+                    size,
+                    chunks: chunks
+                        .into_iter()
+                        .map(|(offsets, sizes)| Chunk { offsets, sizes })
+                        .collect(),
+                }),
+            name().prop_map(|fqn| DcpEntry::Bytes { fqn: fqn.into() }),
+        ];
+        let storage = (
+            name(),
+            prop::option::of(dims()),
+            prop::option::of(any::<i64>()),
+            name(),
+            any::<u64>(),
+            any::<u64>(),
+            prop::collection::vec(name(), 0..3),
+        )
+            .prop_map(|(fqn, offset, index, path, off, len, transforms)| {
+                (
+                    MetadataIndex {
+                        fqn: fqn.into(),
+                        offset,
+                        index,
+                    },
+                    info(path, off, len, &transforms),
+                )
+            });
+        let part = prop_oneof![
+            name().prop_map(|k| KeyPart::Key(k.into())),
+            any::<i64>().prop_map(KeyPart::Index),
+            any::<i64>().prop_map(KeyPart::IntKey),
+        ];
+        (
+            prop::collection::vec(entry, 0..6),
+            prop::collection::vec(storage, 0..8),
+            prop::collection::vec((name(), prop::collection::vec(part, 0..5)), 0..5),
+            prop::option::of(name()),
+        )
+            .prop_map(|(entries, storage, planner, version)| DcpMetadata {
+                entries,
+                storage,
+                planner_data: planner.into_iter().map(|(f, p)| (f.into(), p)).collect(),
+                version: version.map(String::from),
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn streamed_bytes_equal_the_tree_writers_for_any_metadata(meta in any_metadata()) {
+            prop_assert_eq!(write(&meta), write_tree(&meta));
+        }
     }
 
     /// One random edit of a byte string: overwrite, insert, delete, or cut.
