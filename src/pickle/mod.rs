@@ -7,6 +7,8 @@
 //! any other is an error naming it. Format modules then read meaning out of it: [`parse`] gives a
 //! compact [`Graph`] read in place through a [`View`] (what DCP's `.metadata`, which can hold
 //! millions of objects, uses), and [`read`] an owned [`Value`] tree (for small pickles and tests).
+//! Writing likewise takes a [`Value`] tree ([`write()`]) or, for pickles too large to hold as one,
+//! items described one at a time to a [`Stream`] ([`write_with`]).
 
 mod graph;
 mod read;

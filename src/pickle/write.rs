@@ -45,14 +45,15 @@ pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v>)) ->
         memo: Memo::Counting(HashMap::new()),
     };
     describe(&mut counter);
-    let Memo::Counting(counts) = counter.memo else {
-        unreachable!("the counting pass never starts writing")
+    let repeated = match counter.memo {
+        Memo::Counting(counts) => counts
+            .into_iter()
+            .filter(|&(_, n)| n > 1)
+            .map(|(k, _)| (k, None))
+            .collect(),
+        // Not reached: a stream never changes pass.
+        Memo::Writing { memo, .. } => memo,
     };
-    let repeated = counts
-        .into_iter()
-        .filter(|&(_, n)| n > 1)
-        .map(|(k, _)| (k, None))
-        .collect();
     // The header goes first so the body never has to be copied behind it; protocol 4's frame
     // length is filled in once the body is known.
     let out = match protocol {
