@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use crate::cast;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{contiguous_strides, Encoding};
-use crate::plan::{Fill, Plan, Region};
+use crate::plan::{FilePlan, Fill, Plan, Region};
 
 /// Largest destination run one work unit gathers.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -236,7 +236,7 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             crc_patches.extend(f.regions[ri].crc_slots.iter().map(|&slot| (slot, crc)));
         }
         if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
-            write_literals(out, path, &f.literals, &crc_patches)?;
+            write_literals(out, path, f, &crc_patches)?;
         }
     }
     if opts.durable {
@@ -645,57 +645,82 @@ fn copy_direct(
 ///
 /// Literals are written after the data so that the CRCs are known: adjacent literals (a torch.save
 /// item's trailer and the next item's headers) go out as one write with the CRC slots inside them
-/// filled in memory, instead of one small write per header and per slot.
+/// filled in memory, instead of one small write per header and per slot. They arrive in offset
+/// order from [`FilePlan::for_each_literal`], which renders DCP items one at a time, so memory is
+/// one run of adjacent literals.
 fn write_literals(
     out: &File,
     path: &Path,
-    literals: &[(u64, Vec<u8>)],
+    file: &FilePlan,
     crc_patches: &[(u64, [u8; 4])],
 ) -> Result<()> {
-    let mut order: Vec<&(u64, Vec<u8>)> = literals.iter().collect();
-    order.sort_by_key(|(offset, _)| *offset);
     let mut patches = crc_patches.to_vec();
     patches.sort_by_key(|(slot, _)| *slot);
-    let mut patched = vec![false; patches.len()];
-    let mut flush = |start: u64, run: &mut Vec<u8>| -> Result<()> {
-        let end = start + run.len() as u64;
-        let first = patches.partition_point(|(slot, _)| *slot < start);
-        for (k, (slot, crc)) in patches.iter().enumerate().skip(first) {
-            if *slot + 4 > end {
-                break;
-            }
-            let at = (*slot - start) as usize;
-            run[at..at + 4].copy_from_slice(crc);
-            patched[k] = true;
-        }
-        out.write_all_at(run, start)
-            .map_err(|e| Error::io(path, e).at(start))?;
-        run.clear();
-        Ok(())
+    let mut w = LiteralWriter {
+        out,
+        path,
+        patched: vec![false; patches.len()],
+        patches,
+        run: Vec::new(),
+        run_start: 0,
     };
-    let mut run = Vec::new();
-    let mut run_start = 0;
-    for (offset, bytes) in order {
-        if !run.is_empty() && run_start + run.len() as u64 != *offset {
-            flush(run_start, &mut run)?;
-        }
-        if run.is_empty() {
-            run_start = *offset;
-        }
-        run.extend_from_slice(bytes);
-    }
-    if !run.is_empty() {
-        flush(run_start, &mut run)?;
-    }
+    file.for_each_literal(|offset, bytes| w.push(offset, bytes))?;
+    w.flush()?;
     // A slot outside every literal (none in the layouts ckpt plans today) is written on its own,
     // after the literals so that no literal overwrites it.
-    for ((slot, crc), done) in patches.iter().zip(&patched) {
+    for ((slot, crc), done) in w.patches.iter().zip(&w.patched) {
         if !done {
             out.write_all_at(crc, *slot)
                 .map_err(|e| Error::io(path, e).at(*slot))?;
         }
     }
     Ok(())
+}
+
+/// Gathers adjacent literals into one run and writes it, CRCs patched in, when the next literal
+/// does not follow on.
+struct LiteralWriter<'a> {
+    out: &'a File,
+    path: &'a Path,
+    /// Sorted by slot.
+    patches: Vec<(u64, [u8; 4])>,
+    patched: Vec<bool>,
+    run: Vec<u8>,
+    run_start: u64,
+}
+
+impl LiteralWriter<'_> {
+    fn push(&mut self, offset: u64, bytes: &[u8]) -> Result<()> {
+        if !self.run.is_empty() && self.run_start + self.run.len() as u64 != offset {
+            self.flush()?;
+        }
+        if self.run.is_empty() {
+            self.run_start = offset;
+        }
+        self.run.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.run.is_empty() {
+            return Ok(());
+        }
+        let (start, end) = (self.run_start, self.run_start + self.run.len() as u64);
+        let first = self.patches.partition_point(|(slot, _)| *slot < start);
+        for (k, (slot, crc)) in self.patches.iter().enumerate().skip(first) {
+            if *slot + 4 > end {
+                break;
+            }
+            let at = (*slot - start) as usize;
+            self.run[at..at + 4].copy_from_slice(crc);
+            self.patched[k] = true;
+        }
+        self.out
+            .write_all_at(&self.run, start)
+            .map_err(|e| Error::io(self.path, e).at(start))?;
+        self.run.clear();
+        Ok(())
+    }
 }
 
 /// Ask the kernel to start writing `file`'s dirty pages to disk, without waiting.
@@ -857,15 +882,18 @@ mod tests {
         let path = dir.path().join("out");
         let file = create_output(&path, 20).unwrap();
         // Two adjacent literals given out of order, and one apart.
-        let literals = vec![
-            (4, b"efgh".to_vec()),
-            (0, b"abcd".to_vec()),
-            (10, b"xyz".to_vec()),
-        ];
+        let plan = FilePlan {
+            literals: vec![
+                (4, b"efgh".to_vec()),
+                (0, b"abcd".to_vec()),
+                (10, b"xyz".to_vec()),
+            ],
+            ..FilePlan::default()
+        };
         // A slot inside the merged run, one among data bytes, one running past the lone literal
         // (written on its own, after the literal, so the literal does not overwrite it).
         let patches = [(2, *b"1234"), (16, *b"5678"), (10, *b"9999")];
-        write_literals(&file, &path, &literals, &patches).unwrap();
+        write_literals(&file, &path, &plan, &patches).unwrap();
         let got = std::fs::read(&path).unwrap();
         assert_eq!(&got, b"ab1234gh\x00\x009999\x00\x005678");
     }

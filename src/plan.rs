@@ -35,7 +35,65 @@ pub struct FilePlan {
     pub len: u64,
     /// Bytes known at planning time, by offset.
     pub literals: Vec<(u64, Vec<u8>)>,
+    /// DCP items of one tensor box each, whose framing (ZIP headers and a pickle, about 1.6 KiB)
+    /// is rendered when the file is written instead of being held here: a reshard to many ranks
+    /// has a million of them. See [`FilePlan::for_each_literal`].
+    pub tensor_items: Vec<TensorItem>,
     pub regions: Vec<Region>,
+}
+
+impl FilePlan {
+    /// Visit every literal byte run of the file in offset order: `literals`, and the framing of
+    /// each of `tensor_items`, rendered one item at a time so that only one is in memory.
+    pub fn for_each_literal(&self, mut visit: impl FnMut(u64, &[u8]) -> Result<()>) -> Result<()> {
+        let mut plain: Vec<&(u64, Vec<u8>)> = self.literals.iter().collect();
+        plain.sort_by_key(|(offset, _)| *offset);
+        let mut plain = plain.into_iter().peekable();
+        let mut items: Vec<&TensorItem> = self.tensor_items.iter().collect();
+        items.sort_by_key(|item| item.base);
+        for item in items {
+            for (offset, bytes) in item.layout().literals {
+                let at = item.base + offset;
+                while let Some((o, b)) = plain.next_if(|(o, _)| *o < at) {
+                    visit(*o, b)?;
+                }
+                visit(at, &bytes)?;
+            }
+        }
+        for (o, b) in plain {
+            visit(*o, b)?;
+        }
+        Ok(())
+    }
+}
+
+/// A torch.save archive at `base` holding one contiguous tensor of `dtype` and `shape` (its data
+/// is a [`Region`]): how DCP stores each piece. Its bytes are a pure function of these fields.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorItem {
+    pub base: u64,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+impl TensorItem {
+    fn layout(&self) -> zip::ZipLayout {
+        zip::layout(&self.records())
+    }
+
+    fn records(&self) -> Vec<zip::ZipRecord> {
+        let leaf = torch_save::WriteLeaf::Tensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            storage_key: "0".into(),
+        };
+        let nbytes = crate::model::numel(&self.shape).unwrap_or(0) * self.dtype.size() as u64;
+        torch_save::records(
+            "archive",
+            torch_save::data_pkl(&[(Vec::new(), leaf)]),
+            &[("0".to_string(), nbytes)],
+        )
+    }
 }
 
 /// A row-major, contiguous run of one tensor's data in a destination file.
@@ -272,7 +330,7 @@ impl<'a> Planner<'a> {
             path: PathBuf::from(name),
             len: data_start + ranges.last().map_or(0, |r| r.1),
             literals: vec![(0, header)],
-            regions: Vec::new(),
+            ..FilePlan::default()
         };
         for ((i, b), (begin, _)) in boxes.iter().zip(&ranges) {
             let t = &self.ckpt.tensors[*i];
@@ -317,7 +375,7 @@ impl<'a> Planner<'a> {
             path: PathBuf::from(hf_index::INDEX_NAME),
             len: index.len() as u64,
             literals: vec![(0, index)],
-            regions: Vec::new(),
+            ..FilePlan::default()
         });
     }
 
@@ -388,12 +446,25 @@ impl<'a> Planner<'a> {
         file: &mut FilePlan,
         base: u64,
         records: &[zip::ZipRecord],
-        mut region_for: impl FnMut(&mut Self, &str) -> Option<Region>,
+        region_for: impl FnMut(&mut Self, &str) -> Option<Region>,
     ) -> Result<Vec<Region>> {
-        let layout = zip::layout(records);
-        for (offset, bytes) in layout.literals {
+        let mut layout = zip::layout(records);
+        for (offset, bytes) in std::mem::take(&mut layout.literals) {
             file.literals.push((base + offset, bytes));
         }
+        self.place_archive(file, base, records, &layout, region_for)
+    }
+
+    /// Place the regions of an archive laid out as `layout` at `base` in `file` (see
+    /// [`Planner::archive_into`]), without its literals.
+    fn place_archive(
+        &mut self,
+        file: &mut FilePlan,
+        base: u64,
+        records: &[zip::ZipRecord],
+        layout: &zip::ZipLayout,
+        mut region_for: impl FnMut(&mut Self, &str) -> Option<Region>,
+    ) -> Result<Vec<Region>> {
         let mut regions = Vec::new();
         for (k, record) in records.iter().enumerate() {
             if record.content.is_some() {
@@ -479,22 +550,19 @@ impl<'a> Planner<'a> {
             };
             for (i, b) in items {
                 let t = &ckpt.tensors[*i];
-                let dtype = self.out_dtype(t);
-                let leaf = torch_save::WriteLeaf::Tensor {
-                    dtype,
-                    shape: b.sizes.clone(),
-                    storage_key: "0".into(),
-                };
-                let nbytes = b.numel().unwrap_or(0) * dtype.size() as u64;
-                let records = torch_save::records(
-                    "archive",
-                    torch_save::data_pkl(&[(Vec::new(), leaf)]),
-                    &[("0".to_string(), nbytes)],
-                );
                 let base = file.len;
-                let regions =
-                    self.archive_into(&mut file, base, &records, |p, _| Some(p.region(t, b, 0)))?;
+                let item = TensorItem {
+                    base,
+                    dtype: self.out_dtype(t),
+                    shape: b.sizes.clone(),
+                };
+                let records = item.records();
+                let layout = zip::layout(&records);
+                let regions = self.place_archive(&mut file, base, &records, &layout, |p, _| {
+                    Some(p.region(t, b, 0))
+                })?;
                 file.regions.extend(regions);
+                file.tensor_items.push(item);
                 storage.push((
                     MetadataIndex {
                         fqn: t.name.clone(),
@@ -567,7 +635,7 @@ impl<'a> Planner<'a> {
             path: PathBuf::from(".metadata"),
             len: bytes.len() as u64,
             literals: vec![(0, bytes)],
-            regions: Vec::new(),
+            ..FilePlan::default()
         });
         Ok(())
     }
@@ -669,4 +737,44 @@ fn check_tensor(t: &Tensor) -> Result<()> {
             .hint("run `ckpt verify` on the input for details"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literals_and_rendered_items_come_in_offset_order() {
+        let item = TensorItem {
+            base: 4,
+            dtype: DType::F32,
+            shape: vec![2, 3],
+        };
+        let layout = item.layout();
+        let after = 4 + layout.len;
+        let file = FilePlan {
+            literals: vec![(after, b"zz".to_vec()), (0, b"head".to_vec())],
+            tensor_items: vec![item],
+            ..FilePlan::default()
+        };
+        let mut seen = Vec::new();
+        file.for_each_literal(|at, bytes| {
+            seen.push((at, bytes.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        // The plain literals first and last, the item's framing in between, shifted to its base
+        // and byte for byte what the ZIP layout gives.
+        assert_eq!(seen.first(), Some(&(0, b"head".to_vec())));
+        assert_eq!(seen.last(), Some(&(after, b"zz".to_vec())));
+        let middle: Vec<(u64, Vec<u8>)> = layout
+            .literals
+            .iter()
+            .map(|(o, b)| (4 + o, b.clone()))
+            .collect();
+        assert_eq!(&seen[1..seen.len() - 1], &middle[..]);
+        assert!(seen
+            .windows(2)
+            .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0));
+    }
 }
