@@ -54,8 +54,9 @@ pub struct ExecOptions<'a> {
     pub progress: &'a dyn Progress,
     /// Set (e.g. by a Ctrl-C handler) to stop early with an error.
     pub cancel: &'a AtomicBool,
-    /// Make outputs durable before returning: start each block's writeback as soon as it is written
-    /// (so the disk works while later blocks are copied) and fsync every output at the end.
+    /// Make outputs durable before returning: start each output's writeback every
+    /// [`WRITEBACK_BYTES`] written (so the disk works while later blocks are copied) and fsync
+    /// every output at the end.
     pub durable: bool,
 }
 

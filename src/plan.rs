@@ -1,7 +1,8 @@
 //! The planner: a checkpoint and a target layout in, a [`Plan`] out, with no I/O.
 //!
 //! A plan lists every destination file with its length, its literal bytes (headers, pickles, ZIP
-//! framing, written by the format modules) and its [`Region`]s: runs of tensor data, each filled from
+//! framing, written by the format modules; for DCP pieces, rendered from a few fields when written,
+//! see [`FilePlan::for_each_literal`]) and its [`Region`]s: runs of tensor data, each filled from
 //! boxes of source pieces ([`Fill`]). Because the planner only does arithmetic, property tests can
 //! check that every destination byte is written exactly once.
 
