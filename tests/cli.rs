@@ -1,10 +1,13 @@
 //! Integration tests of the `ckpt` binary on the committed fixtures (written by real PyTorch, see
 //! `fixtures/generate.py`). Every test works in its own temporary directory.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::Value;
+
+mod common;
+use common::{copy_tree, fixtures, TestEnv};
 
 /// Every checkpoint fixture, by the name of its `fixtures/expected/<name>.json`.
 const FIXTURES: &[(&str, &str)] = &[
@@ -17,47 +20,6 @@ const FIXTURES: &[(&str, &str)] = &[
     ("hf_split", "hf_split"),
     ("torch_save", "torch_save.bin"),
 ];
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
-/// A temporary directory for one test, removed at the end.
-struct TestEnv {
-    dir: tempfile::TempDir,
-}
-
-impl TestEnv {
-    fn new() -> TestEnv {
-        TestEnv {
-            dir: tempfile::tempdir().expect("temp dir"),
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// Copy a fixture (file or directory) into the temp dir, to damage it safely.
-    fn copy_fixture(&self, name: &str) -> PathBuf {
-        let src = fixtures().join(name);
-        let dst = self.path(name);
-        copy_tree(&src, &dst);
-        dst
-    }
-}
-
-fn copy_tree(src: &Path, dst: &Path) {
-    if src.is_dir() {
-        std::fs::create_dir_all(dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            copy_tree(&e.path(), &dst.join(e.file_name()));
-        }
-    } else {
-        std::fs::copy(src, dst).unwrap();
-    }
-}
 
 fn ckpt(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));

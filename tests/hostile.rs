@@ -13,7 +13,6 @@
 //! `scripts/fuzz` fuzzes the same entry points (fuzz/fuzz_targets); add any crash it finds here
 //! as a test with the input's bytes embedded.
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -25,87 +24,19 @@ use ckpt::formats::dcp::metadata::{
 };
 use ckpt::formats::zip::{self, ZipRecord};
 use ckpt::model::KeyPart;
+
+mod common;
 use ckpt::pickle::{self, Limits, Object, Protocol, Value};
+use common::{fixtures, TestEnv};
 
 // ---------------------------------------------------------------------------------------------
 // Harness
 // ---------------------------------------------------------------------------------------------
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
 /// Longest a single ckpt run on a tiny input may take before it counts as a hang.
 const RUN_LIMIT: Duration = Duration::from_secs(60);
 /// Address space a run may reserve (KiB, for `ulimit -v`): far more than any input here needs.
 const MEMORY_LIMIT_KIB: u64 = 4 << 20;
-
-/// A temporary directory for one test, removed at the end.
-struct TestEnv {
-    dir: tempfile::TempDir,
-}
-
-impl TestEnv {
-    fn new() -> TestEnv {
-        TestEnv {
-            dir: tempfile::tempdir().expect("temp dir"),
-        }
-    }
-
-    fn root(&self) -> &Path {
-        self.dir.path()
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
-        let path = self.path(name);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).unwrap();
-        }
-        std::fs::write(&path, bytes).unwrap();
-        path
-    }
-
-    /// Copy a fixture (file or directory) into the temp dir, to damage it safely.
-    fn copy_fixture(&self, name: &str) -> PathBuf {
-        let dst = self.path(name);
-        copy_tree(&fixtures().join(name), &dst);
-        dst
-    }
-
-    /// Every path under the temp dir with its kind and length: what "nothing changed" compares.
-    fn snapshot(&self) -> BTreeMap<PathBuf, (bool, u64)> {
-        let mut out = BTreeMap::new();
-        walk(self.root(), &mut out);
-        out
-    }
-}
-
-fn walk(dir: &Path, out: &mut BTreeMap<PathBuf, (bool, u64)>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        let meta = std::fs::symlink_metadata(&p).unwrap();
-        out.insert(p.clone(), (meta.is_dir(), meta.len()));
-        if meta.is_dir() {
-            walk(&p, out);
-        }
-    }
-}
-
-fn copy_tree(src: &Path, dst: &Path) {
-    if src.is_dir() {
-        std::fs::create_dir_all(dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            copy_tree(&e.path(), &dst.join(e.file_name()));
-        }
-    } else {
-        std::fs::copy(src, dst).unwrap();
-    }
-}
 
 /// What one run of the binary did.
 struct Run {
