@@ -1,6 +1,7 @@
 //! Writes a synthetic FULL bf16 checkpoint (one safetensors file) with Llama-like shapes, for
 //! benchmarks: `cargo run --release --example synth -- --size 4GB --out PATH.safetensors [--seed N]
-//! [--layers L]`.
+//! [--layers L]`, or N tensors of one shape: `synth --tensors N --shape AxB[xC..] --out PATH
+//! [--dtype bf16|f16|f32] [--seed N]`.
 //!
 //! The model is scaled to the requested size: the widest hidden size (from a fixed ladder) that
 //! still gives at least 16 layers, then as many layers as fit. At 2.7GB this is TinyLlama-like
@@ -8,7 +9,10 @@
 //! `--layers L` fixes the layer count (so the tensor count, 3 + 9L) and picks the hidden size, a
 //! multiple of 64, instead: inputs of different sizes then differ only in bytes, which is what a
 //! memory-flatness check needs.
-//! Bytes are xorshift noise with the top exponent bit cleared, so every bf16 value is finite
+//! `--tensors N --shape AxB` writes N tensors `layers.{i}.weight` (i = 0..N) of that shape instead,
+//! in that order, for many-piece inputs (2048 tensors of [1024, 32] resharded to 1024 ranks is
+//! 2,097,152 pieces); `--dtype` picks bf16 (default), f16 or f32 for them.
+//! Bytes are xorshift noise with the top exponent bit cleared, so every value is finite
 //! (|x| < 2) and `ckpt verify --deep` stays quiet. Memory is bounded: one 8 MiB buffer.
 
 use std::fs::File;
@@ -25,11 +29,38 @@ const DIMS: [u64; 11] = [
 const MIN_LAYERS: u64 = 16;
 const BUF: usize = 8 << 20;
 
+const USAGE: &str = "usage: synth --size 4GB --out PATH.safetensors [--seed N] [--layers L]\n       \
+                     synth --tensors N --shape AxB[xC..] --out PATH.safetensors [--dtype bf16|f16|f32] [--seed N]";
+
+/// What to write: a Llama-like model scaled to a size, or `count` tensors of one shape.
+enum Model {
+    Llama {
+        size: u64,
+        layers: Option<u64>,
+    },
+    Uniform {
+        count: u64,
+        shape: Vec<u64>,
+        dtype: DType,
+    },
+}
+
 struct Args {
-    size: u64,
+    model: Model,
     out: PathBuf,
     seed: u64,
-    layers: Option<u64>,
+}
+
+/// `1024x32` -> [1024, 32]; every dimension at least 1.
+fn parse_shape(s: &str) -> Result<Vec<u64>, String> {
+    s.split(['x', 'X'])
+        .map(|d| match d.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!(
+                "--shape: `{s}` is not AxB[xC..] of positive integers"
+            )),
+        })
+        .collect()
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -37,6 +68,9 @@ fn parse_args() -> Result<Args, String> {
     let mut out = None;
     let mut seed = 0u64;
     let mut layers = None;
+    let mut count = None;
+    let mut shape = None;
+    let mut dtype = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -48,20 +82,46 @@ fn parse_args() -> Result<Args, String> {
                 let n: u64 = value()?.parse().map_err(|e| format!("--layers: {e}"))?;
                 layers = Some(n.max(1));
             }
-            "-h" | "--help" => {
-                return Err(
-                    "usage: synth --size 4GB --out PATH.safetensors [--seed N] [--layers L]".into(),
-                )
+            "--tensors" => {
+                let n: u64 = value()?.parse().map_err(|e| format!("--tensors: {e}"))?;
+                count = Some(n);
             }
+            "--shape" => shape = Some(parse_shape(&value()?)?),
+            "--dtype" => {
+                let v = value()?;
+                let d = DType::parse(&v)
+                    .filter(|d| matches!(d, DType::BF16 | DType::F16 | DType::F32))
+                    .ok_or_else(|| format!("--dtype: `{v}` is not one of bf16, f16, f32"))?;
+                dtype = Some(d);
+            }
+            "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
-    Ok(Args {
-        size: size.ok_or("--size is required")?,
-        out: out.ok_or("--out is required")?,
-        seed,
-        layers,
-    })
+    let out = out.ok_or("--out is required")?;
+    let model = match (count, shape) {
+        (Some(count), Some(shape)) => {
+            if size.is_some() || layers.is_some() {
+                return Err("--tensors/--shape do not go with --size/--layers".into());
+            }
+            Model::Uniform {
+                count,
+                shape,
+                dtype: dtype.unwrap_or(DType::BF16),
+            }
+        }
+        (Some(_), None) | (None, Some(_)) => return Err("--tensors and --shape go together".into()),
+        (None, None) => {
+            if dtype.is_some() {
+                return Err("--dtype goes with --tensors/--shape".into());
+            }
+            Model::Llama {
+                size: size.ok_or("--size (or --tensors with --shape) is required")?,
+                layers,
+            }
+        }
+    };
+    Ok(Args { model, out, seed })
 }
 
 /// Llama's feed-forward width: 2/3 of 4d, rounded up to a multiple of 256.
@@ -158,18 +218,45 @@ impl Rng {
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
-    /// Random finite bf16 values: clearing bit 14 of each u16 keeps the exponent below 0xFF.
-    fn fill(&mut self, buf: &mut [u8]) {
+    /// Random finite values under `mask`: clearing the top exponent bit keeps every exponent
+    /// below all ones (bit 14 of each u16 for bf16 and f16, bit 30 of each u32 for f32).
+    fn fill(&mut self, buf: &mut [u8], mask: u64) {
         for chunk in buf.chunks_exact_mut(8) {
-            let v = self.next() & 0xBFFF_BFFF_BFFF_BFFF;
+            let v = self.next() & mask;
             chunk.copy_from_slice(&v.to_le_bytes());
         }
     }
 }
 
+fn uniform(count: u64, shape: &[u64], dtype: DType) -> Vec<(String, DType, Vec<u64>)> {
+    (0..count)
+        .map(|i| (format!("layers.{i}.weight"), dtype, shape.to_vec()))
+        .collect()
+}
+
 fn run(args: &Args) -> std::io::Result<()> {
-    let (d, layers) = scale(args.size, args.layers);
-    let tensors = tensors(d, layers);
+    let (tensors, what) = match &args.model {
+        Model::Llama { size, layers } => {
+            let (d, layers) = scale(*size, *layers);
+            let what = format!("d={d} ffn={} vocab={VOCAB} layers={layers}", ffn_of(d));
+            (tensors(d, layers), what)
+        }
+        Model::Uniform {
+            count,
+            shape,
+            dtype,
+        } => {
+            let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+            let what = format!("{dtype} [{}] each", dims.join(", "));
+            (uniform(*count, shape, *dtype), what)
+        }
+    };
+    let mask = match &args.model {
+        Model::Uniform {
+            dtype: DType::F32, ..
+        } => 0xBFFF_FFFF_BFFF_FFFF,
+        _ => 0xBFFF_BFFF_BFFF_BFFF,
+    };
     let meta = [("format".to_string(), "pt".to_string())];
     let (header, ranges) = ckpt::formats::safetensors::header_bytes(&tensors, &meta);
     let data = ranges.last().map_or(0, |r| r.1);
@@ -180,16 +267,15 @@ fn run(args: &Args) -> std::io::Result<()> {
     let mut left = data;
     while left > 0 {
         let n = left.min(BUF as u64) as usize;
-        rng.fill(&mut buf[..n]);
+        rng.fill(&mut buf[..n], mask);
         out.write_all(&buf[..n])?;
         left -= n as u64;
     }
     out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     println!(
-        "{}: {} tensors, d={d} ffn={} vocab={VOCAB} layers={layers}, {} bytes ({} of data)",
+        "{}: {} tensors, {what}, {} bytes ({} of data)",
         args.out.display(),
         tensors.len(),
-        ffn_of(d),
         header.len() as u64 + data,
         data
     );
