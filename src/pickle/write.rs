@@ -21,6 +21,9 @@ use std::collections::HashMap;
 
 use super::{Object, Value};
 
+/// Items per `APPENDS`/`SETITEMS`/`ADDITEMS`, as CPython's pickler batches them (`_BATCHSIZE`).
+pub const BATCH: usize = 1000;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
     /// What torch.save uses for `data.pkl`.
@@ -188,10 +191,15 @@ impl<'v> Stream<'v> {
             Value::Float(f) => self.float(*f),
             Value::Str(s) => self.str(s),
             Value::Bytes(b) => self.bytes(b),
-            Value::Tuple(items) => self.tuple(items.len(), |w| w.values(items)),
-            Value::List(items) => self.list(items.len(), |w| w.values(items)),
-            Value::Dict(items) => self.dict(items.len(), |w| w.pairs(items)),
-            Value::Set(items) => self.set(items.len(), |w| w.values(items)),
+            Value::Tuple(items) => {
+                self.tuple(items.len(), |w| items.iter().for_each(|v| w.value(v)))
+            }
+            Value::List(items) => self.list(items, |w, v| w.value(v)),
+            Value::Dict(items) => self.dict(items, |w, (k, v)| {
+                w.value(k);
+                w.value(v);
+            }),
+            Value::Set(items) => self.set(items, |w, v| w.value(v)),
             Value::Global(g) => self.global(&g.module, &g.name),
             Value::Object(object) => {
                 let Object {
@@ -203,11 +211,14 @@ impl<'v> Stream<'v> {
                     state,
                 } = &**object;
                 self.value(callable);
-                self.tuple(args.len(), |w| w.values(args));
+                self.tuple(args.len(), |w| args.iter().for_each(|v| w.value(v)));
                 self.call(*new_obj);
                 // CPython's `save_reduce` order: list items, dict items, then state.
-                self.appends(list_items.len(), |w| w.values(list_items));
-                self.setitems(dict_items.len(), |w| w.pairs(dict_items));
+                self.appends(list_items, |w, v| w.value(v));
+                self.setitems(dict_items, |w, (k, v)| {
+                    w.value(k);
+                    w.value(v);
+                });
                 if let Some(state) = state {
                     self.build(|w| w.value(state));
                 }
@@ -216,17 +227,6 @@ impl<'v> Stream<'v> {
                 self.value(pid);
                 self.op(b'Q');
             }
-        }
-    }
-
-    fn values(&mut self, items: &'v [Value]) {
-        items.iter().for_each(|v| self.value(v));
-    }
-
-    fn pairs(&mut self, items: &'v [(Value, Value)]) {
-        for (k, v) in items {
-            self.value(k);
-            self.value(v);
         }
     }
 
@@ -344,26 +344,31 @@ impl<'v> Stream<'v> {
         }
     }
 
-    /// A list of the `len` items `items` writes.
-    pub fn list(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+    /// A list of `items`, each written by `each`.
+    pub fn list<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
         self.op(b']');
-        self.appends(len, items);
+        self.appends(items, each);
     }
 
-    /// A dict of the `len` key-value pairs `pairs` writes, key first.
-    pub fn dict(&mut self, len: usize, pairs: impl FnOnce(&mut Self)) {
+    /// A dict of `items`, `each` writing one key and its value.
+    pub fn dict<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
         self.op(b'}');
-        self.setitems(len, pairs);
+        self.setitems(items, each);
     }
 
-    /// A set of the `len` items `items` writes.
-    pub fn set(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
+    /// A dict of a few fixed fields (a dataclass's state), `pairs` writing each key and value:
+    /// fewer than [`BATCH`], so one `SETITEMS`.
+    pub fn fields(&mut self, pairs: impl FnOnce(&mut Self)) {
+        self.op(b'}');
+        self.op(b'(');
+        pairs(self);
+        self.op(b'u');
+    }
+
+    /// A set of `items`, each written by `each`.
+    pub fn set<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
         self.op(0x8f);
-        if len > 0 {
-            self.op(b'(');
-            items(self);
-            self.op(0x90);
-        }
+        self.batched(items, 0x90, each);
     }
 
     /// Call the callable under the argument tuple on the stack: `callable(*args)` (`REDUCE`), or
@@ -372,21 +377,40 @@ impl<'v> Stream<'v> {
         self.op(if new_obj { 0x81 } else { b'R' });
     }
 
-    /// The `len` items `items` writes, appended to the list (or object) on top of the stack.
-    pub fn appends(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
-        if len > 0 {
-            self.op(b'(');
-            items(self);
-            self.op(b'e');
-        }
+    /// `items`, each written by `each`, appended to the list (or object) on top of the stack.
+    pub fn appends<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
+        self.batched(items, b'e', each);
     }
 
-    /// The `len` pairs `pairs` writes, set into the dict (or object) on top of the stack.
-    pub fn setitems(&mut self, len: usize, pairs: impl FnOnce(&mut Self)) {
-        if len > 0 {
-            self.op(b'(');
-            pairs(self);
-            self.op(b'u');
+    /// Key-value pairs, `each` writing one key and its value, set into the dict (or object) on top
+    /// of the stack.
+    pub fn setitems<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
+        self.batched(items, b'u', each);
+    }
+
+    /// `MARK`, at most [`BATCH`] items, then `close` (`APPENDS`, `SETITEMS`, `ADDITEMS`), as often as
+    /// needed: CPython's batching, so that no reader's stack ever holds more than one batch of a
+    /// container, however large it is.
+    fn batched<I: IntoIterator>(
+        &mut self,
+        items: I,
+        close: u8,
+        mut each: impl FnMut(&mut Self, I::Item),
+    ) {
+        let mut in_batch = 0;
+        for item in items {
+            if in_batch == 0 {
+                self.op(b'(');
+            }
+            each(self, item);
+            in_batch += 1;
+            if in_batch == BATCH {
+                self.op(close);
+                in_batch = 0;
+            }
+        }
+        if in_batch > 0 {
+            self.op(close);
         }
     }
 
@@ -448,6 +472,38 @@ mod tests {
             let got = write(&Value::Int(i), Protocol::V2);
             assert_eq!(got.get(2..got.len() - 1), Some(want), "{i}");
             assert_eq!(round_trip(&Value::Int(i), Protocol::V4), Value::Int(i));
+        }
+    }
+
+    #[test]
+    fn large_containers_are_written_in_batches_of_a_thousand() {
+        let n = 2 * BATCH + 500;
+        let nones = write(&Value::List(vec![Value::None; n]), Protocol::V4);
+        let body = &nones[11..nones.len() - 1];
+        let mut want = vec![b']'];
+        for batch in [BATCH, BATCH, 500] {
+            want.push(b'(');
+            want.extend(std::iter::repeat_n(b'N', batch));
+            want.push(b'e');
+        }
+        assert_eq!(body, &want[..]);
+
+        let list = Value::List((0..n as i64).map(Value::Int).collect());
+        let dict = Value::Dict(
+            (0..n as i64)
+                .map(|i| (Value::Int(i), Value::None))
+                .collect(),
+        );
+        // A reader whose stack holds one batch (two values per dict item) reads them whole.
+        let one_batch = Limits {
+            max_stack: 2 * BATCH + 8,
+            ..Limits::default()
+        };
+        for v in [&list, &dict] {
+            assert_eq!(
+                &read(&write(v, Protocol::V4), &AnyGlobal, one_batch).unwrap(),
+                v
+            );
         }
     }
 

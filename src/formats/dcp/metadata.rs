@@ -147,57 +147,49 @@ pub fn write(meta: &DcpMetadata) -> Vec<u8> {
 /// `Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)`.
 fn metadata<'m>(w: &mut Stream<'m>, meta: &'m DcpMetadata) {
     dataclass(w, META, "Metadata", |w| {
-        w.dict(5, |w| {
+        w.fields(|w| {
             w.str("state_dict_metadata");
-            w.dict(meta.entries.len(), |w| {
-                for entry in &meta.entries {
-                    match entry {
-                        DcpEntry::Tensor {
-                            fqn,
-                            dtype,
-                            size,
-                            chunks,
-                        } => {
-                            w.str(fqn);
-                            tensor_storage_metadata(w, *dtype, size, chunks);
-                        }
-                        DcpEntry::Bytes { fqn } => {
-                            w.str(fqn);
-                            new_obj(w, META, "BytesStorageMetadata");
-                        }
-                    }
+            w.dict(&meta.entries, |w, entry| match entry {
+                DcpEntry::Tensor {
+                    fqn,
+                    dtype,
+                    size,
+                    chunks,
+                } => {
+                    w.str(fqn);
+                    tensor_storage_metadata(w, *dtype, size, chunks);
+                }
+                DcpEntry::Bytes { fqn } => {
+                    w.str(fqn);
+                    new_obj(w, META, "BytesStorageMetadata");
                 }
             });
             w.str("planner_data");
-            w.dict(meta.planner_data.len(), |w| {
-                for (fqn, path) in &meta.planner_data {
-                    w.str(fqn);
-                    w.tuple(path.len(), |w| {
-                        for part in path {
-                            match part {
-                                KeyPart::Key(k) => w.str(k),
-                                KeyPart::Index(i) | KeyPart::IntKey(i) => w.int(*i),
-                            }
+            w.dict(&meta.planner_data, |w, (fqn, path)| {
+                w.str(fqn);
+                w.tuple(path.len(), |w| {
+                    for part in path {
+                        match part {
+                            KeyPart::Key(k) => w.str(k),
+                            KeyPart::Index(i) | KeyPart::IntKey(i) => w.int(*i),
                         }
-                    });
-                }
+                    }
+                });
             });
             w.str("storage_data");
-            w.dict(meta.storage.len(), |w| {
-                for (index, info) in &meta.storage {
-                    write_metadata_index(w, index);
-                    write_storage_info(w, info);
-                }
+            w.dict(&meta.storage, |w, (index, info)| {
+                write_metadata_index(w, index);
+                write_storage_info(w, info);
             });
             w.str("storage_meta");
             dataclass(w, META, "StorageMeta", |w| {
-                w.dict(4, |w| {
+                w.fields(|w| {
                     for name in ["checkpoint_id", "save_id", "load_id"] {
                         w.str(name);
                         w.none();
                     }
                     w.str("modules");
-                    w.list(0, |_| {});
+                    w.list(std::iter::empty::<()>(), |_, _| {});
                 });
             });
             w.str("version");
@@ -308,11 +300,15 @@ impl Globals for DcpGlobals {
     }
 }
 
-/// Bounds that scale with the file: a real `.metadata` memoizes about one object per byte it spends
-/// and copies little, so a pickle that expands far past its own size is abuse, not a checkpoint.
+/// Bounds that scale with the file, so that any `.metadata` torch reads is read, at any piece
+/// count: a real one memoizes about one object per byte it spends and copies little, so a pickle
+/// that expands far past its own size is abuse, not a checkpoint. The stack allows one value per 4
+/// bytes of input (so it never takes more memory than the file's size), which also reads files
+/// whose writer did not batch `SETITEMS` (ckpt before it batched as CPython does).
 fn limits_for(len: usize) -> Limits {
     let default = Limits::default();
     Limits {
+        max_stack: default.max_stack.max(len / 4),
         max_memo: default.max_memo.max(len),
         max_nodes: default.max_nodes.max(len.saturating_mul(4)),
         ..default
@@ -751,7 +747,7 @@ fn torch_size(w: &mut Stream<'_>, dims: &[u64]) {
 
 fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunks: &[Chunk]) {
     dataclass(w, META, "TensorStorageMetadata", |w| {
-        w.dict(3, |w| {
+        w.fields(|w| {
             w.str("properties");
             dataclass(w, META, "TensorProperties", |w| {
                 let strides = contiguous_strides(chunks.first().map_or(size, |c| &c.sizes));
@@ -772,17 +768,15 @@ fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunk
             w.str("size");
             torch_size(w, size);
             w.str("chunks");
-            w.list(chunks.len(), |w| {
-                for c in chunks {
-                    dataclass(w, META, "ChunkStorageMetadata", |w| {
-                        w.dict(2, |w| {
-                            w.str("offsets");
-                            torch_size(w, &c.offsets);
-                            w.str("sizes");
-                            torch_size(w, &c.sizes);
-                        });
+            w.list(chunks, |w, c| {
+                dataclass(w, META, "ChunkStorageMetadata", |w| {
+                    w.fields(|w| {
+                        w.str("offsets");
+                        torch_size(w, &c.offsets);
+                        w.str("sizes");
+                        torch_size(w, &c.sizes);
                     });
-                }
+                });
             });
         });
     });
@@ -791,7 +785,7 @@ fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunk
 /// `MetadataIndex`'s state: `fqn`, `index`, and `offset` for tensors.
 fn write_metadata_index<'m>(w: &mut Stream<'m>, index: &'m MetadataIndex) {
     dataclass(w, META, "MetadataIndex", |w| {
-        w.dict(2 + usize::from(index.offset.is_some()), |w| {
+        w.fields(|w| {
             w.str("fqn");
             w.str(&index.fqn);
             w.str("index");
@@ -811,7 +805,7 @@ fn write_storage_info<'m>(w: &mut Stream<'m>, info: &'m StorageInfo) {
     dataclass(w, FS, "_StorageInfo", |w| {
         // torch leaves `transform_descriptors` out when there are none.
         let transforms = &info.transforms;
-        w.dict(3 + usize::from(!transforms.is_empty()), |w| {
+        w.fields(|w| {
             w.str("relative_path");
             w.str(&info.relative_path);
             w.str("offset");
@@ -820,9 +814,7 @@ fn write_storage_info<'m>(w: &mut Stream<'m>, info: &'m StorageInfo) {
             int(w, info.length);
             if !transforms.is_empty() {
                 w.str("transform_descriptors");
-                w.list(transforms.len(), |w| {
-                    transforms.iter().for_each(|t| w.str(t))
-                });
+                w.list(transforms, |w, t| w.str(t));
             }
         });
     });
@@ -1357,6 +1349,28 @@ mod tests {
     }
 
     #[test]
+    fn limits_grow_with_the_file_so_unbatched_dicts_read() {
+        // One dict of 600k pairs in a single `SETITEMS` (as ckpt wrote `storage_data` before it
+        // batched): 1.2M values on the stack at once, 8 input bytes each.
+        let pairs = 600_000;
+        let mut bytes = vec![0x80, 4, b'}', b'('];
+        for i in 0..pairs {
+            bytes.extend_from_slice(b"\x8c\x06");
+            bytes.extend_from_slice(format!("{:06}", i % 1_000_000).as_bytes());
+            bytes.extend_from_slice(b"\x8c\x06valuex");
+        }
+        bytes.extend_from_slice(b"u.");
+        let fixed = pickle::parse(&bytes, &DcpGlobals, Limits::default()).unwrap_err();
+        assert!(
+            matches!(fixed, PickleError::LimitExceeded { .. }),
+            "{fixed}"
+        );
+        // Read under limits scaled to its size, it gets as far as finding no `Metadata` in it.
+        let err = parse(&bytes).unwrap_err().to_string();
+        assert!(err.contains("not a DCP `Metadata`"), "{err}");
+    }
+
+    #[test]
     fn foreign_globals_are_refused_by_name() {
         let evil = metadata_calling(
             "posix",
@@ -1587,7 +1601,7 @@ mod tests {
             ("legacy", 1015, 0xf609_cf7a_3d11_78dd),
             ("empty", 249, 0x537c_2d96_a60c_1e5e),
             ("synthetic-1x1", 1079, 0x3918_5f4d_1574_ac97),
-            ("synthetic-40x300", 1137984, 0x004b_318a_4a8b_0592),
+            ("synthetic-40x300", 1138008, 0xfc73_f638_595c_563c),
         ];
         assert_eq!(got, want);
     }
