@@ -212,18 +212,26 @@ struct Planner<'a> {
     ckpt: &'a Checkpoint,
     opts: &'a PlanOptions,
     inputs: BTreeMap<PathBuf, usize>,
+    /// One per tensor of `ckpt`.
+    indexes: Vec<PieceIndex>,
     plan: Plan,
 }
 
 impl<'a> Planner<'a> {
     fn new(ckpt: &'a Checkpoint, opts: &'a PlanOptions) -> Result<Planner<'a>> {
-        for t in &ckpt.tensors {
-            check_tensor(t)?;
-        }
+        let indexes = ckpt
+            .tensors
+            .iter()
+            .map(|t| {
+                check_tensor(t)?;
+                Ok(PieceIndex::new(t))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Planner {
             ckpt,
             opts,
             inputs: BTreeMap::new(),
+            indexes,
             plan: Plan::default(),
         })
     }
@@ -245,10 +253,13 @@ impl<'a> Planner<'a> {
         })
     }
 
-    /// A region at `offset` holding box `b` of tensor `t`, filled from the pieces that meet it.
-    fn region(&mut self, t: &Tensor, b: &Box, offset: u64) -> Region {
+    /// A region at `offset` holding box `b` of tensor `ti`, filled from the pieces that meet it.
+    fn region(&mut self, ti: usize, b: &Box, offset: u64) -> Region {
+        let ckpt = self.ckpt;
+        let t = &ckpt.tensors[ti];
         let mut fills = Vec::new();
-        for piece in unique_pieces(t) {
+        for k in self.indexes[ti].meeting(b) {
+            let piece = &t.pieces[k];
             let pb = Box {
                 offsets: piece.offsets.clone(),
                 sizes: piece.sizes.clone(),
@@ -334,8 +345,7 @@ impl<'a> Planner<'a> {
             ..FilePlan::default()
         };
         for ((i, b), (begin, _)) in boxes.iter().zip(&ranges) {
-            let t = &self.ckpt.tensors[*i];
-            file.regions.push(self.region(t, b, data_start + begin));
+            file.regions.push(self.region(*i, b, data_start + begin));
         }
         self.plan.files.push(file);
     }
@@ -431,8 +441,9 @@ impl<'a> Planner<'a> {
             ..FilePlan::default()
         };
         let regions = self.archive_into(&mut file, 0, &records, |planner, key| {
-            let t = &ckpt.tensors[key.parse::<usize>().ok()?];
-            Some(planner.region(t, &Box::whole(&t.shape), 0))
+            let i = key.parse::<usize>().ok()?;
+            let whole = Box::whole(&ckpt.tensors.get(i)?.shape);
+            Some(planner.region(i, &whole, 0))
         })?;
         file.regions = regions;
         self.plan.files.push(file);
@@ -560,7 +571,7 @@ impl<'a> Planner<'a> {
                 let records = item.records();
                 let layout = zip::layout(&records);
                 let regions = self.place_archive(&mut file, base, &records, &layout, |p, _| {
-                    Some(p.region(t, b, 0))
+                    Some(p.region(*i, b, 0))
                 })?;
                 file.regions.extend(regions);
                 file.tensor_items.push(item);
@@ -706,11 +717,71 @@ impl<'a> Planner<'a> {
 }
 
 /// Pieces of `t`, with exact duplicates (replicas saved by several ranks) dropped.
-fn unique_pieces(t: &Tensor) -> impl Iterator<Item = &crate::model::Piece> {
+fn unique_pieces(t: &Tensor) -> impl Iterator<Item = (usize, &crate::model::Piece)> {
     let mut seen = BTreeSet::new();
     t.pieces
         .iter()
-        .filter(move |p| seen.insert((p.offsets.clone(), p.sizes.clone())))
+        .enumerate()
+        .filter(move |(_, p)| seen.insert((p.offsets.as_slice(), p.sizes.as_slice())))
+}
+
+/// A tensor's distinct pieces, sorted by where they start on the dim they are cut on, so that the
+/// pieces meeting a box are found by binary search: a reshard from 1024 ranks to 1024 asks for
+/// 1024 boxes of each tensor, and testing every piece for each would cost a million per tensor.
+struct PieceIndex {
+    /// The dim with the most distinct piece starts; 0 for a 0-dim tensor (never read then).
+    dim: usize,
+    /// Piece indices, sorted by their start on `dim`.
+    order: Vec<usize>,
+    /// `starts[k]` is where piece `order[k]` starts on `dim`.
+    starts: Vec<u64>,
+    /// The longest extent of any piece on `dim`.
+    max_len: u64,
+}
+
+impl PieceIndex {
+    fn new(t: &Tensor) -> PieceIndex {
+        let unique: Vec<usize> = unique_pieces(t).map(|(k, _)| k).collect();
+        let dim = (0..t.shape.len())
+            .max_by_key(|&d| {
+                let starts: BTreeSet<u64> =
+                    unique.iter().map(|&k| t.pieces[k].offsets[d]).collect();
+                starts.len()
+            })
+            .unwrap_or(0);
+        let at = |k: usize| t.pieces[k].offsets.get(dim).copied().unwrap_or(0);
+        let mut order = unique;
+        order.sort_by_key(|&k| (at(k), k));
+        let starts = order.iter().map(|&k| at(k)).collect();
+        let max_len = order
+            .iter()
+            .map(|&k| t.pieces[k].sizes.get(dim).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        PieceIndex {
+            dim,
+            order,
+            starts,
+            max_len,
+        }
+    }
+
+    /// Indices of the pieces that may meet `b` (those whose span on `dim` overlaps `b`'s), in
+    /// piece order.
+    fn meeting(&self, b: &Box) -> Vec<usize> {
+        let (Some(&lo), Some(&len)) = (b.offsets.get(self.dim), b.sizes.get(self.dim)) else {
+            return self.order.clone();
+        };
+        let hi = lo.saturating_add(len);
+        // A piece meets [lo, hi) only if it starts before `hi` and after `lo - max_len`.
+        let first = self
+            .starts
+            .partition_point(|&s| s.saturating_add(self.max_len) <= lo);
+        let last = self.starts.partition_point(|&s| s < hi);
+        let mut found = self.order[first..last.max(first)].to_vec();
+        found.sort_unstable();
+        found
+    }
 }
 
 /// A tensor can be planned when its pieces are well-formed and cover it exactly once.
@@ -727,7 +798,7 @@ fn check_tensor(t: &Tensor) -> Result<()> {
         }
     }
     let boxes: Vec<Box> = unique_pieces(t)
-        .map(|p| Box {
+        .map(|(_, p)| Box {
             offsets: p.offsets.clone(),
             sizes: p.sizes.clone(),
         })
@@ -743,6 +814,83 @@ fn check_tensor(t: &Tensor) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tensor_of_boxes(shape: &[u64], boxes: &[(Vec<u64>, Vec<u64>)]) -> Tensor {
+        let pieces = boxes
+            .iter()
+            .map(|(offsets, sizes)| crate::model::Piece {
+                offsets: offsets.clone(),
+                sizes: sizes.clone(),
+                data: crate::model::DataRef {
+                    file: PathBuf::from("f"),
+                    offset: 0,
+                    strides: crate::model::contiguous_strides(sizes),
+                    encoding: Encoding::Raw,
+                },
+            })
+            .collect();
+        Tensor {
+            name: "t".into(),
+            key_path: Vec::new(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            pieces,
+        }
+    }
+
+    #[test]
+    fn the_piece_index_finds_every_piece_that_meets_a_box() {
+        // A 2-D grid of uneven pieces (cut on both dims, 3 x 4) plus a replica of one of them,
+        // queried with every box of a finer grid and some that straddle cuts.
+        let rows = [(0, 3), (3, 4), (7, 1)];
+        let cols = [(0, 2), (2, 2), (4, 5), (9, 1)];
+        let mut boxes = Vec::new();
+        for &(r0, rn) in &rows {
+            for &(c0, cn) in &cols {
+                boxes.push((vec![r0, c0], vec![rn, cn]));
+            }
+        }
+        boxes.push(boxes[5].clone());
+        let t = tensor_of_boxes(&[8, 10], &boxes);
+        let index = PieceIndex::new(&t);
+        assert_eq!(index.order.len(), 12, "the replica is dropped");
+        for r0 in 0..8 {
+            for c0 in 0..10 {
+                for (rn, cn) in [(1, 1), (2, 3), (8 - r0, 10 - c0)] {
+                    let b = Box {
+                        offsets: vec![r0, c0],
+                        sizes: vec![rn, cn],
+                    };
+                    let found = index.meeting(&b);
+                    for (k, p) in t.pieces.iter().enumerate().take(12) {
+                        let pb = Box {
+                            offsets: p.offsets.clone(),
+                            sizes: p.sizes.clone(),
+                        };
+                        assert_eq!(
+                            pb.intersect(&b).is_some(),
+                            found.contains(&k) && pb.intersect(&b).is_some(),
+                            "piece {k} and box {b:?}"
+                        );
+                    }
+                    assert!(found.windows(2).all(|w| w[0] < w[1]), "in piece order");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_piece_index_looks_only_near_the_box() {
+        // 1024 one-row pieces: a box of rows 10..12 is met by pieces 10 and 11 alone, so a
+        // reshard asks O(log n) per box, not n.
+        let boxes: Vec<_> = (0..1024).map(|r| (vec![r, 0], vec![1, 32])).collect();
+        let index = PieceIndex::new(&tensor_of_boxes(&[1024, 32], &boxes));
+        let b = Box {
+            offsets: vec![10, 0],
+            sizes: vec![2, 32],
+        };
+        assert_eq!(index.meeting(&b), vec![10, 11]);
+    }
 
     #[test]
     fn literals_and_rendered_items_come_in_offset_order() {

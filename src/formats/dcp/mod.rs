@@ -12,6 +12,7 @@ use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 
 use memmap2::Mmap;
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
@@ -66,7 +67,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_slice()))
         .collect();
-    let mut files = Files::new(dir);
+    let files = Files::map_all(dir, &storage_data)?;
     let mut tensors = Vec::new();
     let mut values = Vec::new();
     for entry in entries {
@@ -77,23 +78,26 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 size,
                 chunks,
             } => {
-                let mut pieces = Vec::with_capacity(chunks.len());
-                for chunk in chunks {
-                    let info = storage
-                        .get(&(fqn.as_str(), Some(chunk.offsets.as_slice())))
-                        .ok_or_else(|| {
-                            Error::invalid(format!(
-                                "no storage entry for the chunk at offsets {:?}",
-                                chunk.offsets
-                            ))
-                            .file(&meta_path)
-                            .tensor(&fqn)
-                        })?;
-                    let piece = files
-                        .tensor_piece(info, dtype, chunk)
-                        .map_err(|e| e.tensor(&fqn))?;
-                    pieces.push(piece);
-                }
+                // Each chunk's item is a small torch.save archive to open; at a million chunks
+                // that is most of the read, and the items are independent.
+                let pieces = chunks
+                    .into_par_iter()
+                    .map(|chunk| {
+                        let info = storage
+                            .get(&(fqn.as_str(), Some(chunk.offsets.as_slice())))
+                            .ok_or_else(|| {
+                                Error::invalid(format!(
+                                    "no storage entry for the chunk at offsets {:?}",
+                                    chunk.offsets
+                                ))
+                                .file(&meta_path)
+                                .tensor(&fqn)
+                            })?;
+                        files
+                            .tensor_piece(info, dtype, chunk)
+                            .map_err(|e| e.tensor(&fqn))
+                    })
+                    .collect::<Result<Vec<Piece>>>()?;
                 tensors.push(Tensor {
                     key_path: paths
                         .get(fqn.as_str())
@@ -163,41 +167,37 @@ fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) ->
 /// The `.distcp` files of one checkpoint, each mapped once.
 struct Files<'a> {
     dir: &'a Path,
-    maps: HashMap<String, Option<Mmap>>,
+    /// By `relative_path`; `None` for an empty file.
+    maps: HashMap<&'a str, Option<Mmap>>,
 }
 
 impl<'a> Files<'a> {
-    fn new(dir: &'a Path) -> Files<'a> {
-        Files {
-            dir,
-            maps: HashMap::new(),
+    /// Map every file the storage entries name, once each.
+    fn map_all(
+        dir: &'a Path,
+        storage: &'a [(metadata::MetadataIndex, StorageInfo)],
+    ) -> Result<Files<'a>> {
+        let mut maps = HashMap::new();
+        for (_, info) in storage {
+            let name = info.relative_path.as_str();
+            if !maps.contains_key(name) {
+                maps.insert(name, map_file(dir, name)?);
+            }
         }
+        Ok(Files { dir, maps })
     }
 
     /// The bytes of one item, checked against the file's length.
-    fn item(&mut self, info: &StorageInfo) -> Result<&[u8]> {
-        let rel = safe_relative_path(&info.relative_path)?;
-        let path = self.dir.join(&rel);
-        if !self.maps.contains_key(&info.relative_path) {
-            let file = File::open(&path).map_err(|e| {
-                Error::io(&path, e)
-                    .hint("a rank's file is missing: was the checkpoint copied completely?")
-            })?;
-            let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
-            // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
-            // truncation caveat.
-            let map = if len == 0 {
-                None
-            } else {
-                Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?)
-            };
-            self.maps.insert(info.relative_path.clone(), map);
-        }
-        let map = self
-            .maps
-            .get(&info.relative_path)
-            .and_then(|m| m.as_deref())
-            .unwrap_or(&[]);
+    fn item(&self, info: &StorageInfo) -> Result<&[u8]> {
+        let path = self.dir.join(&info.relative_path);
+        let map = match self.maps.get(info.relative_path.as_str()) {
+            Some(map) => map.as_deref().unwrap_or(&[]),
+            None => {
+                return Err(
+                    Error::invalid("internal: item in a file that was not mapped").file(&path),
+                )
+            }
+        };
         let end = info.offset.checked_add(info.length);
         match end {
             Some(end) if end <= map.len() as u64 => Ok(&map[info.offset as usize..end as usize]),
@@ -215,7 +215,7 @@ impl<'a> Files<'a> {
 
     /// Locate the elements of one tensor chunk.
     fn tensor_piece(
-        &mut self,
+        &self,
         info: &StorageInfo,
         dtype: crate::dtype::DType,
         chunk: metadata::Chunk,
@@ -299,7 +299,7 @@ impl<'a> Files<'a> {
     }
 
     /// A non-tensor item: its raw bytes, and its value when it is plain data.
-    fn value(&mut self, info: &StorageInfo) -> Result<(Blob, Option<crate::pickle::Value>)> {
+    fn value(&self, info: &StorageInfo) -> Result<(Blob, Option<crate::pickle::Value>)> {
         let zstd = transforms_are_zstd(info)?;
         let item = self.item(info)?;
         let decoded;
@@ -324,6 +324,22 @@ impl<'a> Files<'a> {
         };
         Ok((blob, value))
     }
+}
+
+/// Map one file named by the metadata, checking first that it lies inside the checkpoint.
+fn map_file(dir: &Path, name: &str) -> Result<Option<Mmap>> {
+    let path = dir.join(safe_relative_path(name)?);
+    let file = File::open(&path).map_err(|e| {
+        Error::io(&path, e).hint("a rank's file is missing: was the checkpoint copied completely?")
+    })?;
+    let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+    if len == 0 {
+        return Ok(None);
+    }
+    // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
+    // caveat.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+    Ok(Some(map))
 }
 
 fn transforms_are_zstd(info: &StorageInfo) -> Result<bool> {
