@@ -27,6 +27,14 @@ from ckpt_helpers import (  # noqa: F401
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "scale: the millions-of-pieces test (test_scale.py; release binary, minutes); "
+        "deselect with -m 'not scale'",
+    )
+
+
 def ckpt_path() -> Path:
     return Path(os.environ.get("CKPT_BIN") or REPO / "target" / "debug" / "ckpt")
 
