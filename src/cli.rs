@@ -1,7 +1,7 @@
 //! Command-line interface: flags (clap derive) in, library calls, printing and exit codes out.
 //! clap types stay in this module.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -170,6 +170,17 @@ struct WriteArgs {
     quiet: bool,
 }
 
+/// Write results to stdout through one buffer. A reader that goes away (`ckpt inspect X | head`)
+/// ends the output normally, as for any Unix filter; other write errors are errors.
+fn to_stdout(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    match write(&mut out).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(Error::io(Path::new("<stdout>"), e)),
+        Ok(()) => Ok(()),
+    }
+}
+
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
@@ -181,14 +192,14 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
             let ckpt = crate::detect::read(&path)?;
             let sel = Selection::new(&filters, &[], &[])?;
             let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).unwrap_or_default()
-                );
-            } else {
-                print!("{}", terminal_safe(&crate::inspect::render(&report)));
-            }
+            to_stdout(|out| {
+                if json {
+                    serde_json::to_writer_pretty(&mut *out, &report)?;
+                    writeln!(out)
+                } else {
+                    write!(out, "{}", terminal_safe(&crate::inspect::render(&report)))
+                }
+            })?;
             Ok(0)
         }
         Command::Verify {
@@ -231,16 +242,15 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                     ));
                 }
             }
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).unwrap_or_default()
-                );
-            } else {
+            to_stdout(|out| {
+                if json {
+                    serde_json::to_writer_pretty(&mut *out, &report)?;
+                    return writeln!(out);
+                }
                 for p in &report.problems {
-                    println!("{}", terminal_safe(&p.line()));
+                    writeln!(out, "{}", terminal_safe(&p.line()))?;
                     if let Some(hint) = &p.hint {
-                        println!("  hint: {}", terminal_safe(hint));
+                        writeln!(out, "  hint: {}", terminal_safe(hint))?;
                     }
                 }
                 let verdict = if report.is_sound() {
@@ -249,18 +259,19 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                     "NOT sound"
                 };
                 if report.format.is_none() {
-                    println!("{}: {verdict} (it could not be read)", path.display());
+                    writeln!(out, "{}: {verdict} (it could not be read)", path.display())
                 } else {
-                    println!(
+                    writeln!(
+                        out,
                         "{}: {verdict} ({} tensors, {} pieces, {}{})",
                         path.display(),
                         report.tensors,
                         report.pieces,
                         human_bytes(report.bytes),
                         if deep { ", every byte read" } else { "" }
-                    );
+                    )
                 }
-            }
+            })?;
             Ok(if report.is_sound() { 0 } else { 1 })
         }
         Command::Consolidate {

@@ -4,12 +4,15 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::model::{Checkpoint, Encoding};
+use crate::model::{Checkpoint, Encoding, Tensor};
 use crate::pickle::Value;
 
 /// The `--json` document. Field names and meanings are a stable contract (see README).
+///
+/// Tensors and their pieces are described as they are serialized (see [`Tensors`]), so a
+/// checkpoint of millions of pieces is written out without its document ever being in memory.
 #[derive(Debug, Serialize)]
-pub struct Report {
+pub struct Report<'a> {
     pub format: &'static str,
     pub state_dict_type: &'static str,
     pub world_size: Option<usize>,
@@ -21,24 +24,95 @@ pub struct Report {
     pub total_bytes: u64,
     /// Logical bytes per dtype code.
     pub bytes_per_dtype: BTreeMap<String, u64>,
-    pub tensors: Vec<TensorReport>,
+    pub tensors: Tensors<'a>,
     pub non_tensors: Vec<ValueReport>,
 }
 
-#[derive(Debug, Serialize)]
-pub struct TensorReport {
-    pub name: String,
-    /// safetensors dtype code: `F32`, `BF16`, `F8_E4M3`, `BOOL`, ...
-    pub dtype: String,
-    pub shape: Vec<u64>,
-    pub bytes: u64,
-    pub pieces: Vec<PieceReport>,
+/// The selected tensors of a checkpoint, each described when it is serialized or iterated.
+#[derive(Debug)]
+pub struct Tensors<'a>(Vec<&'a Tensor>);
+
+impl<'a> Tensors<'a> {
+    pub fn iter(&self) -> impl Iterator<Item = TensorReport<'a>> + '_ {
+        self.0.iter().map(|&t| TensorReport::of(t))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for Tensors<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
 }
 
 #[derive(Debug, Serialize)]
-pub struct PieceReport {
-    pub offsets: Vec<u64>,
-    pub sizes: Vec<u64>,
+pub struct TensorReport<'a> {
+    pub name: &'a str,
+    /// safetensors dtype code: `F32`, `BF16`, `F8_E4M3`, `BOOL`, ...
+    pub dtype: String,
+    pub shape: &'a [u64],
+    pub bytes: u64,
+    pub pieces: Pieces<'a>,
+}
+
+impl<'a> TensorReport<'a> {
+    fn of(t: &'a Tensor) -> TensorReport<'a> {
+        TensorReport {
+            name: &t.name,
+            dtype: t.dtype.to_string(),
+            shape: &t.shape,
+            bytes: t.nbytes().unwrap_or(u64::MAX),
+            pieces: Pieces(t),
+        }
+    }
+}
+
+/// A tensor's pieces, each described when it is serialized.
+#[derive(Debug)]
+pub struct Pieces<'a>(&'a Tensor);
+
+impl Pieces<'_> {
+    pub fn len(&self) -> usize {
+        self.0.pieces.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.pieces.is_empty()
+    }
+}
+
+impl Serialize for Pieces<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let elem = self.0.dtype.size() as u64;
+        s.collect_seq(self.0.pieces.iter().map(|p| {
+            PieceReport {
+                offsets: &p.offsets,
+                sizes: &p.sizes,
+                file: p.data.file.display().to_string(),
+                byte_offset: p.data.offset,
+                byte_length: crate::model::numel(&p.sizes).unwrap_or(0) * elem,
+                strides: (p.data.strides != crate::model::contiguous_strides(&p.sizes))
+                    .then_some(p.data.strides.as_slice()),
+                encoding: match p.data.encoding {
+                    Encoding::Raw => None,
+                    Encoding::Zstd { .. } => Some("zstd"),
+                },
+            }
+        }))
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct PieceReport<'a> {
+    pub offsets: &'a [u64],
+    pub sizes: &'a [u64],
     /// File relative to the checkpoint root.
     pub file: String,
     /// Byte offset of the first element in `file` (in the decompressed item for zstd items).
@@ -47,7 +121,7 @@ pub struct PieceReport {
     pub byte_length: u64,
     /// Present for a non-contiguous view (torch.save), in elements.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub strides: Option<Vec<u64>>,
+    pub strides: Option<&'a [u64]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encoding: Option<&'static str>,
 }
@@ -62,41 +136,15 @@ pub struct ValueReport {
 }
 
 /// Describe `ckpt`, keeping only tensors and values whose name `keep` accepts.
-pub fn report(ckpt: &Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report {
+pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'a> {
+    let tensors: Vec<&Tensor> = ckpt.tensors.iter().filter(|t| keep(&t.name)).collect();
     let mut bytes_per_dtype = BTreeMap::new();
-    let tensors: Vec<TensorReport> = ckpt
-        .tensors
-        .iter()
-        .filter(|t| keep(&t.name))
-        .map(|t| {
-            let bytes = t.nbytes().unwrap_or(u64::MAX);
-            *bytes_per_dtype.entry(t.dtype.to_string()).or_insert(0u64) += bytes;
-            let elem = t.dtype.size() as u64;
-            TensorReport {
-                name: t.name.clone(),
-                dtype: t.dtype.to_string(),
-                shape: t.shape.clone(),
-                bytes,
-                pieces: t
-                    .pieces
-                    .iter()
-                    .map(|p| PieceReport {
-                        offsets: p.offsets.clone(),
-                        sizes: p.sizes.clone(),
-                        file: p.data.file.display().to_string(),
-                        byte_offset: p.data.offset,
-                        byte_length: crate::model::numel(&p.sizes).unwrap_or(0) * elem,
-                        strides: (p.data.strides != crate::model::contiguous_strides(&p.sizes))
-                            .then(|| p.data.strides.clone()),
-                        encoding: match p.data.encoding {
-                            Encoding::Raw => None,
-                            Encoding::Zstd { .. } => Some("zstd"),
-                        },
-                    })
-                    .collect(),
-            }
-        })
-        .collect();
+    let mut total_bytes = 0u64;
+    for t in &tensors {
+        let bytes = t.nbytes().unwrap_or(u64::MAX);
+        *bytes_per_dtype.entry(t.dtype.to_string()).or_insert(0u64) += bytes;
+        total_bytes = total_bytes.saturating_add(bytes);
+    }
     let non_tensors = ckpt
         .values
         .iter()
@@ -113,9 +161,9 @@ pub fn report(ckpt: &Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report {
         world_size: ckpt.world_size,
         mesh: inferred_mesh(ckpt),
         tensor_count: tensors.len(),
-        total_bytes: tensors.iter().map(|t| t.bytes).fold(0, u64::saturating_add),
+        total_bytes,
         bytes_per_dtype,
-        tensors,
+        tensors: Tensors(tensors),
         non_tensors,
     }
 }
@@ -253,7 +301,7 @@ pub fn render(report: &Report) -> String {
             .iter()
             .map(|t| {
                 [
-                    t.name.clone(),
+                    t.name.to_string(),
                     t.dtype.clone(),
                     format!("{:?}", t.shape),
                     t.pieces.len().to_string(),

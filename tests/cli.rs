@@ -577,3 +577,44 @@ fn inspect_infers_the_mesh_from_how_tensors_are_cut() {
     assert_eq!(got["mesh"], serde_json::json!([2, 2]));
     assert_eq!(got["world_size"], 4);
 }
+
+/// Run ckpt with its stdout on a pipe whose read end is already closed, as `ckpt ... | head` is
+/// once `head` has what it wants.
+fn ckpt_into_closed_pipe(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: `pipe` fills both descriptors on success; each is owned exactly once below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd.stdout(std::process::Stdio::from(write));
+    cmd.output().expect("run ckpt")
+}
+
+#[test]
+fn a_closed_stdout_ends_the_output_without_a_panic() {
+    let dcp = fixtures().join("fsdp2_adamw");
+    for args in [
+        vec!["inspect"],
+        vec!["inspect", "--json"],
+        vec!["verify"],
+        vec!["verify", "--json"],
+    ] {
+        let mut all: Vec<&dyn AsRef<std::ffi::OsStr>> = args
+            .iter()
+            .map(|a| a as &dyn AsRef<std::ffi::OsStr>)
+            .collect();
+        all.push(&dcp);
+        let out = ckpt_into_closed_pipe(&all);
+        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("panicked"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+}
