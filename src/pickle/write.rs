@@ -41,9 +41,30 @@ pub fn write(value: &Value, protocol: Protocol) -> Vec<u8> {
 ///
 /// `describe` is called twice (to count repeated strings, then to write) and must describe the
 /// same value both times.
-pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v>)) -> Vec<u8> {
+pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v, '_>)) -> Vec<u8> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    // Writing to memory cannot fail.
+    let _ = write_to(&mut out, protocol, describe);
+    out.into_inner()
+}
+
+/// Bytes a [`Stream`] gathers before handing them to its sink.
+const FLUSH_BYTES: usize = 1 << 20;
+
+/// Like [`write_with`], but streamed to `sink` (from its current position) through a buffer of
+/// about a megabyte, so that a pickle of hundreds of megabytes (a `.metadata` of millions of
+/// pieces) is never in memory. Protocol 4's one `FRAME` length is written last, by seeking back.
+/// Returns the pickle's length.
+pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
+    sink: &mut W,
+    protocol: Protocol,
+    describe: impl Fn(&mut Stream<'v, '_>),
+) -> std::io::Result<u64> {
     let mut counter = Stream {
         out: Vec::new(),
+        sink: None,
+        written: 0,
+        error: None,
         protocol,
         memo: Memo::Counting(HashMap::new()),
     };
@@ -57,31 +78,38 @@ pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v>)) ->
         // Not reached: a stream never changes pass.
         Memo::Writing { memo, .. } => memo,
     };
-    // The header goes first so the body never has to be copied behind it; protocol 4's frame
-    // length is filled in once the body is known.
-    let out = match protocol {
-        Protocol::V2 => vec![0x80, 2],
-        Protocol::V4 => vec![0x80, 4, 0x95, 0, 0, 0, 0, 0, 0, 0, 0],
+    let start = sink.stream_position()?;
+    // Protocol 4's frame length is filled in once the body is known.
+    let header: &[u8] = match protocol {
+        Protocol::V2 => &[0x80, 2],
+        Protocol::V4 => &[0x80, 4, 0x95, 0, 0, 0, 0, 0, 0, 0, 0],
     };
-    let header = out.len();
     let mut writer = Stream {
-        out,
+        out: Vec::with_capacity(FLUSH_BYTES.min(64 << 10)),
+        sink: Some(sink as &mut dyn std::io::Write),
+        written: 0,
+        error: None,
         protocol,
         memo: Memo::Writing {
             memo: repeated,
             next: 0,
         },
     };
+    writer.put(header);
     describe(&mut writer);
     writer.op(b'.');
-    let mut out = writer.out;
-    if protocol == Protocol::V4 {
-        let body = (out.len() - header) as u64;
-        if let Some(len) = out.get_mut(3..header) {
-            len.copy_from_slice(&body.to_le_bytes());
-        }
+    writer.flush();
+    if let Some(e) = writer.error {
+        return Err(e);
     }
-    out
+    let len = writer.written;
+    if protocol == Protocol::V4 {
+        let body = len - header.len() as u64;
+        sink.seek(std::io::SeekFrom::Start(start + 3))?;
+        sink.write_all(&body.to_le_bytes())?;
+        sink.seek(std::io::SeekFrom::Start(start + len))?;
+    }
+    Ok(len)
 }
 
 /// A value worth memoizing: immutable in Python, so sharing it cannot change what is loaded.
@@ -108,17 +136,37 @@ enum Memo<'v> {
 /// key then value, that many pairs). Objects are spelled as pickle does: the callable, its
 /// arguments as a tuple, [`Stream::call`], then any [`Stream::appends`], [`Stream::setitems`] and
 /// [`Stream::build`].
-pub struct Stream<'v> {
+pub struct Stream<'v, 's> {
+    /// Bytes not yet handed to `sink`.
     out: Vec<u8>,
+    /// Where the second pass writes; `None` while counting.
+    sink: Option<&'s mut dyn std::io::Write>,
+    /// Bytes written so far, `out` included.
+    written: u64,
+    /// The sink's first error; later writes are skipped.
+    error: Option<std::io::Error>,
     protocol: Protocol,
     memo: Memo<'v>,
 }
 
-impl<'v> Stream<'v> {
+impl<'v> Stream<'v, '_> {
     fn put(&mut self, bytes: &[u8]) {
         if let Memo::Writing { .. } = self.memo {
             self.out.extend_from_slice(bytes);
+            self.written += bytes.len() as u64;
+            if self.out.len() >= FLUSH_BYTES {
+                self.flush();
+            }
         }
+    }
+
+    fn flush(&mut self) {
+        if let (Some(sink), None) = (self.sink.as_mut(), &self.error) {
+            if let Err(e) = sink.write_all(&self.out) {
+                self.error = Some(e);
+            }
+        }
+        self.out.clear();
     }
 
     fn op(&mut self, op: u8) {
@@ -504,6 +552,28 @@ mod tests {
                 &read(&write(v, Protocol::V4), &AnyGlobal, one_batch).unwrap(),
                 v
             );
+        }
+    }
+
+    #[test]
+    fn streamed_output_equals_the_in_memory_one() {
+        // Over two flush buffers, written after 5 bytes already in the sink: the frame length is
+        // patched at the pickle's own start.
+        let big = Value::List(
+            (0..300_000)
+                .map(|i| Value::Str(format!("item {i}")))
+                .collect(),
+        );
+        for protocol in [Protocol::V2, Protocol::V4] {
+            let whole = write(&big, protocol);
+            assert!(whole.len() > 2 * FLUSH_BYTES);
+            let mut sink = std::io::Cursor::new(b"head:".to_vec());
+            sink.set_position(5);
+            let len = write_to(&mut sink, protocol, |w| w.value(&big)).unwrap();
+            assert_eq!(len, whole.len() as u64);
+            assert_eq!(sink.position(), 5 + len);
+            assert_eq!(&sink.get_ref()[..5], b"head:");
+            assert!(sink.get_ref()[5..] == whole[..], "{protocol:?}");
         }
     }
 

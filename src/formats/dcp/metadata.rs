@@ -145,7 +145,7 @@ pub fn write(meta: &DcpMetadata) -> Vec<u8> {
 }
 
 /// `Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)`.
-fn metadata<'m>(w: &mut Stream<'m>, meta: &'m DcpMetadata) {
+fn metadata<'m, 's>(w: &mut Stream<'m, 's>, meta: &'m DcpMetadata) {
     dataclass(w, META, "Metadata", |w| {
         w.fields(|w| {
             w.str("state_dict_metadata");
@@ -715,29 +715,29 @@ fn describe_opt(value: Option<View<'_>>) -> String {
     value.map_or_else(|| "missing".to_string(), describe)
 }
 
-fn int(w: &mut Stream<'_>, v: u64) {
+fn int(w: &mut Stream<'_, '_>, v: u64) {
     w.int(i64::try_from(v).unwrap_or(i64::MAX));
 }
 
 /// A dataclass with no state as pickle writes it: `cls.__new__(cls)`.
-fn new_obj<'m>(w: &mut Stream<'m>, module: &'m str, name: &'m str) {
+fn new_obj<'m, 's>(w: &mut Stream<'m, 's>, module: &'m str, name: &'m str) {
     w.global(module, name);
     w.tuple(0, |_| {});
     w.call(true);
 }
 
 /// A dataclass as pickle writes it: `cls.__new__(cls)`, then `BUILD` with the state `state` writes.
-fn dataclass<'m>(
-    w: &mut Stream<'m>,
+fn dataclass<'m, 's>(
+    w: &mut Stream<'m, 's>,
     module: &'m str,
     name: &'m str,
-    state: impl FnOnce(&mut Stream<'m>),
+    state: impl FnOnce(&mut Stream<'m, 's>),
 ) {
     new_obj(w, module, name);
     w.build(state);
 }
 
-fn torch_size(w: &mut Stream<'_>, dims: &[u64]) {
+fn torch_size(w: &mut Stream<'_, '_>, dims: &[u64]) {
     w.global("torch", "Size");
     w.tuple(1, |w| {
         w.tuple(dims.len(), |w| dims.iter().for_each(|&d| int(w, d)))
@@ -745,7 +745,7 @@ fn torch_size(w: &mut Stream<'_>, dims: &[u64]) {
     w.call(false);
 }
 
-fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunks: &[Chunk]) {
+fn tensor_storage_metadata(w: &mut Stream<'_, '_>, dtype: DType, size: &[u64], chunks: &[Chunk]) {
     dataclass(w, META, "TensorStorageMetadata", |w| {
         w.fields(|w| {
             w.str("properties");
@@ -783,7 +783,7 @@ fn tensor_storage_metadata(w: &mut Stream<'_>, dtype: DType, size: &[u64], chunk
 }
 
 /// `MetadataIndex`'s state: `fqn`, `index`, and `offset` for tensors.
-fn write_metadata_index<'m>(w: &mut Stream<'m>, index: &'m MetadataIndex) {
+fn write_metadata_index<'m, 's>(w: &mut Stream<'m, 's>, index: &'m MetadataIndex) {
     dataclass(w, META, "MetadataIndex", |w| {
         w.fields(|w| {
             w.str("fqn");
@@ -801,7 +801,7 @@ fn write_metadata_index<'m>(w: &mut Stream<'m>, index: &'m MetadataIndex) {
     });
 }
 
-fn write_storage_info<'m>(w: &mut Stream<'m>, info: &'m StorageInfo) {
+fn write_storage_info<'m, 's>(w: &mut Stream<'m, 's>, info: &'m StorageInfo) {
     dataclass(w, FS, "_StorageInfo", |w| {
         // torch leaves `transform_descriptors` out when there are none.
         let transforms = &info.transforms;
