@@ -470,7 +470,7 @@ fn convert_with(
     let target = target_of(&ckpt);
     let plan = plan::plan(&ckpt, &target, &PlanOptions { cast })?;
     let staging = Staging::prepare(output, path, kind, write.force)?;
-    let relative: Vec<PathBuf> = plan.files.iter().map(|f| f.path.clone()).collect();
+    let relative = plan.paths();
     let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
     let opts = ExecOptions {
@@ -496,8 +496,8 @@ fn convert_with(
             "wrote {} tensors to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
             ckpt.tensors.len(),
             terminal_safe(&final_path.display().to_string()),
-            plan.files.len(),
-            if plan.files.len() == 1 { "" } else { "s" },
+            plan.file_count(),
+            if plan.file_count() == 1 { "" } else { "s" },
             human_bytes(bytes),
             secs,
             human_bytes((bytes as f64 / secs.max(1e-9)) as u64)

@@ -135,7 +135,7 @@ pub struct RegionDigest {
     pub inf: u64,
 }
 
-/// Write every file of `plan` at `dest[i]` (one path per `plan.files[i]`).
+/// Write every file of `plan` at `dest[i]` (one path per file, in [`Plan::paths`] order).
 pub fn execute(plan: &Plan, dest: &[PathBuf], opts: &ExecOptions) -> Result<()> {
     run(plan, Some(dest), opts).map(|_| ())
 }
@@ -151,22 +151,99 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         .iter()
         .map(|p| Source::open(p, opts.io))
         .collect::<Result<Vec<_>>>()?;
-    for f in &plan.files {
+    let dest = dest.unwrap_or(&[]);
+    opts.progress.start(plan.data_bytes());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads)
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
+    // Files are planned and written a few at a time: enough for every thread to have work and
+    // for one file's writeback to overlap the next one's copying, while a plan of thousands of
+    // rank files never has all their regions in memory.
+    let window = (2 * pool.current_num_threads()).max(4);
+    let mut digests = Vec::new();
+    let mut first = 0;
+    while first < plan.file_count() {
+        let last = (first + window).min(plan.file_count());
+        let mut files = Vec::with_capacity(last - first);
+        for i in first..last {
+            files.push((i, plan.file(i)?));
+        }
+        let outputs = prepare_outputs(plan, &files, dest)?;
+        let batch = pool.install(|| run_files(&files, &outputs, dest, &sources, opts))?;
+        digests.extend(batch);
+        if opts.durable {
+            for ((i, _), out) in files.iter().zip(&outputs) {
+                if let (Some(out), Some(path)) = (out, dest.get(*i)) {
+                    out.sync_all().map_err(|e| Error::io(path, e))?;
+                }
+            }
+        }
+        first = last;
+    }
+    for s in &sources {
+        let now = std::fs::metadata(&s.path)
+            .map_err(|e| Error::io(&s.path, e))?
+            .len();
+        if now != s.len {
+            return Err(Error::invalid(format!(
+                "input changed size during the run ({} bytes, now {now})",
+                s.len
+            ))
+            .file(&s.path)
+            .hint("let the writer finish, then run ckpt again"));
+        }
+    }
+    opts.progress.finish();
+    Ok(digests)
+}
+
+/// Check the fills of `files` against their sources and create their outputs (none without
+/// destinations). A streamed file is written here whole; it gets no handle back.
+fn prepare_outputs(
+    plan: &Plan,
+    files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
+    dest: &[PathBuf],
+) -> Result<Vec<Option<File>>> {
+    let mut outputs = Vec::with_capacity(files.len());
+    for (i, f) in files {
+        let Some(path) = dest.get(*i) else {
+            outputs.push(None);
+            continue;
+        };
+        if plan.is_streamed(*i) {
+            let file = create_output(path, 0)?;
+            let mut sink = std::io::BufWriter::with_capacity(1 << 20, &file);
+            plan.write_streamed(*i, &mut sink)
+                .and_then(|_| std::io::Write::flush(&mut sink))
+                .map_err(|e| Error::io(path, e))?;
+            drop(sink);
+            outputs.push(Some(file));
+            continue;
+        }
+        outputs.push(Some(create_output(path, f.len)?));
+    }
+    Ok(outputs)
+}
+
+/// Copy every region of `files` (in parallel, on the current pool) into `outputs`, then write
+/// their literals with the CRCs the copies produced. Returns one digest per region.
+fn run_files(
+    files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
+    outputs: &[Option<File>],
+    dest: &[PathBuf],
+    sources: &[Source],
+    opts: &ExecOptions,
+) -> Result<Vec<RegionDigest>> {
+    for (_, f) in files {
         for r in &f.regions {
             for fill in &r.fills {
-                check_fill(fill, r, &sources)?;
+                check_fill(fill, r, sources)?;
             }
         }
     }
-    let dest = dest.unwrap_or(&[]);
-    let outputs = plan
-        .files
-        .iter()
-        .zip(dest)
-        .map(|(f, path)| create_output(path, f.len))
-        .collect::<Result<Vec<_>>>()?;
     let mut units = Vec::new();
-    for (fi, f) in plan.files.iter().enumerate() {
+    for (fi, (_, f)) in files.iter().enumerate() {
         for (ri, r) in f.regions.iter().enumerate() {
             for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
                 units.push(Unit {
@@ -178,42 +255,38 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             }
         }
     }
-    opts.progress.start(plan.data_bytes());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads)
-        .build()
-        .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
     // Bytes written to each output since its writeback was last started.
     let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
-    let results: Vec<UnitResult> = pool.install(|| {
-        units
-            .par_iter()
-            .map(|u| {
-                if opts.cancel.load(Ordering::Relaxed) {
-                    return Err(Error::new(ErrorKind::Io, "interrupted"));
+    let results: Vec<UnitResult> = units
+        .par_iter()
+        .map(|u| {
+            if opts.cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "interrupted"));
+            }
+            let (i, f) = &files[u.file];
+            let region = &f.regions[u.region];
+            let out = outputs
+                .get(u.file)
+                .and_then(Option::as_ref)
+                .zip(dest.get(*i));
+            let result = run_unit(u, region, sources, out)?;
+            if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file))
+            {
+                // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
+                let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
+                if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
+                    start_writeback(file);
                 }
-                let region = &plan.files[u.file].regions[u.region];
-                let out = outputs.get(u.file).zip(dest.get(u.file));
-                let result = run_unit(u, region, &sources, out)?;
-                if let (true, Some((file, _)), Some(dirty)) =
-                    (opts.durable, out, unflushed.get(u.file))
-                {
-                    // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
-                    let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
-                    if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
-                        start_writeback(file);
-                    }
-                }
-                opts.progress.advance(result.len);
-                Ok(result)
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
+            }
+            opts.progress.advance(result.len);
+            Ok(result)
+        })
+        .collect::<Result<Vec<_>>>()?;
 
     // Units were listed region by region in order, so each region's CRC is its units' combined.
     let mut digests = Vec::new();
     let mut k = 0;
-    for (fi, f) in plan.files.iter().enumerate() {
+    for (fi, (i, f)) in files.iter().enumerate() {
         let mut crc_patches = Vec::new();
         for ri in 0..f.regions.len() {
             let mut crc = crc32fast::Hasher::new();
@@ -236,29 +309,10 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             let crc = crc.finalize().to_le_bytes();
             crc_patches.extend(f.regions[ri].crc_slots.iter().map(|&slot| (slot, crc)));
         }
-        if let (Some(out), Some(path)) = (outputs.get(fi), dest.get(fi)) {
+        if let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) {
             write_literals(out, path, f, &crc_patches)?;
         }
     }
-    if opts.durable {
-        for (out, path) in outputs.iter().zip(dest) {
-            out.sync_all().map_err(|e| Error::io(path, e))?;
-        }
-    }
-    for s in &sources {
-        let now = std::fs::metadata(&s.path)
-            .map_err(|e| Error::io(&s.path, e))?
-            .len();
-        if now != s.len {
-            return Err(Error::invalid(format!(
-                "input changed size during the run ({} bytes, now {now})",
-                s.len
-            ))
-            .file(&s.path)
-            .hint("let the writer finish, then run ckpt again"));
-        }
-    }
-    opts.progress.finish();
     Ok(digests)
 }
 

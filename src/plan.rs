@@ -6,26 +6,32 @@
 //! boxes of source pieces ([`Fill`]). Because the planner only does arithmetic, property tests can
 //! check that every destination byte is written exactly once.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::formats::dcp::metadata::{
-    self as dcp_metadata, Chunk, DcpEntry, DcpMetadata, MetadataIndex, StorageInfo,
-};
+use crate::formats::dcp::metadata::{self as dcp_metadata, Chunk, Describe, EntryRef, StorageRef};
 use crate::formats::{dcp, hf_index, safetensors, torch_save, zip};
 use crate::geometry::{self, local_box, Box, Placement};
-use crate::model::{Checkpoint, Encoding, NonTensor, Tensor};
+use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, Tensor};
 
 /// Everything needed to write one output: files, and where each byte comes from.
-#[derive(Clone, Debug, Default)]
-pub struct Plan {
+///
+/// Most targets are planned whole, into [`Plan::files`]. A DCP target ([`Plan::dcp`]) is planned
+/// one rank file at a time as the executor asks for it ([`Plan::file`]), and its `.metadata` is
+/// streamed from mesh geometry ([`Plan::write_streamed`]): a reshard to 1024 ranks has two million
+/// items, whose regions and metadata records never all exist at once.
+#[derive(Default)]
+pub struct Plan<'a> {
     /// Absolute paths of the input files that fills read from; [`Fill::input`] indexes this.
     pub inputs: Vec<PathBuf>,
+    /// Files planned whole, written first.
     pub files: Vec<FilePlan>,
     /// Things the user should hear about (skipped entries, replicated tensors).
     pub notes: Vec<String>,
+    /// A DCP target's rank files and `.metadata`, after `files`.
+    pub dcp: Option<DcpFiles<'a>>,
 }
 
 /// One destination file.
@@ -135,14 +141,74 @@ impl Region {
     }
 }
 
-impl Plan {
+impl Plan<'_> {
+    /// Number of destination files.
+    pub fn file_count(&self) -> usize {
+        self.files.len() + self.dcp.as_ref().map_or(0, |d| d.names.len() + 1)
+    }
+
+    /// Path of destination file `i`, relative to the output root.
+    pub fn path(&self, i: usize) -> PathBuf {
+        match (self.files.get(i), &self.dcp) {
+            (Some(f), _) => f.path.clone(),
+            (None, Some(dcp)) => match dcp.names.get(i - self.files.len()) {
+                Some(name) => PathBuf::from(name),
+                None => PathBuf::from(dcp::METADATA),
+            },
+            (None, None) => PathBuf::new(),
+        }
+    }
+
+    /// Paths of every destination file, in order.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        (0..self.file_count()).map(|i| self.path(i)).collect()
+    }
+
+    /// Destination file `i`, planned now if it was not planned whole. A streamed file (see
+    /// [`Plan::write_streamed`]) has no regions or literals here.
+    pub fn file(&self, i: usize) -> Result<std::borrow::Cow<'_, FilePlan>> {
+        use std::borrow::Cow;
+        if let Some(f) = self.files.get(i) {
+            return Ok(Cow::Borrowed(f));
+        }
+        let k = i - self.files.len();
+        match &self.dcp {
+            Some(dcp) if k < dcp.names.len() => Ok(Cow::Owned(dcp.rank_file(k)?)),
+            _ => Ok(Cow::Owned(FilePlan {
+                path: self.path(i),
+                ..FilePlan::default()
+            })),
+        }
+    }
+
+    /// True when file `i` is written by [`Plan::write_streamed`] rather than from regions.
+    pub fn is_streamed(&self, i: usize) -> bool {
+        self.dcp
+            .as_ref()
+            .is_some_and(|d| i == self.files.len() + d.names.len())
+    }
+
+    /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length.
+    pub fn write_streamed<W: std::io::Write + std::io::Seek>(
+        &self,
+        i: usize,
+        sink: &mut W,
+    ) -> std::io::Result<u64> {
+        match &self.dcp {
+            Some(dcp) if self.is_streamed(i) => dcp_metadata::write_to(sink, &dcp),
+            _ => Ok(0),
+        }
+    }
+
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
-        self.files
+        let whole: u64 = self
+            .files
             .iter()
             .flat_map(|f| &f.regions)
             .map(Region::nbytes)
-            .sum()
+            .sum();
+        whole + self.dcp.as_ref().map_or(0, |d| d.data_bytes)
     }
 }
 
@@ -186,8 +252,24 @@ pub struct PlanOptions {
 }
 
 /// Plan writing `ckpt` as `target`.
-pub fn plan(ckpt: &Checkpoint, target: &Target, opts: &PlanOptions) -> Result<Plan> {
-    let mut planner = Planner::new(ckpt, opts)?;
+pub fn plan<'a>(ckpt: &'a Checkpoint, target: &Target, opts: &PlanOptions) -> Result<Plan<'a>> {
+    let src = Sourcing::new(ckpt, opts)?;
+    if let Target::Dcp(mesh) = target {
+        let (dcp, notes) = DcpFiles::new(src, mesh)?;
+        return Ok(Plan {
+            inputs: dcp.src.inputs.clone(),
+            notes,
+            dcp: Some(dcp),
+            ..Plan::default()
+        });
+    }
+    let mut planner = Planner {
+        plan: Plan {
+            inputs: src.inputs.clone(),
+            ..Plan::default()
+        },
+        src,
+    };
     match target {
         Target::Safetensors { file_name } => {
             let all: Vec<usize> = (0..ckpt.tensors.len()).collect();
@@ -199,7 +281,7 @@ pub fn plan(ckpt: &Checkpoint, target: &Target, opts: &PlanOptions) -> Result<Pl
             planner.skip_values("safetensors");
         }
         Target::TorchSave { file_name } => planner.torch_save(file_name)?,
-        Target::Dcp(mesh) => planner.dcp(mesh)?,
+        Target::Dcp(_) => {}
         Target::DcpSafetensors(mesh) => {
             planner.dcp_safetensors(mesh)?;
             planner.skip_values("safetensors");
@@ -208,17 +290,22 @@ pub fn plan(ckpt: &Checkpoint, target: &Target, opts: &PlanOptions) -> Result<Pl
     Ok(planner.plan)
 }
 
-struct Planner<'a> {
+/// Where each tensor's bytes come from: the checkpoint, its input files numbered once, and an
+/// index of each tensor's pieces. All a [`Region`] needs, and read-only, so rank files can be
+/// planned one at a time long after planning started.
+struct Sourcing<'a> {
     ckpt: &'a Checkpoint,
-    opts: &'a PlanOptions,
-    inputs: BTreeMap<PathBuf, usize>,
+    cast: Option<DType>,
+    /// Absolute paths, in the order the checkpoint first names them.
+    inputs: Vec<PathBuf>,
+    /// Index into `inputs` of each file, as the checkpoint names it (relative).
+    input_of: HashMap<&'a Path, usize>,
     /// One per tensor of `ckpt`.
     indexes: Vec<PieceIndex>,
-    plan: Plan,
 }
 
-impl<'a> Planner<'a> {
-    fn new(ckpt: &'a Checkpoint, opts: &'a PlanOptions) -> Result<Planner<'a>> {
+impl<'a> Sourcing<'a> {
+    fn new(ckpt: &'a Checkpoint, opts: &PlanOptions) -> Result<Sourcing<'a>> {
         let indexes = ckpt
             .tensors
             .iter()
@@ -227,36 +314,49 @@ impl<'a> Planner<'a> {
                 Ok(PieceIndex::new(t))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Planner {
+        let mut inputs = Vec::new();
+        let mut input_of = HashMap::new();
+        let pieces = ckpt.tensors.iter().flat_map(|t| &t.pieces);
+        let files = pieces.map(|p| p.data.file.as_path()).chain(
+            ckpt.values
+                .iter()
+                .filter_map(|v| Some(v.raw.as_ref()?.file.as_path())),
+        );
+        for file in files {
+            input_of.entry(file).or_insert_with(|| {
+                inputs.push(ckpt.path_of(file));
+                inputs.len() - 1
+            });
+        }
+        Ok(Sourcing {
             ckpt,
-            opts,
-            inputs: BTreeMap::new(),
+            cast: opts.cast,
+            inputs,
+            input_of,
             indexes,
-            plan: Plan::default(),
         })
     }
 
     /// The dtype a tensor is written as.
     fn out_dtype(&self, t: &Tensor) -> DType {
-        match self.opts.cast {
+        match self.cast {
             Some(to) if t.dtype.is_float() => to,
             _ => t.dtype,
         }
     }
 
-    fn input(&mut self, file: &Path) -> usize {
-        let path = self.ckpt.path_of(file);
-        let next = self.plan.inputs.len();
-        *self.inputs.entry(path.clone()).or_insert_with(|| {
-            self.plan.inputs.push(path);
-            next
-        })
+    fn out_nbytes(&self, t: &Tensor) -> u64 {
+        crate::model::numel(&t.shape).unwrap_or(0) * self.out_dtype(t).size() as u64
+    }
+
+    fn input(&self, file: &Path) -> usize {
+        // Every file of the checkpoint was numbered in `new`.
+        self.input_of.get(file).copied().unwrap_or(usize::MAX)
     }
 
     /// A region at `offset` holding box `b` of tensor `ti`, filled from the pieces that meet it.
-    fn region(&mut self, ti: usize, b: &Box, offset: u64) -> Region {
-        let ckpt = self.ckpt;
-        let t = &ckpt.tensors[ti];
+    fn region(&self, ti: usize, b: &Box, offset: u64) -> Region {
+        let t = &self.ckpt.tensors[ti];
         let mut fills = Vec::new();
         for k in self.indexes[ti].meeting(b) {
             let piece = &t.pieces[k];
@@ -296,9 +396,54 @@ impl<'a> Planner<'a> {
         }
     }
 
+    /// Append a non-tensor entry's torch.save bytes to `file`: the original bytes when the source
+    /// had them (so DCP values survive byte for byte), else a fresh archive of the value.
+    fn value_item(&self, file: &mut FilePlan, v: &NonTensor) -> Result<u64> {
+        let base = file.len;
+        if let Some(blob) = &v.raw {
+            file.regions.push(Region {
+                name: v.name.clone(),
+                offset: base,
+                dtype: DType::U8,
+                shape: vec![blob.length],
+                fills: vec![Fill {
+                    input: self.input(&blob.file),
+                    encoding: Encoding::Raw,
+                    dtype: DType::U8,
+                    offset: blob.offset,
+                    strides: vec![1],
+                    start: vec![0],
+                    sizes: vec![blob.length],
+                }],
+                crc_slots: Vec::new(),
+            });
+            file.len = base + blob.length;
+            return Ok(blob.length);
+        }
+        let Some(value) = &v.value else {
+            return Err(
+                Error::invalid("non-tensor entry has neither bytes nor a value").tensor(&v.name),
+            );
+        };
+        let pkl =
+            torch_save::data_pkl(&[(Vec::new(), torch_save::WriteLeaf::Value(value.clone()))]);
+        let records = torch_save::records("archive", pkl, &[]);
+        archive_into(file, base, &records, |_| None)?;
+        Ok(file.len - base)
+    }
+}
+
+/// Builds the plan of a target planned whole.
+struct Planner<'a> {
+    src: Sourcing<'a>,
+    plan: Plan<'a>,
+}
+
+impl Planner<'_> {
     fn skip_values(&mut self, format: &str) {
-        if !self.ckpt.values.is_empty() {
-            let names: Vec<&str> = self.ckpt.values.iter().map(|v| v.name.as_str()).collect();
+        let values = &self.src.ckpt.values;
+        if !values.is_empty() {
+            let names: Vec<&str> = values.iter().map(|v| v.name.as_str()).collect();
             self.plan.notes.push(format!(
                 "skipped {} non-tensor entries ({format} holds tensors only): {}",
                 names.len(),
@@ -309,12 +454,12 @@ impl<'a> Planner<'a> {
 
     /// One safetensors file holding the whole of each tensor in `tensors` (indices), in order.
     fn safetensors_file(&mut self, name: &str, tensors: &[usize], metadata: &[(&str, &str)]) {
-        let ckpt = self.ckpt;
+        let ckpt = self.src.ckpt;
         let entries: Vec<(String, DType, Vec<u64>)> = tensors
             .iter()
             .map(|&i| {
                 let t = &ckpt.tensors[i];
-                (t.name.clone(), self.out_dtype(t), t.shape.clone())
+                (t.name.clone(), self.src.out_dtype(t), t.shape.clone())
             })
             .collect();
         let boxes: Vec<(usize, Box)> = tensors
@@ -345,18 +490,19 @@ impl<'a> Planner<'a> {
             ..FilePlan::default()
         };
         for ((i, b), (begin, _)) in boxes.iter().zip(&ranges) {
-            file.regions.push(self.region(*i, b, data_start + begin));
+            file.regions
+                .push(self.src.region(*i, b, data_start + begin));
         }
         self.plan.files.push(file);
     }
 
     fn split(&mut self, max_shard_bytes: u64) {
-        let ckpt = self.ckpt;
+        let ckpt = self.src.ckpt;
         let mut groups: Vec<Vec<usize>> = Vec::new();
         let mut current = Vec::new();
         let mut current_bytes = 0u64;
         for (i, t) in ckpt.tensors.iter().enumerate() {
-            let bytes = self.out_nbytes(t);
+            let bytes = self.src.out_nbytes(t);
             if !current.is_empty() && current_bytes.saturating_add(bytes) > max_shard_bytes {
                 groups.push(std::mem::take(&mut current));
                 current_bytes = 0;
@@ -380,7 +526,7 @@ impl<'a> Planner<'a> {
             }
             self.safetensors_file(&name, group, &[("format", "pt")]);
         }
-        let total: u64 = ckpt.tensors.iter().map(|t| self.out_nbytes(t)).sum();
+        let total: u64 = ckpt.tensors.iter().map(|t| self.src.out_nbytes(t)).sum();
         let index = hf_index::index_json(total, &weight_map);
         self.plan.files.push(FilePlan {
             path: PathBuf::from(hf_index::INDEX_NAME),
@@ -390,12 +536,8 @@ impl<'a> Planner<'a> {
         });
     }
 
-    fn out_nbytes(&self, t: &Tensor) -> u64 {
-        crate::model::numel(&t.shape).unwrap_or(0) * self.out_dtype(t).size() as u64
-    }
-
     fn torch_save(&mut self, file_name: &str) -> Result<()> {
-        let ckpt = self.ckpt;
+        let ckpt = self.src.ckpt;
         let mut items = Vec::new();
         let mut storages = Vec::new();
         for (i, t) in ckpt.tensors.iter().enumerate() {
@@ -403,12 +545,12 @@ impl<'a> Planner<'a> {
             items.push((
                 t.effective_key_path(),
                 torch_save::WriteLeaf::Tensor {
-                    dtype: self.out_dtype(t),
+                    dtype: self.src.out_dtype(t),
                     shape: t.shape.clone(),
                     storage_key: key.clone(),
                 },
             ));
-            storages.push((key, self.out_nbytes(t)));
+            storages.push((key, self.src.out_nbytes(t)));
         }
         let mut unreadable = Vec::new();
         for v in &ckpt.values {
@@ -440,264 +582,31 @@ impl<'a> Planner<'a> {
             path: PathBuf::from(file_name),
             ..FilePlan::default()
         };
-        let regions = self.archive_into(&mut file, 0, &records, |planner, key| {
+        let src = &self.src;
+        let regions = archive_into(&mut file, 0, &records, |key| {
             let i = key.parse::<usize>().ok()?;
             let whole = Box::whole(&ckpt.tensors.get(i)?.shape);
-            Some(planner.region(i, &whole, 0))
+            Some(src.region(i, &whole, 0))
         })?;
         file.regions = regions;
         self.plan.files.push(file);
         Ok(())
     }
 
-    /// Lay out a ZIP archive of `records` at `base` in `file`: literals go straight into the file, and
-    /// each `{prefix}/data/{key}` record becomes the region `region_for(key)` returns, moved to its
-    /// place. Returns those regions. The file grows to hold the archive.
-    fn archive_into(
-        &mut self,
-        file: &mut FilePlan,
-        base: u64,
-        records: &[zip::ZipRecord],
-        region_for: impl FnMut(&mut Self, &str) -> Option<Region>,
-    ) -> Result<Vec<Region>> {
-        let mut layout = zip::layout(records);
-        for (offset, bytes) in std::mem::take(&mut layout.literals) {
-            file.literals.push((base + offset, bytes));
-        }
-        self.place_archive(file, base, records, &layout, region_for)
-    }
-
-    /// Place the regions of an archive laid out as `layout` at `base` in `file` (see
-    /// [`Planner::archive_into`]), without its literals.
-    fn place_archive(
-        &mut self,
-        file: &mut FilePlan,
-        base: u64,
-        records: &[zip::ZipRecord],
-        layout: &zip::ZipLayout,
-        mut region_for: impl FnMut(&mut Self, &str) -> Option<Region>,
-    ) -> Result<Vec<Region>> {
-        let mut regions = Vec::new();
-        for (k, record) in records.iter().enumerate() {
-            if record.content.is_some() {
-                continue;
-            }
-            let key = record.name.rsplit('/').next().unwrap_or_default();
-            let Some(mut region) = region_for(self, key) else {
-                return Err(Error::invalid(format!(
-                    "internal: archive record `{}` has no tensor",
-                    record.name
-                )));
-            };
-            region.offset = base + layout.data_offsets[k];
-            region.crc_slots = layout.crc_slots[k].iter().map(|o| base + o).collect();
-            regions.push(region);
-        }
-        file.len = file.len.max(base + layout.len);
-        Ok(regions)
-    }
-
-    /// The chunks of each tensor and the rank that stores each, under `mesh`.
-    fn assign(&mut self, mesh: &MeshSpec) -> Result<Vec<Vec<(usize, Box)>>> {
-        let world = mesh.world_size();
-        if world == 0 || mesh.placements.len() != mesh.shape.len() {
-            return Err(Error::usage(
-                "the mesh needs one placement per dimension and no zero size",
-            ));
-        }
-        let mut per_rank: Vec<Vec<(usize, Box)>> = vec![Vec::new(); world];
-        let mut replicated_dims = Vec::new();
-        for (i, t) in self.ckpt.tensors.iter().enumerate() {
-            let whole = t.shape.is_empty() || mesh.replicated.contains(&t.name);
-            if whole {
-                per_rank[0].push((i, Box::whole(&t.shape)));
-                continue;
-            }
-            if mesh
-                .placements
-                .iter()
-                .any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len()))
-            {
-                replicated_dims.push(t.name.as_str());
-            }
-            // DCP keys chunks by their offsets and stores each once: a replicated box is written
-            // by the lowest rank holding it, and an empty box (a trailing rank of a short dim) only
-            // when no box with data starts at the same offsets, as DTensor's saves show.
-            let mut owner: BTreeMap<Vec<u64>, (usize, Box)> = BTreeMap::new();
-            for rank in 0..world {
-                let b = local_box(&t.shape, &mesh.shape, &mesh.placements, rank);
-                let replaces = match owner.get(&b.offsets) {
-                    None => true,
-                    Some((_, kept)) => kept.is_empty() && !b.is_empty(),
-                };
-                if replaces {
-                    owner.insert(b.offsets.clone(), (rank, b));
-                }
-            }
-            let mut boxes: Vec<(usize, Box)> = owner.into_values().collect();
-            boxes.sort_by_key(|(rank, _)| *rank);
-            for (rank, b) in boxes {
-                per_rank[rank].push((i, b));
-            }
-        }
-        if !replicated_dims.is_empty() {
-            self.plan.notes.push(format!(
-                "replicated on mesh dimensions whose Shard(d) names a dim they lack: {}",
-                replicated_dims.join(", ")
-            ));
-        }
-        Ok(per_rank)
-    }
-
-    fn dcp(&mut self, mesh: &MeshSpec) -> Result<()> {
-        let ckpt = self.ckpt;
-        let per_rank = self.assign(mesh)?;
-        let mut chunks: Vec<Vec<Chunk>> = vec![Vec::new(); ckpt.tensors.len()];
-        let mut storage = Vec::new();
-        for (rank, items) in per_rank.iter().enumerate() {
-            let name = format!("__{rank}_0.distcp");
-            let mut file = FilePlan {
-                path: PathBuf::from(&name),
-                ..FilePlan::default()
-            };
-            for (i, b) in items {
-                let t = &ckpt.tensors[*i];
-                let base = file.len;
-                let item = TensorItem {
-                    base,
-                    dtype: self.out_dtype(t),
-                    shape: b.sizes.clone(),
-                };
-                let records = item.records();
-                let layout = zip::layout(&records);
-                let regions = self.place_archive(&mut file, base, &records, &layout, |p, _| {
-                    Some(p.region(*i, b, 0))
-                })?;
-                file.regions.extend(regions);
-                file.tensor_items.push(item);
-                storage.push((
-                    MetadataIndex {
-                        fqn: t.name.clone(),
-                        offset: Some(b.offsets.clone()),
-                        index: Some(chunks[*i].len() as i64),
-                    },
-                    StorageInfo {
-                        relative_path: name.clone(),
-                        offset: base,
-                        length: file.len - base,
-                        transforms: Vec::new(),
-                    },
-                ));
-                chunks[*i].push(Chunk {
-                    offsets: b.offsets.clone(),
-                    sizes: b.sizes.clone(),
-                });
-            }
-            if rank == 0 {
-                for v in &ckpt.values {
-                    let base = file.len;
-                    let length = self.value_item(&mut file, v)?;
-                    // Carried bytes keep their encoding, so a zstd item stays declared as one.
-                    let transforms = match &v.raw {
-                        Some(blob) if blob.zstd => vec![dcp::ZSTD.to_string()],
-                        _ => Vec::new(),
-                    };
-                    storage.push((
-                        MetadataIndex {
-                            fqn: v.name.clone(),
-                            offset: None,
-                            index: None,
-                        },
-                        StorageInfo {
-                            relative_path: name.clone(),
-                            offset: base,
-                            length,
-                            transforms,
-                        },
-                    ));
-                }
-            }
-            self.plan.files.push(file);
-        }
-        let mut entries = Vec::new();
-        let mut planner_data = Vec::new();
-        for (t, chunks) in ckpt.tensors.iter().zip(chunks) {
-            entries.push(DcpEntry::Tensor {
-                fqn: t.name.clone(),
-                dtype: self.out_dtype(t),
-                size: t.shape.clone(),
-                chunks,
-            });
-            planner_data.push((t.name.clone(), t.effective_key_path()));
-        }
-        for v in &ckpt.values {
-            entries.push(DcpEntry::Bytes {
-                fqn: v.name.clone(),
-            });
-            planner_data.push((v.name.clone(), v.effective_key_path()));
-        }
-        let meta = DcpMetadata {
-            entries,
-            storage,
-            planner_data,
-            version: Some("1.0.0".into()),
-        };
-        let bytes = dcp_metadata::write(&meta);
-        self.plan.files.push(FilePlan {
-            path: PathBuf::from(".metadata"),
-            len: bytes.len() as u64,
-            literals: vec![(0, bytes)],
-            ..FilePlan::default()
-        });
-        Ok(())
-    }
-
-    /// Append a non-tensor entry's torch.save bytes to `file`: the original bytes when the source
-    /// had them (so DCP values survive byte for byte), else a fresh archive of the value.
-    fn value_item(&mut self, file: &mut FilePlan, v: &NonTensor) -> Result<u64> {
-        let base = file.len;
-        if let Some(blob) = &v.raw {
-            let input = self.input(&blob.file);
-            file.regions.push(Region {
-                name: v.name.clone(),
-                offset: base,
-                dtype: DType::U8,
-                shape: vec![blob.length],
-                fills: vec![Fill {
-                    input,
-                    encoding: Encoding::Raw,
-                    dtype: DType::U8,
-                    offset: blob.offset,
-                    strides: vec![1],
-                    start: vec![0],
-                    sizes: vec![blob.length],
-                }],
-                crc_slots: Vec::new(),
-            });
-            file.len = base + blob.length;
-            return Ok(blob.length);
-        }
-        let Some(value) = &v.value else {
-            return Err(
-                Error::invalid("non-tensor entry has neither bytes nor a value").tensor(&v.name),
-            );
-        };
-        let pkl =
-            torch_save::data_pkl(&[(Vec::new(), torch_save::WriteLeaf::Value(value.clone()))]);
-        let records = torch_save::records("archive", pkl, &[]);
-        self.archive_into(file, base, &records, |_, _| None)?;
-        Ok(file.len - base)
-    }
-
     fn dcp_safetensors(&mut self, mesh: &MeshSpec) -> Result<()> {
-        let ckpt = self.ckpt;
-        let per_rank = self.assign(mesh)?;
-        for (rank, items) in per_rank.iter().enumerate() {
+        let ckpt = self.src.ckpt;
+        let (per_rank, notes) = assign(ckpt, mesh)?;
+        self.plan.notes.extend(notes);
+        for (rank, tensors) in per_rank.iter().enumerate() {
+            let items: Vec<(usize, Box)> = tensors
+                .iter()
+                .map(|&i| (i as usize, box_of(ckpt, mesh, i as usize, rank)))
+                .collect();
             let entries: Vec<(String, DType, Vec<u64>)> = items
                 .iter()
                 .map(|(i, b)| {
                     let t = &ckpt.tensors[*i];
-                    (t.name.clone(), self.out_dtype(t), b.sizes.clone())
+                    (t.name.clone(), self.src.out_dtype(t), b.sizes.clone())
                 })
                 .collect();
             let offsets: Vec<(String, Vec<u64>)> = items
@@ -710,9 +619,341 @@ impl<'a> Planner<'a> {
                 .map(|(k, v)| (k.as_str(), v.as_str()))
                 .collect();
             let name = dcp::hf::file_name(rank, 1, 1);
-            self.safetensors_pieces(&name, &entries, items, &metadata);
+            self.safetensors_pieces(&name, &entries, &items, &metadata);
         }
         Ok(())
+    }
+}
+
+/// Lay out a ZIP archive of `records` at `base` in `file`: literals go straight into the file, and
+/// each `{prefix}/data/{key}` record becomes the region `region_for(key)` returns, moved to its
+/// place. Returns those regions. The file grows to hold the archive.
+fn archive_into(
+    file: &mut FilePlan,
+    base: u64,
+    records: &[zip::ZipRecord],
+    region_for: impl FnMut(&str) -> Option<Region>,
+) -> Result<Vec<Region>> {
+    let mut layout = zip::layout(records);
+    for (offset, bytes) in std::mem::take(&mut layout.literals) {
+        file.literals.push((base + offset, bytes));
+    }
+    place_archive(file, base, records, &layout, region_for)
+}
+
+/// Place the regions of an archive laid out as `layout` at `base` in `file` (see
+/// [`archive_into`]), without its literals.
+fn place_archive(
+    file: &mut FilePlan,
+    base: u64,
+    records: &[zip::ZipRecord],
+    layout: &zip::ZipLayout,
+    mut region_for: impl FnMut(&str) -> Option<Region>,
+) -> Result<Vec<Region>> {
+    let mut regions = Vec::new();
+    for (k, record) in records.iter().enumerate() {
+        if record.content.is_some() {
+            continue;
+        }
+        let key = record.name.rsplit('/').next().unwrap_or_default();
+        let Some(mut region) = region_for(key) else {
+            return Err(Error::invalid(format!(
+                "internal: archive record `{}` has no tensor",
+                record.name
+            )));
+        };
+        region.offset = base + layout.data_offsets[k];
+        region.crc_slots = layout.crc_slots[k].iter().map(|o| base + o).collect();
+        regions.push(region);
+    }
+    file.len = file.len.max(base + layout.len);
+    Ok(regions)
+}
+
+/// True when tensor `ti` is stored whole, once, on rank 0 rather than placed on the mesh.
+fn stored_whole(t: &Tensor, mesh: &MeshSpec) -> bool {
+    t.shape.is_empty() || mesh.replicated.contains(&t.name)
+}
+
+/// The box of tensor `ti` that `rank` stores.
+fn box_of(ckpt: &Checkpoint, mesh: &MeshSpec, ti: usize, rank: usize) -> Box {
+    let t = &ckpt.tensors[ti];
+    if stored_whole(t, mesh) {
+        Box::whole(&t.shape)
+    } else {
+        local_box(&t.shape, &mesh.shape, &mesh.placements, rank)
+    }
+}
+
+/// The tensors each rank of `mesh` stores a box of, in tensor order (see [`box_of`] for the box),
+/// and notes for the user.
+fn assign(ckpt: &Checkpoint, mesh: &MeshSpec) -> Result<(Vec<Vec<u32>>, Vec<String>)> {
+    let world = mesh.world_size();
+    if world == 0 || mesh.placements.len() != mesh.shape.len() {
+        return Err(Error::usage(
+            "the mesh needs one placement per dimension and no zero size",
+        ));
+    }
+    if u32::try_from(ckpt.tensors.len()).is_err() {
+        return Err(Error::invalid("more than 4 billion tensors"));
+    }
+    let mut per_rank: Vec<Vec<u32>> = vec![Vec::new(); world];
+    let mut replicated_dims = Vec::new();
+    for (i, t) in ckpt.tensors.iter().enumerate() {
+        if stored_whole(t, mesh) {
+            per_rank[0].push(i as u32);
+            continue;
+        }
+        if mesh
+            .placements
+            .iter()
+            .any(|p| matches!(p, Placement::Shard(d) if *d >= t.shape.len()))
+        {
+            replicated_dims.push(t.name.as_str());
+        }
+        // DCP keys chunks by their offsets and stores each once: a replicated box is written by
+        // the lowest rank holding it, and an empty box (a trailing rank of a short dim) only when
+        // no box with data starts at the same offsets, as DTensor's saves show.
+        let mut owner: BTreeMap<Vec<u64>, (usize, bool)> = BTreeMap::new();
+        for rank in 0..world {
+            let b = local_box(&t.shape, &mesh.shape, &mesh.placements, rank);
+            let empty = b.is_empty();
+            let replaces = match owner.get(&b.offsets) {
+                None => true,
+                Some(&(_, kept_empty)) => kept_empty && !empty,
+            };
+            if replaces {
+                owner.insert(b.offsets, (rank, empty));
+            }
+        }
+        let mut ranks: Vec<usize> = owner.into_values().map(|(rank, _)| rank).collect();
+        ranks.sort_unstable();
+        for rank in ranks {
+            per_rank[rank].push(i as u32);
+        }
+    }
+    let mut notes = Vec::new();
+    if !replicated_dims.is_empty() {
+        notes.push(format!(
+            "replicated on mesh dimensions whose Shard(d) names a dim they lack: {}",
+            replicated_dims.join(", ")
+        ));
+    }
+    Ok((per_rank, notes))
+}
+
+/// A DCP target, planned one rank file at a time ([`DcpFiles::rank_file`]) with its `.metadata`
+/// derived from the same assignment as it is written ([`Describe`]): memory follows tensors and
+/// ranks (a few bytes per item for the assignment), not the items' regions and records.
+pub struct DcpFiles<'a> {
+    src: Sourcing<'a>,
+    mesh: MeshSpec,
+    /// `__{rank}_0.distcp`, per rank.
+    names: Vec<String>,
+    /// The tensors each rank stores, in tensor order.
+    per_rank: Vec<Vec<u32>>,
+    /// The ranks storing each tensor, in rank order: the tensor's chunks, in `.metadata` order.
+    owners: Vec<Vec<u32>>,
+    /// Length of the torch.save item of a box, by written dtype and box sizes (a mesh gives few
+    /// distinct sizes, so this is small).
+    item_lens: HashMap<(DType, Vec<u64>), u64>,
+    /// Length of each non-tensor entry's item (on rank 0, after its tensors).
+    value_lens: Vec<u64>,
+    planner_data: Vec<(String, Vec<KeyPart>)>,
+    /// `["stream.zstd/1"]`, for values carried compressed.
+    zstd: Vec<String>,
+    data_bytes: u64,
+}
+
+impl<'a> DcpFiles<'a> {
+    fn new(src: Sourcing<'a>, mesh: &MeshSpec) -> Result<(DcpFiles<'a>, Vec<String>)> {
+        let ckpt = src.ckpt;
+        let (per_rank, notes) = assign(ckpt, mesh)?;
+        let mut owners: Vec<Vec<u32>> = vec![Vec::new(); ckpt.tensors.len()];
+        let mut item_lens = HashMap::new();
+        let mut data_bytes = 0u64;
+        for (rank, tensors) in per_rank.iter().enumerate() {
+            for &ti in tensors {
+                let t = &ckpt.tensors[ti as usize];
+                owners[ti as usize].push(rank as u32);
+                let b = box_of(ckpt, mesh, ti as usize, rank);
+                let dtype = src.out_dtype(t);
+                data_bytes += b.numel().unwrap_or(0) * dtype.size() as u64;
+                item_lens
+                    .entry((dtype, b.sizes.clone()))
+                    .or_insert_with(|| tensor_item(0, dtype, &b.sizes).layout().len);
+            }
+        }
+        let mut value_lens = Vec::new();
+        for v in &ckpt.values {
+            let mut scratch = FilePlan::default();
+            value_lens.push(src.value_item(&mut scratch, v)?);
+            data_bytes += v.raw.as_ref().map_or(0, |b| b.length);
+        }
+        let planner_data = ckpt
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.effective_key_path()))
+            .chain(
+                ckpt.values
+                    .iter()
+                    .map(|v| (v.name.clone(), v.effective_key_path())),
+            )
+            .collect();
+        let dcp = DcpFiles {
+            names: (0..mesh.world_size())
+                .map(|rank| format!("__{rank}_0.distcp"))
+                .collect(),
+            src,
+            mesh: mesh.clone(),
+            per_rank,
+            owners,
+            item_lens,
+            value_lens,
+            planner_data,
+            zstd: vec![dcp::ZSTD.to_string()],
+            data_bytes,
+        };
+        Ok((dcp, notes))
+    }
+
+    fn item_len(&self, dtype: DType, sizes: &[u64]) -> u64 {
+        // Every box was measured in `new`.
+        self.item_lens
+            .get(&(dtype, sizes.to_vec()))
+            .copied()
+            .unwrap_or_else(|| tensor_item(0, dtype, sizes).layout().len)
+    }
+
+    /// `__{rank}_0.distcp`: one torch.save item per box the rank stores, then (on rank 0) the
+    /// non-tensor entries.
+    fn rank_file(&self, rank: usize) -> Result<FilePlan> {
+        let ckpt = self.src.ckpt;
+        let mut file = FilePlan {
+            path: PathBuf::from(&self.names[rank]),
+            ..FilePlan::default()
+        };
+        for &ti in &self.per_rank[rank] {
+            let ti = ti as usize;
+            let b = box_of(ckpt, &self.mesh, ti, rank);
+            let base = file.len;
+            let item = tensor_item(base, self.src.out_dtype(&ckpt.tensors[ti]), &b.sizes);
+            let records = item.records();
+            let layout = zip::layout(&records);
+            let regions = place_archive(&mut file, base, &records, &layout, |_| {
+                Some(self.src.region(ti, &b, 0))
+            })?;
+            file.regions.extend(regions);
+            file.tensor_items.push(item);
+        }
+        if rank == 0 {
+            for v in &ckpt.values {
+                self.src.value_item(&mut file, v)?;
+            }
+        }
+        Ok(file)
+    }
+}
+
+fn tensor_item(base: u64, dtype: DType, sizes: &[u64]) -> TensorItem {
+    TensorItem {
+        base,
+        dtype,
+        shape: sizes.to_vec(),
+    }
+}
+
+impl<'m> Describe<'m> for &'m DcpFiles<'_> {
+    fn entries(&self) -> std::boxed::Box<dyn Iterator<Item = EntryRef<'m, '_>> + '_> {
+        let dcp: &'m DcpFiles<'_> = self;
+        let ckpt = dcp.src.ckpt;
+        let tensors = ckpt.tensors.iter().enumerate().map(move |(ti, t)| {
+            let chunks = dcp.owners[ti].iter().map(move |&rank| {
+                let b = box_of(ckpt, &dcp.mesh, ti, rank as usize);
+                Chunk {
+                    offsets: b.offsets,
+                    sizes: b.sizes,
+                }
+            });
+            EntryRef::Tensor {
+                fqn: &t.name,
+                dtype: dcp.src.out_dtype(t),
+                size: &t.shape,
+                chunks: std::boxed::Box::new(chunks),
+            }
+        });
+        let values = ckpt.values.iter().map(|v| EntryRef::Bytes { fqn: &v.name });
+        std::boxed::Box::new(tensors.chain(values))
+    }
+
+    fn planner_data(&self) -> std::boxed::Box<dyn Iterator<Item = (&'m str, &'m [KeyPart])> + '_> {
+        std::boxed::Box::new(
+            self.planner_data
+                .iter()
+                .map(|(fqn, path)| (fqn.as_str(), path.as_slice())),
+        )
+    }
+
+    fn storage(&self) -> std::boxed::Box<dyn Iterator<Item = StorageRef<'m>> + '_> {
+        let ckpt = self.src.ckpt;
+        let dcp: &'m DcpFiles<'_> = self;
+        let ranks = dcp
+            .per_rank
+            .iter()
+            .enumerate()
+            .flat_map(move |(rank, tensors)| {
+                let name = dcp.names[rank].as_str();
+                let mut base = 0u64;
+                let items: Vec<StorageRef<'m>> = tensors
+                    .iter()
+                    .map(|&ti| {
+                        let ti = ti as usize;
+                        let t = &ckpt.tensors[ti];
+                        let b = box_of(ckpt, &dcp.mesh, ti, rank);
+                        let length = dcp.item_len(dcp.src.out_dtype(t), &b.sizes);
+                        let at = base;
+                        base += length;
+                        // This rank's place among the tensor's owners is its chunk's index.
+                        let index = dcp.owners[ti].partition_point(|&r| (r as usize) < rank);
+                        StorageRef {
+                            fqn: &t.name,
+                            chunk_offsets: Some(b.offsets),
+                            index: Some(index as i64),
+                            relative_path: name,
+                            offset: at,
+                            length,
+                            transforms: &[],
+                        }
+                    })
+                    .collect();
+                let values = (rank == 0).then(|| {
+                    ckpt.values
+                        .iter()
+                        .zip(&dcp.value_lens)
+                        .map(|(v, &length)| {
+                            let at = base;
+                            base += length;
+                            // Carried bytes keep their encoding, so a zstd item stays declared as one.
+                            let zstd = v.raw.as_ref().is_some_and(|b| b.zstd);
+                            StorageRef {
+                                fqn: &v.name,
+                                chunk_offsets: None,
+                                index: None,
+                                relative_path: name,
+                                offset: at,
+                                length,
+                                transforms: if zstd { &dcp.zstd } else { &[] },
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                });
+                items.into_iter().chain(values.into_iter().flatten())
+            });
+        std::boxed::Box::new(ranks)
+    }
+
+    fn version(&self) -> Option<&'m str> {
+        Some("1.0.0")
     }
 }
 

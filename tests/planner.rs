@@ -84,9 +84,17 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
     }
 }
 
+/// Every file of `plan` that is written from regions and literals (a streamed `.metadata` is not).
+fn files(plan: &Plan) -> Vec<ckpt::plan::FilePlan> {
+    (0..plan.file_count())
+        .filter(|&i| !plan.is_streamed(i))
+        .map(|i| plan.file(i).unwrap().into_owned())
+        .collect()
+}
+
 /// How many times each byte of each destination file is written by `plan`.
 fn write_counts(plan: &Plan) -> Vec<Vec<u32>> {
-    plan.files
+    files(plan)
         .iter()
         .map(|f| {
             let mut count = vec![0u32; f.len as usize];
@@ -148,7 +156,7 @@ proptest! {
         let opts = PlanOptions { cast: cast.then_some(DType::BF16) };
         for target in targets(mesh.clone()) {
             let plan = plan::plan(&model, &target, &opts).unwrap();
-            for (f, counts) in plan.files.iter().zip(write_counts(&plan)) {
+            for (f, counts) in files(&plan).iter().zip(write_counts(&plan)) {
                 // A CRC is patched into framing bytes (a literal) after its region is written.
                 let mut literals = Vec::new();
                 f.for_each_literal(|at, b| {
@@ -170,7 +178,7 @@ fn run(input: &Path, output: &Path, target: Target) {
     let ckpt = ckpt::detect::read(input).unwrap();
     let plan = plan::plan(&ckpt, &target, &PlanOptions::default()).unwrap();
     std::fs::create_dir_all(output).unwrap();
-    let dest: Vec<PathBuf> = plan.files.iter().map(|f| output.join(&f.path)).collect();
+    let dest: Vec<PathBuf> = plan.paths().iter().map(|p| output.join(p)).collect();
     let cancel = AtomicBool::new(false);
     let opts = ExecOptions {
         threads: 2,

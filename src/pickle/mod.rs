@@ -16,7 +16,7 @@ mod write;
 
 pub use graph::{Graph, Items, Kind, View};
 pub use read::{parse, read, Limits};
-pub use write::{write, write_with, Protocol, Stream};
+pub use write::{write, write_to, write_with, Protocol, Stream};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.
 #[cfg(target_pointer_width = "64")]
