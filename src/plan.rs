@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -42,16 +43,16 @@ pub struct FilePlan {
     pub len: u64,
     /// Bytes known at planning time, by offset.
     pub literals: Vec<(u64, Vec<u8>)>,
-    /// DCP items of one tensor box each, whose framing (ZIP headers and a pickle, about 1.6 KiB)
-    /// is rendered when the file is written instead of being held here: a reshard to many ranks
-    /// has a million of them. See [`FilePlan::for_each_literal`].
+    /// DCP items of one tensor box each. Their framing (ZIP headers and a pickle, about 1.6 KiB)
+    /// is the same for every box of one dtype and shape, so it is shared, not copied per item:
+    /// see [`FilePlan::for_each_literal`].
     pub tensor_items: Vec<TensorItem>,
     pub regions: Vec<Region>,
 }
 
 impl FilePlan {
     /// Visit every literal byte run of the file in offset order: `literals`, and the framing of
-    /// each of `tensor_items`, rendered one item at a time so that only one is in memory.
+    /// each of `tensor_items`.
     pub fn for_each_literal(&self, mut visit: impl FnMut(u64, &[u8]) -> Result<()>) -> Result<()> {
         let mut plain: Vec<&(u64, Vec<u8>)> = self.literals.iter().collect();
         plain.sort_by_key(|(offset, _)| *offset);
@@ -59,12 +60,12 @@ impl FilePlan {
         let mut items: Vec<&TensorItem> = self.tensor_items.iter().collect();
         items.sort_by_key(|item| item.base);
         for item in items {
-            for (offset, bytes) in item.layout().literals {
+            for (offset, bytes) in &item.framing.layout.literals {
                 let at = item.base + offset;
                 while let Some((o, b)) = plain.next_if(|(o, _)| *o < at) {
                     visit(*o, b)?;
                 }
-                visit(at, &bytes)?;
+                visit(at, bytes)?;
             }
         }
         for (o, b) in plain {
@@ -74,32 +75,37 @@ impl FilePlan {
     }
 }
 
-/// A torch.save archive at `base` holding one contiguous tensor of `dtype` and `shape` (its data
-/// is a [`Region`]): how DCP stores each piece. Its bytes are a pure function of these fields.
-#[derive(Clone, Debug, PartialEq)]
+/// A torch.save archive at `base` holding one contiguous tensor (its data is a [`Region`]): how
+/// DCP stores each piece.
+#[derive(Clone, Debug)]
 pub struct TensorItem {
     pub base: u64,
-    pub dtype: DType,
-    pub shape: Vec<u64>,
+    pub framing: Arc<ItemFraming>,
 }
 
-impl TensorItem {
-    fn layout(&self) -> zip::ZipLayout {
-        zip::layout(&self.records())
-    }
+/// The records and layout of a torch.save archive of one contiguous tensor of a dtype and shape:
+/// a pure function of those two, placed at any base.
+#[derive(Debug)]
+pub struct ItemFraming {
+    pub records: Vec<zip::ZipRecord>,
+    pub layout: zip::ZipLayout,
+}
 
-    fn records(&self) -> Vec<zip::ZipRecord> {
+impl ItemFraming {
+    pub fn new(dtype: DType, shape: &[u64]) -> ItemFraming {
         let leaf = torch_save::WriteLeaf::Tensor {
-            dtype: self.dtype,
-            shape: self.shape.clone(),
+            dtype,
+            shape: shape.to_vec(),
             storage_key: "0".into(),
         };
-        let nbytes = crate::model::numel(&self.shape).unwrap_or(0) * self.dtype.size() as u64;
-        torch_save::records(
+        let nbytes = crate::model::numel(shape).unwrap_or(0) * dtype.size() as u64;
+        let records = torch_save::records(
             "archive",
             torch_save::data_pkl(&[(Vec::new(), leaf)]),
             &[("0".to_string(), nbytes)],
-        )
+        );
+        let layout = zip::layout(&records);
+        ItemFraming { records, layout }
     }
 }
 
@@ -754,9 +760,9 @@ pub struct DcpFiles<'a> {
     per_rank: Vec<Vec<u32>>,
     /// The ranks storing each tensor, in rank order: the tensor's chunks, in `.metadata` order.
     owners: Vec<Vec<u32>>,
-    /// Length of the torch.save item of a box, by written dtype and box sizes (a mesh gives few
+    /// The torch.save framing of a box, by written dtype and box sizes (a mesh gives few
     /// distinct sizes, so this is small).
-    item_lens: HashMap<(DType, Vec<u64>), u64>,
+    framings: HashMap<(DType, Vec<u64>), Arc<ItemFraming>>,
     /// Length of each non-tensor entry's item (on rank 0, after its tensors).
     value_lens: Vec<u64>,
     planner_data: Vec<(String, Vec<KeyPart>)>,
@@ -770,7 +776,7 @@ impl<'a> DcpFiles<'a> {
         let ckpt = src.ckpt;
         let (per_rank, notes) = assign(ckpt, mesh)?;
         let mut owners: Vec<Vec<u32>> = vec![Vec::new(); ckpt.tensors.len()];
-        let mut item_lens = HashMap::new();
+        let mut framings = HashMap::new();
         let mut data_bytes = 0u64;
         for (rank, tensors) in per_rank.iter().enumerate() {
             for &ti in tensors {
@@ -779,9 +785,9 @@ impl<'a> DcpFiles<'a> {
                 let b = box_of(ckpt, mesh, ti as usize, rank);
                 let dtype = src.out_dtype(t);
                 data_bytes += b.numel().unwrap_or(0) * dtype.size() as u64;
-                item_lens
+                framings
                     .entry((dtype, b.sizes.clone()))
-                    .or_insert_with(|| tensor_item(0, dtype, &b.sizes).layout().len);
+                    .or_insert_with(|| Arc::new(ItemFraming::new(dtype, &b.sizes)));
             }
         }
         let mut value_lens = Vec::new();
@@ -808,7 +814,7 @@ impl<'a> DcpFiles<'a> {
             mesh: mesh.clone(),
             per_rank,
             owners,
-            item_lens,
+            framings,
             value_lens,
             planner_data,
             zstd: vec![dcp::ZSTD.to_string()],
@@ -817,12 +823,12 @@ impl<'a> DcpFiles<'a> {
         Ok((dcp, notes))
     }
 
-    fn item_len(&self, dtype: DType, sizes: &[u64]) -> u64 {
-        // Every box was measured in `new`.
-        self.item_lens
-            .get(&(dtype, sizes.to_vec()))
-            .copied()
-            .unwrap_or_else(|| tensor_item(0, dtype, sizes).layout().len)
+    fn framing(&self, dtype: DType, sizes: &[u64]) -> Arc<ItemFraming> {
+        // Every box was framed in `new`.
+        match self.framings.get(&(dtype, sizes.to_vec())) {
+            Some(f) => Arc::clone(f),
+            None => Arc::new(ItemFraming::new(dtype, sizes)),
+        }
     }
 
     /// `__{rank}_0.distcp`: one torch.save item per box the rank stores, then (on rank 0) the
@@ -837,14 +843,13 @@ impl<'a> DcpFiles<'a> {
             let ti = ti as usize;
             let b = box_of(ckpt, &self.mesh, ti, rank);
             let base = file.len;
-            let item = tensor_item(base, self.src.out_dtype(&ckpt.tensors[ti]), &b.sizes);
-            let records = item.records();
-            let layout = zip::layout(&records);
-            let regions = place_archive(&mut file, base, &records, &layout, |_| {
-                Some(self.src.region(ti, &b, 0))
-            })?;
+            let framing = self.framing(self.src.out_dtype(&ckpt.tensors[ti]), &b.sizes);
+            let regions =
+                place_archive(&mut file, base, &framing.records, &framing.layout, |_| {
+                    Some(self.src.region(ti, &b, 0))
+                })?;
             file.regions.extend(regions);
-            file.tensor_items.push(item);
+            file.tensor_items.push(TensorItem { base, framing });
         }
         if rank == 0 {
             for v in &ckpt.values {
@@ -852,14 +857,6 @@ impl<'a> DcpFiles<'a> {
             }
         }
         Ok(file)
-    }
-}
-
-fn tensor_item(base: u64, dtype: DType, sizes: &[u64]) -> TensorItem {
-    TensorItem {
-        base,
-        dtype,
-        shape: sizes.to_vec(),
     }
 }
 
@@ -910,7 +907,7 @@ impl<'m> Describe<'m> for &'m DcpFiles<'_> {
                         let ti = ti as usize;
                         let t = &ckpt.tensors[ti];
                         let b = box_of(ckpt, &dcp.mesh, ti, rank);
-                        let length = dcp.item_len(dcp.src.out_dtype(t), &b.sizes);
+                        let length = dcp.framing(dcp.src.out_dtype(t), &b.sizes).layout.len;
                         let at = base;
                         base += length;
                         // This rank's place among the tensor's owners is its chunk's index.
@@ -1134,13 +1131,12 @@ mod tests {
     }
 
     #[test]
-    fn literals_and_rendered_items_come_in_offset_order() {
+    fn literals_and_item_framing_come_in_offset_order() {
         let item = TensorItem {
             base: 4,
-            dtype: DType::F32,
-            shape: vec![2, 3],
+            framing: Arc::new(ItemFraming::new(DType::F32, &[2, 3])),
         };
-        let layout = item.layout();
+        let layout = item.framing.layout.clone();
         let after = 4 + layout.len;
         let file = FilePlan {
             literals: vec![(after, b"zz".to_vec()), (0, b"head".to_vec())],
