@@ -23,6 +23,9 @@ use crate::plan::{FilePlan, Fill, Plan, Region};
 /// Largest destination run one work unit gathers.
 pub const BLOCK_BYTES: u64 = 8 << 20;
 
+/// Largest file of many regions that is built in memory and written with one write.
+const ASSEMBLE_BYTES: u64 = 16 << 20;
+
 /// How much is written to an output between two starts of its writeback (durable runs).
 const WRITEBACK_BYTES: u64 = 32 << 20;
 
@@ -157,30 +160,53 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         .num_threads(opts.threads)
         .build()
         .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
+    // A streamed file (a DCP `.metadata`, hundreds of megabytes at millions of pieces) depends on
+    // no data, so it is written on its own thread while the data files are copied.
+    let streamed: Vec<usize> = (0..plan.file_count())
+        .filter(|&i| plan.is_streamed(i) && dest.get(i).is_some())
+        .collect();
+    let data_files: Vec<usize> = (0..plan.file_count())
+        .filter(|&i| !plan.is_streamed(i))
+        .collect();
     // Files are planned and written a few at a time: enough for every thread to have work and
     // for one file's writeback to overlap the next one's copying, while a plan of thousands of
     // rank files never has all their regions in memory.
     let window = (2 * pool.current_num_threads()).max(4);
     let mut digests = Vec::new();
-    let mut first = 0;
-    while first < plan.file_count() {
-        let last = (first + window).min(plan.file_count());
-        let mut files = Vec::with_capacity(last - first);
-        for i in first..last {
-            files.push((i, plan.file(i)?));
-        }
-        let outputs = prepare_outputs(plan, &files, dest)?;
-        let batch = pool.install(|| run_files(&files, &outputs, dest, &sources, opts))?;
-        digests.extend(batch);
-        if opts.durable {
-            for ((i, _), out) in files.iter().zip(&outputs) {
-                if let (Some(out), Some(path)) = (out, dest.get(*i)) {
-                    out.sync_all().map_err(|e| Error::io(path, e))?;
+    std::thread::scope(|scope| -> Result<()> {
+        let writer = scope.spawn(|| -> Result<()> {
+            for &i in &streamed {
+                write_streamed(plan, i, &dest[i], opts.durable)?;
+            }
+            Ok(())
+        });
+        let copied = (|| -> Result<()> {
+            for group in data_files.chunks(window) {
+                let mut files = Vec::with_capacity(group.len());
+                for &i in group {
+                    files.push((i, plan.file(i)?));
+                }
+                let outputs = files
+                    .iter()
+                    .map(|(i, f)| dest.get(*i).map(|p| create_output(p, f.len)).transpose())
+                    .collect::<Result<Vec<_>>>()?;
+                let batch = pool.install(|| run_files(&files, &outputs, dest, &sources, opts))?;
+                digests.extend(batch);
+                if opts.durable {
+                    for ((i, _), out) in files.iter().zip(&outputs) {
+                        if let (Some(out), Some(path)) = (out, dest.get(*i)) {
+                            out.sync_all().map_err(|e| Error::io(path, e))?;
+                        }
+                    }
                 }
             }
-        }
-        first = last;
-    }
+            Ok(())
+        })();
+        let written = writer
+            .join()
+            .unwrap_or_else(|_| Err(Error::invalid("internal: the metadata writer stopped")));
+        copied.and(written)
+    })?;
     for s in &sources {
         let now = std::fs::metadata(&s.path)
             .map_err(|e| Error::io(&s.path, e))?
@@ -198,32 +224,75 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
     Ok(digests)
 }
 
-/// Check the fills of `files` against their sources and create their outputs (none without
-/// destinations). A streamed file is written here whole; it gets no handle back.
-fn prepare_outputs(
-    plan: &Plan,
-    files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
-    dest: &[PathBuf],
-) -> Result<Vec<Option<File>>> {
-    let mut outputs = Vec::with_capacity(files.len());
-    for (i, f) in files {
-        let Some(path) = dest.get(*i) else {
-            outputs.push(None);
-            continue;
-        };
-        if plan.is_streamed(*i) {
-            let file = create_output(path, 0)?;
-            let mut sink = std::io::BufWriter::with_capacity(1 << 20, &file);
-            plan.write_streamed(*i, &mut sink)
-                .and_then(|_| std::io::Write::flush(&mut sink))
-                .map_err(|e| Error::io(path, e))?;
-            drop(sink);
-            outputs.push(Some(file));
-            continue;
+/// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
+fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
+    let mut bytes = vec![0u8; f.len as usize];
+    let mut scratch = Vec::new();
+    for r in &f.regions {
+        let rstrides = contiguous_strides(&r.shape);
+        let start = r.offset as usize;
+        let len = r.nbytes() as usize;
+        let region = bytes
+            .get_mut(start..start + len)
+            .ok_or_else(|| Error::invalid("internal: region outside its file").tensor(&r.name))?;
+        let mut written = 0;
+        for (begin, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
+            let u = Unit {
+                file: 0,
+                region: 0,
+                start: begin,
+                sizes,
+            };
+            let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
+            let at = (first * r.dtype.size() as u64) as usize;
+            let unit_len = crate::model::numel(&u.sizes).unwrap_or(0) as usize * r.dtype.size();
+            let buf = &mut region[at..at + unit_len];
+            for fill in &r.fills {
+                written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
+            }
         }
-        outputs.push(Some(create_output(path, f.len)?));
+        if written != len as u64 {
+            return Err(Error::invalid(format!(
+                "internal: {written} of {len} bytes of a region were filled"
+            ))
+            .tensor(&r.name));
+        }
     }
-    Ok(outputs)
+    f.for_each_literal(|at, lit| {
+        let at = at as usize;
+        match bytes.get_mut(at..at + lit.len()) {
+            Some(dst) => {
+                dst.copy_from_slice(lit);
+                Ok(())
+            }
+            None => Err(Error::invalid("internal: literal outside its file")),
+        }
+    })?;
+    // After the literals: a CRC slot lies inside one (the ZIP framing of its record).
+    for r in f.regions.iter().filter(|r| !r.crc_slots.is_empty()) {
+        let start = r.offset as usize;
+        let crc = crc32fast::hash(&bytes[start..start + r.nbytes() as usize]).to_le_bytes();
+        for &slot in &r.crc_slots {
+            if let Some(dst) = bytes.get_mut(slot as usize..slot as usize + 4) {
+                dst.copy_from_slice(&crc);
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// Write streamed file `i` of `plan` (a DCP `.metadata`) at `path`, synced when `durable`.
+fn write_streamed(plan: &Plan, i: usize, path: &Path, durable: bool) -> Result<()> {
+    let file = create_output(path, 0)?;
+    let mut sink = std::io::BufWriter::with_capacity(1 << 20, &file);
+    plan.write_streamed(i, &mut sink)
+        .and_then(|_| std::io::Write::flush(&mut sink))
+        .map_err(|e| Error::io(path, e))?;
+    drop(sink);
+    if durable {
+        file.sync_all().map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
 }
 
 /// Copy every region of `files` (in parallel, on the current pool) into `outputs`, then write
@@ -242,8 +311,35 @@ fn run_files(
             }
         }
     }
+    // Small files with an output are built in memory and written with one write: a DCP rank
+    // file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
+    // otherwise cost a copy and a framing write each.
+    let assembled: Vec<bool> = files
+        .iter()
+        .zip(outputs)
+        .map(|((_, f), out)| out.is_some() && f.len <= ASSEMBLE_BYTES && f.regions.len() > 1)
+        .collect();
+    let small: Vec<usize> = (0..files.len()).filter(|&fi| assembled[fi]).collect();
+    small.par_iter().try_for_each(|&fi| {
+        if opts.cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Io, "interrupted"));
+        }
+        let (i, f) = &files[fi];
+        let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) else {
+            return Ok(());
+        };
+        let bytes = assemble(f, sources)?;
+        out.write_all_at(&bytes, 0)
+            .map_err(|e| Error::io(path, e))?;
+        opts.progress
+            .advance(f.regions.iter().map(Region::nbytes).sum());
+        Ok(())
+    })?;
     let mut units = Vec::new();
     for (fi, (_, f)) in files.iter().enumerate() {
+        if assembled[fi] {
+            continue;
+        }
         for (ri, r) in f.regions.iter().enumerate() {
             for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
                 units.push(Unit {
@@ -287,6 +383,11 @@ fn run_files(
     let mut digests = Vec::new();
     let mut k = 0;
     for (fi, (i, f)) in files.iter().enumerate() {
+        if assembled[fi] {
+            // Only files being written are assembled, and their digests are not asked for.
+            digests.extend(f.regions.iter().map(|_| RegionDigest::default()));
+            continue;
+        }
         let mut crc_patches = Vec::new();
         for ri in 0..f.regions.len() {
             let mut crc = crc32fast::Hasher::new();
