@@ -47,9 +47,18 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         ))
         .file(&meta_path));
     }
-    let bytes = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
-    let meta = metadata::parse(&bytes).map_err(|e| e.file(&meta_path))?;
-    drop(bytes);
+    // Mapped, not read: at millions of pieces the file is hundreds of megabytes, and the graph
+    // the pickle reader builds borrows its strings from these bytes.
+    let file = File::open(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+    let map = if len == 0 {
+        None
+    } else {
+        // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
+        // truncation caveat.
+        Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&meta_path, e))?)
+    };
+    let meta = metadata::parse(map.as_deref().unwrap_or(&[])).map_err(|e| e.file(&meta_path))?;
+    drop(map);
     // Entries are consumed as they become tensors, so each one's chunks are freed as its pieces
     // are made rather than both being alive at the end.
     let metadata::DcpMetadata {
