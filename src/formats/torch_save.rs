@@ -771,6 +771,7 @@ fn pickle_error(err: PickleError, name: &str, pkl_offset: u64) -> Error {
             format!("`{name}` exceeds a safety limit: {reason}"),
             Some(offset),
         ),
+        PickleError::Stopped { offset } => (format!("reading `{name}` stopped"), Some(offset)),
     };
     let at = offset.map_or(pkl_offset, |&o| pkl_offset.saturating_add(o as u64));
     Error::invalid(message).at(at)

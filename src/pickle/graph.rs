@@ -35,6 +35,17 @@ pub(super) fn small_int(value: i64) -> Option<Id> {
         .map(|v| v | SMALL_INT)
 }
 
+/// Nodes in a graph, for tests of how much a reader keeps.
+#[cfg(test)]
+pub(super) fn node_count(graph: &Graph<'_>) -> usize {
+    graph.nodes.len()
+}
+
+/// True when `id` stands for a small int rather than a node.
+pub(super) fn is_small_int(id: Id) -> bool {
+    id & SMALL_INT != 0
+}
+
 /// Node ids stay below the small-int bit.
 pub(super) const MAX_NODES: usize = SMALL_INT as usize;
 
@@ -291,7 +302,7 @@ impl<'a> Graph<'a> {
         items.map(|v| v.id).try_for_each(f)
     }
 
-    fn view(&self, id: Id) -> View<'_> {
+    pub(super) fn view(&self, id: Id) -> View<'_> {
         View { graph: self, id }
     }
 

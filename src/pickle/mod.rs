@@ -12,10 +12,11 @@
 
 mod graph;
 mod read;
+mod scan;
 mod write;
 
 pub use graph::{Graph, Items, Kind, View};
-pub use read::{parse, read, Limits};
+pub use read::{parse, parse_consuming, read, Consumer, Limits};
 pub use write::{write, write_to, write_with, Protocol, Stream};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.
@@ -94,6 +95,9 @@ pub enum PickleError {
     Malformed { offset: usize, reason: String },
     #[error("pickle exceeds a safety limit at byte {offset}: {reason}")]
     LimitExceeded { offset: usize, reason: String },
+    /// A [`Consumer`] refused a batch; it holds the reason.
+    #[error("pickle reading stopped at byte {offset}")]
+    Stopped { offset: usize },
 }
 
 impl PickleError {
@@ -104,7 +108,8 @@ impl PickleError {
             PickleError::UnsupportedOpcode { offset, .. }
             | PickleError::Truncated { offset }
             | PickleError::Malformed { offset, .. }
-            | PickleError::LimitExceeded { offset, .. } => Some(*offset),
+            | PickleError::LimitExceeded { offset, .. }
+            | PickleError::Stopped { offset } => Some(*offset),
         }
     }
 }

@@ -22,12 +22,13 @@
 //! - Pickles of 4 GiB or more are refused: graph nodes address the input with 32-bit offsets.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 
 use super::graph::{
-    small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span, MAX_NODES,
-    NONE,
+    is_small_int, small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span,
+    MAX_NODES, NONE,
 };
-use super::{Global, Globals, PickleError, Value};
+use super::{Global, Globals, PickleError, Value, View};
 
 /// Safety bounds on what one pickle may build.
 #[derive(Clone, Copy, Debug)]
@@ -67,9 +68,56 @@ pub fn parse<'a>(
     globals: &dyn Globals,
     limits: Limits,
 ) -> Result<Graph<'a>, PickleError> {
+    run_machine(bytes, globals, limits, None)
+}
+
+/// Takes the items of the large dicts of a pickle as they are read, so that their nodes can be
+/// dropped instead of kept: a DCP `.metadata` of millions of pieces is two dicts of millions of
+/// items (`state_dict_metadata`, `storage_data`) in the state of one object.
+///
+/// A dict is claimed when a `MARK` opens a batch of items for it, and only for a dict that is the
+/// value of a string key in the state dict (the innermost mark but one) of a top-level object; its
+/// batches then go to [`Consumer::consume`] and the dict stays empty in the graph. After each
+/// batch the nodes it made are dropped, except that memo entries the pickle fetches later (found
+/// by a first pass, see `scan.rs`) keep a copy when they are scalars; when one is not, or the
+/// batch changed an older container, the batch's nodes are simply kept.
+pub trait Consumer {
+    /// Whether the items of the dict set under `key` in the state of `owner` go to `consume`.
+    fn claims(&mut self, owner: View<'_>, key: &str) -> bool;
+    /// One batch of key-value pairs of a claimed dict, in order. `Break` stops the reader (with
+    /// [`PickleError::Stopped`]); the consumer keeps the reason.
+    fn consume(&mut self, key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()>;
+}
+
+/// [`parse`], handing the items of the dicts `consumer` claims to it instead of the graph.
+pub fn parse_consuming<'a>(
+    bytes: &'a [u8],
+    globals: &dyn Globals,
+    limits: Limits,
+    consumer: &mut dyn Consumer,
+) -> Result<Graph<'a>, PickleError> {
+    run_machine(bytes, globals, limits, Some(consumer))
+}
+
+fn run_machine<'a>(
+    bytes: &'a [u8],
+    globals: &dyn Globals,
+    limits: Limits,
+    consumer: Option<&mut dyn Consumer>,
+) -> Result<Graph<'a>, PickleError> {
     if u32::try_from(bytes.len()).is_err() {
         return Err(limit(0, "pickles of 4 GiB or more are not read"));
     }
+    // Without knowing which memo entries are fetched, no node may be dropped.
+    let consuming = consumer.and_then(|c| {
+        Some(Consuming {
+            consumer: c,
+            fetched: super::scan::fetched_memo(bytes)?,
+            batch: None,
+            closed: None,
+            memo_log: Vec::new(),
+        })
+    });
     let mut machine = Machine {
         input: Input { bytes, pos: 0 },
         globals,
@@ -81,6 +129,7 @@ pub fn parse<'a>(
         memo: Memo::default(),
         empty_tuple: None,
         proto: 0,
+        consuming,
     };
     let root = machine.run()?;
     // Only the graph is kept; the stack and memo are freed before it is measured.
@@ -90,7 +139,36 @@ pub fn parse<'a>(
     Ok(graph)
 }
 
-// Opcodes, named as in CPython's `pickle.py`.
+/// The state of a run with a [`Consumer`].
+struct Consuming<'c> {
+    consumer: &'c mut dyn Consumer,
+    /// Memo indices the pickle ever fetches.
+    fetched: std::collections::HashSet<u64>,
+    /// The claimed batch being read, if any.
+    batch: Option<Batch0>,
+    /// The claimed batch whose mark the last `pop_mark` closed.
+    closed: Option<Batch0>,
+    /// Memo indices put while a claimed batch is open.
+    memo_log: Vec<u64>,
+}
+
+/// Where the graph's arenas stood when a claimed batch's `MARK` opened it.
+#[derive(Clone, Copy)]
+struct Batch0 {
+    /// `marks.len()` once this batch's mark is pushed.
+    depth: usize,
+    dict: Id,
+    /// The claimed key, as a span of the input.
+    key: Span,
+    nodes: usize,
+    pool: usize,
+    batches: usize,
+    objects: usize,
+    object_items: usize,
+    /// An older container or object was changed inside the batch: its nodes must stay.
+    dirty: bool,
+}
+
 const MARK: u8 = b'(';
 const STOP: u8 = b'.';
 const POP: u8 = b'0';
@@ -235,6 +313,7 @@ struct Machine<'a, 'p> {
     /// common as `NEWOBJ` (its arguments), so each need not cost a node.
     empty_tuple: Option<Id>,
     proto: u8,
+    consuming: Option<Consuming<'p>>,
 }
 
 /// The memo. Python numbers its entries 0, 1, 2, ... (`MEMOIZE`, and `BINPUT` counting up), so
@@ -348,6 +427,7 @@ impl<'a> Machine<'a, '_> {
                     if self.marks.len() >= self.limits.max_stack {
                         return Err(limit(at, "too many open marks"));
                     }
+                    self.open_claimed_batch();
                     self.marks.push(self.stack.len());
                 }
                 POP => {
@@ -484,7 +564,11 @@ impl<'a> Machine<'a, '_> {
                 SETITEMS => {
                     let mark = self.pop_mark(at)?;
                     self.check_pairs(at, mark)?;
-                    self.extend(at, mark, "SETITEM")?;
+                    let closed = self.consuming.as_mut().and_then(|c| c.closed.take());
+                    match closed {
+                        Some(batch) => self.consume_batch(at, mark, batch)?,
+                        None => self.extend(at, mark, "SETITEM")?,
+                    }
                 }
                 EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
                 ADDITEMS => {
@@ -546,6 +630,7 @@ impl<'a> Machine<'a, '_> {
                 BUILD => {
                     let state = self.pop(at)?;
                     let target = self.top(at)?;
+                    self.touch(target);
                     match self.object_mut(target) {
                         Some(object) => object.state = state,
                         None => {
@@ -646,11 +731,164 @@ impl<'a> Machine<'a, '_> {
 
     /// Close the innermost mark; the items above it are `stack[mark..]`, which the caller takes.
     fn pop_mark(&mut self, at: usize) -> Result<usize, PickleError> {
+        let depth = self.marks.len();
         let mark = self
             .marks
             .pop()
             .ok_or_else(|| malformed(at, "no open `MARK`"))?;
+        if let Some(c) = &mut self.consuming {
+            c.closed = None;
+            if c.batch.is_some_and(|b| b.depth == depth) {
+                c.closed = c.batch.take();
+            }
+        }
         Ok(mark.min(self.stack.len()))
+    }
+
+    /// At a `MARK`: if it opens a batch of items for a dict the consumer claims, remember where
+    /// the graph stands (see [`Consumer`]).
+    fn open_claimed_batch(&mut self) {
+        let Some(c) = &mut self.consuming else {
+            return;
+        };
+        // The dict and its key on top of the stack, inside the state dict of an object: the
+        // stack reads [.., owner, state, MARK, .., key, dict] and one mark is open.
+        if c.batch.is_some() || self.marks.len() != 1 {
+            return;
+        }
+        let n = self.stack.len();
+        let (Some(&dict), Some(&key), Some(&outer)) = (
+            self.stack.get(n.wrapping_sub(1)),
+            self.stack.get(n.wrapping_sub(2)),
+            self.marks.first(),
+        ) else {
+            return;
+        };
+        let Some(&owner) = self.stack.get(outer.wrapping_sub(2)) else {
+            return;
+        };
+        let (Node::Dict(..), Node::Str(span)) = (self.graph.node(dict), self.graph.node(key))
+        else {
+            return;
+        };
+        let Some(name) = self
+            .graph
+            .input
+            .get(span.range())
+            .and_then(|b| std::str::from_utf8(b).ok())
+        else {
+            return;
+        };
+        if !c.consumer.claims(self.graph.view(owner), name) {
+            return;
+        }
+        c.batch = Some(Batch0 {
+            depth: self.marks.len() + 1,
+            dict,
+            key: span,
+            nodes: self.graph.nodes.len(),
+            pool: self.graph.pool.len(),
+            batches: self.graph.batches.len(),
+            objects: self.graph.objects.len(),
+            object_items: self.graph.object_items.len(),
+            dirty: false,
+        });
+        c.memo_log.clear();
+    }
+
+    /// A container or object is about to change: if it is older than an open claimed batch, the
+    /// batch's nodes cannot be dropped (the change may point into them).
+    fn touch(&mut self, target: Id) {
+        if let Some(Consuming {
+            batch: Some(batch), ..
+        }) = &mut self.consuming
+        {
+            if (target as usize) < batch.nodes {
+                batch.dirty = true;
+            }
+        }
+    }
+
+    /// `SETITEMS` closing a claimed batch: hand `stack[mark..]` to the consumer, then drop the
+    /// nodes the batch made (see [`Consumer`]).
+    fn consume_batch(&mut self, at: usize, mark: usize, batch: Batch0) -> Result<(), PickleError> {
+        let target = mark.checked_sub(1).and_then(|t| self.stack.get(t).copied());
+        let Some(c) = &mut self.consuming else {
+            return self.extend(at, mark, "SETITEM");
+        };
+        if target != Some(batch.dict) {
+            // Not the dict the batch was opened for (the stack changed under the mark).
+            return self.extend(at, mark, "SETITEM");
+        }
+        let key = self
+            .graph
+            .input
+            .get(batch.key.range())
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .unwrap_or_default();
+        let items = self.stack.get(mark..).unwrap_or_default();
+        let pairs: Vec<(View<'_>, View<'_>)> = items
+            .chunks_exact(2)
+            .map(|kv| (self.graph.view(kv[0]), self.graph.view(kv[1])))
+            .collect();
+        if c.consumer.consume(key, &pairs).is_break() {
+            return Err(PickleError::Stopped { offset: at });
+        }
+        drop(pairs);
+        self.stack.truncate(mark);
+        self.drop_batch_nodes(batch);
+        Ok(())
+    }
+
+    /// Drop the nodes a consumed batch made, keeping (as copies) the memo entries the pickle
+    /// fetches later. Gives up, keeping everything, when one of those is not a scalar or the
+    /// batch changed an older node.
+    fn drop_batch_nodes(&mut self, batch: Batch0) {
+        let Some(c) = &mut self.consuming else {
+            return;
+        };
+        let log = std::mem::take(&mut c.memo_log);
+        if batch.dirty {
+            return;
+        }
+        let floor = batch.nodes;
+        let is_new = |id: Id| (id as usize) >= floor && !is_small_int(id) && id != NONE;
+        let mut kept = Vec::new();
+        for &index in &log {
+            let Some(id) = self.memo.get(index) else {
+                continue;
+            };
+            if !is_new(id) {
+                continue;
+            }
+            if !c.fetched.contains(&index) {
+                self.memo.put(index, NONE);
+                continue;
+            }
+            match self.graph.node(id) {
+                node @ (Node::None
+                | Node::Bool(_)
+                | Node::Int(_)
+                | Node::Float(_)
+                | Node::Str(_)
+                | Node::Bytes(_)
+                | Node::Global(_)) => kept.push((index, node)),
+                _ => return,
+            }
+        }
+        self.graph.nodes.truncate(floor);
+        self.graph.pool.truncate(batch.pool);
+        self.graph.batches.truncate(batch.batches);
+        self.graph.objects.truncate(batch.objects);
+        self.graph.object_items.truncate(batch.object_items);
+        if self.empty_tuple.is_some_and(is_new) {
+            self.empty_tuple = None;
+        }
+        for (index, node) in kept {
+            let id = self.graph.nodes.len() as Id;
+            self.graph.nodes.push(node);
+            self.memo.put(index, id);
+        }
     }
 
     /// Move `stack[start..]` to the end of the pool, as one span.
@@ -712,6 +950,7 @@ impl<'a> Machine<'a, '_> {
             .filter(|&t| t >= self.base())
             .and_then(|t| self.stack.get(t).copied())
             .ok_or_else(|| malformed(at, "stack underflow"))?;
+        self.touch(target);
         let mut chain = match (opcode, self.graph.node(target)) {
             ("APPEND", Node::List(c, _)) | ("SETITEM", Node::Dict(c, _)) => c,
             ("ADDITEMS", Node::Set(c, _)) => c,
@@ -908,6 +1147,11 @@ impl<'a> Machine<'a, '_> {
             ));
         }
         self.memo.put(index, top);
+        if let Some(c) = &mut self.consuming {
+            if c.batch.is_some() {
+                c.memo_log.push(index);
+            }
+        }
         Ok(())
     }
 
@@ -916,6 +1160,10 @@ impl<'a> Machine<'a, '_> {
             .memo
             .get(index)
             .ok_or_else(|| malformed(at, format!("memo entry {index} was never stored")))?;
+        if id == NONE {
+            // Dropped with a consumed batch: the first pass found no fetch of it.
+            return Err(malformed(at, format!("memo entry {index} was consumed")));
+        }
         self.push(at, id)
     }
 }
@@ -937,6 +1185,7 @@ fn py3_module(module: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pickle::graph::node_count;
     use crate::pickle::Object;
 
     // Reference pickles written by CPython 3.11's `pickle.dumps` (and torch 2.15's `torch.save` for
@@ -963,6 +1212,100 @@ mod tests {
     const DATACLASS_P4: &[u8] = b"\x80\x04\x95/\x00\x00\x00\x00\x00\x00\x00]\x94\x8c\x08__main__\x94\x8c\x05Point\x94\x93\x94)\x81\x94}\x94(\x8c\x01x\x94K\x01\x8c\x01y\x94\x8c\x01a\x94uba.";
 
     const NOTHING: &[(&str, &str)] = &[];
+
+    /// Takes the items of the dict under `big` in the state of an `m.Owner`, as strings.
+    #[derive(Default)]
+    struct TakeBig {
+        pairs: Vec<(String, String)>,
+        batches: usize,
+    }
+
+    impl Consumer for TakeBig {
+        fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+            owner.class() == Some(("m", "Owner")) && key == "big"
+        }
+
+        fn consume(&mut self, _key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+            self.batches += 1;
+            for (k, v) in pairs {
+                let (Some(k), Some(v)) = (k.as_str(), v.as_str()) else {
+                    return ControlFlow::Break(());
+                };
+                self.pairs.push((k.into(), v.into()));
+            }
+            ControlFlow::Continue(())
+        }
+    }
+
+    /// `m.Owner()` whose state is `{"big": {k0: v, ...}, "after": [...]}`: the values of `big`
+    /// repeat strings that `after` fetches again from the memo.
+    fn owner_pickle(n: usize) -> (Value, Vec<u8>) {
+        let big = (0..n)
+            .map(|i| (s(&format!("k{i}")), s(&format!("v{}", i % 7))))
+            .collect();
+        let after = Value::List((0..7).map(|i| s(&format!("v{i}"))).collect());
+        let v = Value::Object(Box::new(Object {
+            callable: Value::global("m", "Owner"),
+            args: vec![],
+            new_obj: true,
+            dict_items: vec![],
+            list_items: vec![],
+            state: Some(Value::Dict(vec![
+                (s("big"), Value::Dict(big)),
+                (s("after"), after),
+            ])),
+        }));
+        let bytes = crate::pickle::write(&v, crate::pickle::Protocol::V4);
+        (v, bytes)
+    }
+
+    #[test]
+    fn a_consumer_takes_claimed_batches_and_their_nodes_are_dropped() {
+        let (_, bytes) = owner_pickle(5000);
+        let allowed = [("m", "Owner")];
+        let whole = parse(&bytes, &allowed.as_slice(), Limits::default()).unwrap();
+        let mut take = TakeBig::default();
+        let graph =
+            parse_consuming(&bytes, &allowed.as_slice(), Limits::default(), &mut take).unwrap();
+        // Five batches of a thousand, in order, and the dict left empty in the graph.
+        assert_eq!(take.batches, 5);
+        assert_eq!(take.pairs.len(), 5000);
+        assert_eq!(take.pairs[4321], ("k4321".into(), "v2".into()));
+        let state = graph.root().state().unwrap();
+        assert_eq!(
+            state.get("big").unwrap().dict_items().map(|i| i.len()),
+            Some(0)
+        );
+        let (kept, all) = (node_count(&graph), node_count(&whole));
+        assert!(kept * 100 < all, "{kept} of {all} nodes kept");
+        // `after` fetches strings first written inside the consumed batches: still the same.
+        let after: Vec<String> = state
+            .get("after")
+            .unwrap()
+            .as_seq()
+            .unwrap()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(after, (0..7).map(|i| format!("v{i}")).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn an_unclaimed_dict_is_kept_whole() {
+        let (v, bytes) = owner_pickle(2500);
+        struct Nothing;
+        impl Consumer for Nothing {
+            fn claims(&mut self, _: View<'_>, _: &str) -> bool {
+                false
+            }
+            fn consume(&mut self, _: &str, _: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+                ControlFlow::Break(())
+            }
+        }
+        let allowed = [("m", "Owner")];
+        let graph =
+            parse_consuming(&bytes, &allowed.as_slice(), Limits::default(), &mut Nothing).unwrap();
+        assert_eq!(graph.root().to_value(), v);
+    }
 
     fn read_with(bytes: &[u8], allowed: &[(&str, &str)]) -> Result<Value, PickleError> {
         read(bytes, &allowed, Limits::default())

@@ -11,6 +11,8 @@
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
 //! `storage_meta` (save and load ids, the original directory), which torch never reads back.
 
+use std::ops::ControlFlow;
+
 use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -73,7 +75,15 @@ pub struct StorageInfo {
 /// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), so no
 /// owned copy of the whole pickle is ever built.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
-    let graph = pickle::parse(bytes, &DcpGlobals, limits_for(bytes.len())).map_err(pickle_error)?;
+    let mut taken = Taken::default();
+    let graph = pickle::parse_consuming(bytes, &DcpGlobals, limits_for(bytes.len()), &mut taken)
+        .map_err(|e| match (e, taken.error.take()) {
+            (PickleError::Stopped { offset }, Some(err)) => Error {
+                offset: err.offset.or(Some(offset as u64)),
+                ..err
+            },
+            (e, _) => pickle_error(e),
+        })?;
     let root = graph.root();
     let state = object_state(root, &[META, OLD_META], "Metadata").ok_or_else(|| {
         Error::invalid(format!(
@@ -87,17 +97,20 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
         .ok_or_else(|| Error::invalid("`Metadata` has no `state_dict_metadata`"))?;
     let sdm =
         dict_items(sdm).ok_or_else(|| Error::invalid("`state_dict_metadata` is not a dict"))?;
-    let entries = sdm
-        .into_iter()
-        .map(|(k, v)| entry(k, v))
-        .collect::<Result<Vec<_>>>()?;
+    // Items that were not consumed while reading (a last batch of one, written as `SETITEM`) come
+    // after the consumed ones, as they did in the file.
+    for (k, v) in sdm {
+        taken.add_entry(entry(k, v)?);
+    }
+    let entries = taken.entries;
 
     let storage = match state.get("storage_data").filter(|v| !v.is_none()) {
         None => Vec::new(),
         Some(v) => {
             let items =
                 dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
-            let mut pairs = Vec::with_capacity(items.len());
+            let mut pairs = taken.storage;
+            pairs.reserve(items.len());
             for (k, v) in items {
                 pairs.push((metadata_index(k)?, storage_info(k, v)?));
             }
@@ -387,6 +400,61 @@ impl Globals for DcpGlobals {
                     | "PureWindowsPath"
             ),
             _ => false,
+        }
+    }
+}
+
+/// What [`parse`] takes from `state_dict_metadata` and `storage_data` as the pickle is read, so
+/// that their millions of objects never stand in the graph at once (see [`pickle::Consumer`]).
+#[derive(Default)]
+struct Taken {
+    entries: Vec<DcpEntry>,
+    /// Position in `entries` of each fqn: a repeated key keeps its first place and last value,
+    /// as a Python dict does.
+    positions: std::collections::HashMap<String, usize>,
+    storage: Vec<(MetadataIndex, StorageInfo)>,
+    error: Option<Error>,
+}
+
+impl Taken {
+    fn add_entry(&mut self, e: DcpEntry) {
+        let fqn = match &e {
+            DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn.clone(),
+        };
+        match self.positions.get(&fqn) {
+            Some(&i) => self.entries[i] = e,
+            None => {
+                self.positions.insert(fqn, self.entries.len());
+                self.entries.push(e);
+            }
+        }
+    }
+}
+
+impl pickle::Consumer for Taken {
+    fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+        let is_metadata =
+            matches!(owner.class(), Some((m, "Metadata")) if m == META || m == OLD_META);
+        is_metadata && (key == "state_dict_metadata" || key == "storage_data")
+    }
+
+    fn consume(&mut self, key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+        let result = (|| -> Result<()> {
+            for &(k, v) in pairs {
+                if key == "state_dict_metadata" {
+                    self.add_entry(entry(k, v)?);
+                } else {
+                    self.storage.push((metadata_index(k)?, storage_info(k, v)?));
+                }
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                self.error = Some(e);
+                ControlFlow::Break(())
+            }
         }
     }
 }
