@@ -149,28 +149,32 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 /// Ranks that wrote files: one more than the highest `__{rank}_` prefix in the directory or the
 /// metadata (a rank whose chunks were all deduplicated away still writes its file).
 fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) -> Option<usize> {
-    let mut names: Vec<String> = storage
-        .iter()
-        .map(|(_, s)| s.relative_path.clone())
-        .collect();
-    if let Ok(list) = std::fs::read_dir(dir) {
-        names.extend(
-            list.flatten()
-                .filter_map(|e| e.file_name().into_string().ok()),
-        );
+    let rank = |name: &str| -> Option<usize> {
+        name.strip_prefix("__")?
+            .strip_suffix(".distcp")?
+            .split('_')
+            .next()?
+            .parse::<usize>()
+            .ok()
+    };
+    // Items of one file are adjacent in storage order, so this looks at each name about once.
+    let mut highest: Option<usize> = None;
+    let mut last: Option<&str> = None;
+    for (_, info) in storage {
+        let name = info.relative_path.as_str();
+        if last != Some(name) {
+            highest = highest.max(rank(name));
+            last = Some(name);
+        }
     }
-    names
-        .iter()
-        .filter_map(|n| {
-            n.strip_prefix("__")?
-                .strip_suffix(".distcp")?
-                .split('_')
-                .next()?
-                .parse::<usize>()
-                .ok()
-        })
-        .max()
-        .map(|r| r + 1)
+    if let Ok(list) = std::fs::read_dir(dir) {
+        for entry in list.flatten() {
+            if let Some(name) = entry.file_name().to_str() {
+                highest = highest.max(rank(name));
+            }
+        }
+    }
+    highest.map(|r| r + 1)
 }
 
 /// The `.distcp` files of one checkpoint, each mapped once.
