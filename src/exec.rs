@@ -127,6 +127,19 @@ struct Unit {
     sizes: Vec<u64>,
 }
 
+impl Unit {
+    /// Where the unit's bytes start in its region (`rstrides`: the region's strides), and how
+    /// many there are.
+    fn bytes_in(&self, r: &Region, rstrides: &[u64]) -> (u64, u64) {
+        let de = r.dtype.size() as u64;
+        let first: u64 = self.start.iter().zip(rstrides).map(|(a, s)| a * s).sum();
+        (
+            first * de,
+            crate::model::numel(&self.sizes).unwrap_or(0) * de,
+        )
+    }
+}
+
 /// What a region's bytes hashed to, and what its floats held.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionDigest {
@@ -243,10 +256,8 @@ fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
                 start: begin,
                 sizes,
             };
-            let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
-            let at = (first * r.dtype.size() as u64) as usize;
-            let unit_len = crate::model::numel(&u.sizes).unwrap_or(0) as usize * r.dtype.size();
-            let buf = &mut region[at..at + unit_len];
+            let (at, unit_len) = u.bytes_in(r, &rstrides);
+            let buf = &mut region[at as usize..(at + unit_len) as usize];
             for fill in &r.fills {
                 written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
             }
@@ -544,11 +555,9 @@ fn run_unit(
     sources: &[Source],
     out: Option<(&File, &PathBuf)>,
 ) -> Result<UnitResult> {
-    let de = r.dtype.size() as u64;
     let rstrides = contiguous_strides(&r.shape);
-    let first: u64 = u.start.iter().zip(&rstrides).map(|(a, s)| a * s).sum();
-    let len = crate::model::numel(&u.sizes).unwrap_or(0) * de;
-    let dest_offset = r.offset + first * de;
+    let (at, len) = u.bytes_in(r, &rstrides);
+    let dest_offset = r.offset + at;
     if let (Some((file, path)), Some(runs)) = (out, direct_runs(u, r, &rstrides, sources)) {
         let want_crc = !r.crc_slots.is_empty();
         let mut crc = crc32fast::Hasher::new();

@@ -177,16 +177,7 @@ def test_consolidate_is_byte_identical(scale):
         scale.report,
     )
     assert rc == 0, f"ckpt consolidate exited {rc}:\n{text[-4000:]}"
-    got = load_file(str(out))
-    assert sorted(got) == sorted(scale.names()), "tensor names differ"
-    bad = []
-    for i, name in enumerate(scale.names()):
-        t = got[name]
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != SHAPE:
-            bad.append(f"{name}: {t.dtype} {list(t.shape)}")
-        elif not np.array_equal(t.view(torch.int16).numpy(), scale.expected(i)):
-            bad.append(f"{name}: bytes differ")
-    assert not bad, f"{len(bad)} tensors differ from the input, first: {bad[:5]}"
+    assert_same_as_input(scale, load_file(str(out)))
 
 
 READ_METADATA = """
@@ -243,7 +234,11 @@ def test_torch_dcp_to_torch_save(scale):
         scale.report,
     )
     assert rc == 0, f"dcp_to_torch_save failed ({rc}):\n{text[-4000:]}"
-    got = flatten_like_dcp(torch.load(out, weights_only=True, mmap=True))
+    assert_same_as_input(scale, flatten_like_dcp(torch.load(out, weights_only=True, mmap=True)))
+
+
+def assert_same_as_input(scale, got: dict) -> None:
+    """Every tensor of `got` has the input's name, dtype, shape and bits."""
     assert sorted(got) == sorted(scale.names()), "tensor names differ"
     bad = []
     for i, name in enumerate(scale.names()):
