@@ -103,7 +103,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                         offsets: vec![0; t.shape.len()],
                         sizes: t.shape.clone(),
                         data: DataRef {
-                            file: file_name.clone(),
+                            file: file_name.as_path().into(),
                             offset: entry.data_offset + t.storage_offset * t.dtype.size() as u64,
                             strides: t.strides.clone(),
                             encoding: Encoding::Raw,

@@ -7,6 +7,7 @@
 //! Non-tensor entries (train state, optimizer param groups) are kept as data, never executed.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::pickle::Value;
@@ -103,8 +104,9 @@ pub struct Piece {
 /// Where a piece's elements live.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DataRef {
-    /// File relative to [`Checkpoint::root`].
-    pub file: PathBuf,
+    /// File relative to [`Checkpoint::root`]; shared by the pieces of one file (a DCP rank file
+    /// holds thousands).
+    pub file: Arc<Path>,
     /// Byte offset of the piece's first element, in the file (or in the decoded item, see `encoding`).
     pub offset: u64,
     /// Stride of each dimension in elements. Row-major contiguous for all but torch.save views.

@@ -323,7 +323,7 @@ impl<'a> Sourcing<'a> {
         let mut inputs = Vec::new();
         let mut input_of = HashMap::new();
         let pieces = ckpt.tensors.iter().flat_map(|t| &t.pieces);
-        let files = pieces.map(|p| p.data.file.as_path()).chain(
+        let files = pieces.map(|p| &*p.data.file).chain(
             ckpt.values
                 .iter()
                 .filter_map(|v| Some(v.raw.as_ref()?.file.as_path())),
@@ -1060,7 +1060,7 @@ mod tests {
                 offsets: offsets.clone(),
                 sizes: sizes.clone(),
                 data: crate::model::DataRef {
-                    file: PathBuf::from("f"),
+                    file: Path::new("f").into(),
                     offset: 0,
                     strides: crate::model::contiguous_strides(sizes),
                     encoding: Encoding::Raw,

@@ -219,7 +219,7 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
             if p.data.encoding != Encoding::Raw || p.sizes.contains(&0) {
                 continue;
             }
-            let len = *file_lens.entry(&p.data.file).or_insert_with(|| {
+            let len = *file_lens.entry(&*p.data.file).or_insert_with(|| {
                 std::fs::metadata(ckpt.path_of(&p.data.file))
                     .ok()
                     .map(|m| m.len())

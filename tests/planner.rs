@@ -59,7 +59,7 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
                 offsets: vec![0; shape.len()],
                 sizes: shape.clone(),
                 data: DataRef {
-                    file: PathBuf::from("data"),
+                    file: std::path::Path::new("data").into(),
                     offset,
                     strides: contiguous_strides(shape),
                     encoding: Encoding::Raw,

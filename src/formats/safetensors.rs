@@ -344,7 +344,7 @@ pub(crate) fn piece(t: &HeaderTensor, offsets: Vec<u64>, file: &Path, data_start
         offsets,
         sizes: t.shape.clone(),
         data: DataRef {
-            file: file.to_path_buf(),
+            file: file.into(),
             // Cannot saturate: parse_header checked data_start + end against the file length.
             offset: data_start.saturating_add(t.begin),
             strides: contiguous_strides(&t.shape),
@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(w.pieces.len(), 1);
         assert_eq!(w.pieces[0].offsets, vec![0, 0]);
         assert_eq!(w.pieces[0].sizes, vec![2, 3]);
-        assert_eq!(w.pieces[0].data.file, PathBuf::from("m.safetensors"));
+        assert_eq!(&*w.pieces[0].data.file, Path::new("m.safetensors"));
         assert_eq!(w.pieces[0].data.offset, h.data_start);
         assert_eq!(w.pieces[0].data.strides, vec![3, 1]);
         assert_eq!(ckpt.tensors[1].pieces[0].data.offset, h.data_start + 24);

@@ -10,6 +10,7 @@ pub mod metadata;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -180,8 +181,8 @@ fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) ->
 /// The `.distcp` files of one checkpoint, each mapped once.
 struct Files<'a> {
     dir: &'a Path,
-    /// By `relative_path`; `None` for an empty file.
-    maps: HashMap<&'a str, Option<Mmap>>,
+    /// By `relative_path`: the file's name as pieces share it, and its bytes (`None` when empty).
+    maps: HashMap<&'a str, (Arc<Path>, Option<Mmap>)>,
 }
 
 impl<'a> Files<'a> {
@@ -194,7 +195,7 @@ impl<'a> Files<'a> {
         for (_, info) in storage {
             let name = info.relative_path.as_str();
             if !maps.contains_key(name) {
-                maps.insert(name, map_file(dir, name)?);
+                maps.insert(name, (Arc::from(Path::new(name)), map_file(dir, name)?));
             }
         }
         Ok(Files { dir, maps })
@@ -204,7 +205,7 @@ impl<'a> Files<'a> {
     fn item(&self, info: &StorageInfo) -> Result<&[u8]> {
         let path = self.dir.join(&info.relative_path);
         let map = match self.maps.get(info.relative_path.as_str()) {
-            Some(map) => map.as_deref().unwrap_or(&[]),
+            Some((_, map)) => map.as_deref().unwrap_or(&[]),
             None => {
                 return Err(
                     Error::invalid("internal: item in a file that was not mapped").file(&path),
@@ -223,6 +224,14 @@ impl<'a> Files<'a> {
             .file(&path)
             .at(info.offset)
             .hint("the file is truncated: copy it again from where the checkpoint was saved")),
+        }
+    }
+
+    /// The shared name of the file an item is in.
+    fn name(&self, info: &StorageInfo) -> Arc<Path> {
+        match self.maps.get(info.relative_path.as_str()) {
+            Some((name, _)) => Arc::clone(name),
+            None => Path::new(&info.relative_path).into(),
         }
     }
 
@@ -303,7 +312,7 @@ impl<'a> Files<'a> {
             offsets: chunk.offsets,
             sizes: chunk.sizes,
             data: DataRef {
-                file: PathBuf::from(&info.relative_path),
+                file: self.name(info),
                 offset,
                 strides: saved.strides.clone(),
                 encoding,
