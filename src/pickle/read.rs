@@ -145,16 +145,16 @@ struct Consuming<'c> {
     /// Memo indices the pickle ever fetches.
     fetched: std::collections::HashSet<u64>,
     /// The claimed batch being read, if any.
-    batch: Option<Batch0>,
+    batch: Option<ClaimedBatch>,
     /// The claimed batch whose mark the last `pop_mark` closed.
-    closed: Option<Batch0>,
+    closed: Option<ClaimedBatch>,
     /// Memo indices put while a claimed batch is open.
     memo_log: Vec<u64>,
 }
 
 /// Where the graph's arenas stood when a claimed batch's `MARK` opened it.
 #[derive(Clone, Copy)]
-struct Batch0 {
+struct ClaimedBatch {
     /// `marks.len()` once this batch's mark is pushed.
     depth: usize,
     dict: Id,
@@ -782,7 +782,7 @@ impl<'a> Machine<'a, '_> {
         if !c.consumer.claims(self.graph.view(owner), name) {
             return;
         }
-        c.batch = Some(Batch0 {
+        c.batch = Some(ClaimedBatch {
             depth: self.marks.len() + 1,
             dict,
             key: span,
@@ -811,7 +811,12 @@ impl<'a> Machine<'a, '_> {
 
     /// `SETITEMS` closing a claimed batch: hand `stack[mark..]` to the consumer, then drop the
     /// nodes the batch made (see [`Consumer`]).
-    fn consume_batch(&mut self, at: usize, mark: usize, batch: Batch0) -> Result<(), PickleError> {
+    fn consume_batch(
+        &mut self,
+        at: usize,
+        mark: usize,
+        batch: ClaimedBatch,
+    ) -> Result<(), PickleError> {
         let target = mark.checked_sub(1).and_then(|t| self.stack.get(t).copied());
         let Some(c) = &mut self.consuming else {
             return self.extend(at, mark, "SETITEM");
@@ -843,7 +848,7 @@ impl<'a> Machine<'a, '_> {
     /// Drop the nodes a consumed batch made, keeping (as copies) the memo entries the pickle
     /// fetches later. Gives up, keeping everything, when one of those is not a scalar or the
     /// batch changed an older node.
-    fn drop_batch_nodes(&mut self, batch: Batch0) {
+    fn drop_batch_nodes(&mut self, batch: ClaimedBatch) {
         let Some(c) = &mut self.consuming else {
             return;
         };
