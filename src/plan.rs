@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::formats::dcp::metadata::{self as dcp_metadata, Chunk, Describe, EntryRef, StorageRef};
 use crate::formats::{dcp, hf_index, safetensors, torch_save, zip};
 use crate::geometry::{self, local_box, Box, Placement};
-use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, Tensor};
+use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, PieceRef, Tensor};
 
 /// Everything needed to write one output: files, and where each byte comes from.
 ///
@@ -322,8 +322,8 @@ impl<'a> Sourcing<'a> {
             .collect::<Result<Vec<_>>>()?;
         let mut inputs = Vec::new();
         let mut input_of = HashMap::new();
-        let pieces = ckpt.tensors.iter().flat_map(|t| &t.pieces);
-        let files = pieces.map(|p| &*p.data.file).chain(
+        let pieces = ckpt.tensors.iter().flat_map(|t| t.pieces.iter());
+        let files = pieces.map(|p| &**p.file()).chain(
             ckpt.values
                 .iter()
                 .filter_map(|v| Some(v.raw.as_ref()?.file.as_path())),
@@ -365,10 +365,10 @@ impl<'a> Sourcing<'a> {
         let t = &self.ckpt.tensors[ti];
         let mut fills = Vec::new();
         for k in self.indexes[ti].meeting(b) {
-            let piece = &t.pieces[k];
+            let piece = t.pieces.get(k);
             let pb = Box {
-                offsets: piece.offsets.clone(),
-                sizes: piece.sizes.clone(),
+                offsets: piece.offsets().to_vec(),
+                sizes: piece.sizes().to_vec(),
             };
             let Some(common) = pb.intersect(b) else {
                 continue;
@@ -377,15 +377,16 @@ impl<'a> Sourcing<'a> {
                 continue;
             }
             let elem = t.dtype.size() as u64;
+            let strides = piece.strides().into_owned();
             let skip: u64 = (0..common.offsets.len())
-                .map(|d| (common.offsets[d] - pb.offsets[d]) * piece.data.strides[d])
+                .map(|d| (common.offsets[d] - pb.offsets[d]) * strides[d])
                 .sum();
             fills.push(Fill {
-                input: self.input(&piece.data.file),
-                encoding: piece.data.encoding.clone(),
+                input: self.input(piece.file()),
+                encoding: piece.encoding(),
                 dtype: t.dtype,
-                offset: piece.data.offset + skip * elem,
-                strides: piece.data.strides.clone(),
+                offset: piece.offset() + skip * elem,
+                strides,
                 start: (0..common.offsets.len())
                     .map(|d| common.offsets[d] - b.offsets[d])
                     .collect(),
@@ -955,12 +956,12 @@ impl<'m> Describe<'m> for &'m DcpFiles<'_> {
 }
 
 /// Pieces of `t`, with exact duplicates (replicas saved by several ranks) dropped.
-fn unique_pieces(t: &Tensor) -> impl Iterator<Item = (usize, &crate::model::Piece)> {
+fn unique_pieces(t: &Tensor) -> impl Iterator<Item = (usize, PieceRef<'_>)> {
     let mut seen = BTreeSet::new();
     t.pieces
         .iter()
         .enumerate()
-        .filter(move |(_, p)| seen.insert((p.offsets.as_slice(), p.sizes.as_slice())))
+        .filter(move |(_, p)| seen.insert((p.offsets(), p.sizes())))
 }
 
 /// A tensor's distinct pieces, sorted by where they start on the dim they are cut on, so that the
@@ -982,18 +983,20 @@ impl PieceIndex {
         let unique: Vec<usize> = unique_pieces(t).map(|(k, _)| k).collect();
         let dim = (0..t.shape.len())
             .max_by_key(|&d| {
-                let starts: BTreeSet<u64> =
-                    unique.iter().map(|&k| t.pieces[k].offsets[d]).collect();
+                let starts: BTreeSet<u64> = unique
+                    .iter()
+                    .map(|&k| t.pieces.get(k).offsets()[d])
+                    .collect();
                 starts.len()
             })
             .unwrap_or(0);
-        let at = |k: usize| t.pieces[k].offsets.get(dim).copied().unwrap_or(0);
+        let at = |k: usize| t.pieces.get(k).offsets().get(dim).copied().unwrap_or(0);
         let mut order = unique;
         order.sort_by_key(|&k| (at(k), k));
         let starts = order.iter().map(|&k| at(k)).collect();
         let max_len = order
             .iter()
-            .map(|&k| t.pieces[k].sizes.get(dim).copied().unwrap_or(0))
+            .map(|&k| t.pieces.get(k).sizes().get(dim).copied().unwrap_or(0))
             .max()
             .unwrap_or(0);
         PieceIndex {
@@ -1025,20 +1028,17 @@ impl PieceIndex {
 /// A tensor can be planned when its pieces are well-formed and cover it exactly once.
 fn check_tensor(t: &Tensor) -> Result<()> {
     let rank = t.shape.len();
-    for p in &t.pieces {
-        if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
-            return Err(Error::invalid(format!(
-                "a piece has {} dims but the tensor has {rank}",
-                p.offsets.len()
-            ))
-            .tensor(&t.name)
-            .file(&p.data.file));
-        }
+    if t.pieces.ndim() != rank {
+        return Err(Error::invalid(format!(
+            "its pieces have {} dims but the tensor has {rank}",
+            t.pieces.ndim()
+        ))
+        .tensor(&t.name));
     }
     let boxes: Vec<Box> = unique_pieces(t)
         .map(|(_, p)| Box {
-            offsets: p.offsets.clone(),
-            sizes: p.sizes.clone(),
+            offsets: p.offsets().to_vec(),
+            sizes: p.sizes().to_vec(),
         })
         .collect();
     if let Some(problem) = geometry::check_coverage(&t.shape, &boxes).first() {
@@ -1072,7 +1072,7 @@ mod tests {
             key_path: Vec::new(),
             dtype: DType::F32,
             shape: shape.to_vec(),
-            pieces,
+            pieces: crate::model::Pieces::from_vec(shape.len(), pieces).unwrap(),
         }
     }
 
@@ -1102,8 +1102,8 @@ mod tests {
                     let found = index.meeting(&b);
                     for (k, p) in t.pieces.iter().enumerate().take(12) {
                         let pb = Box {
-                            offsets: p.offsets.clone(),
-                            sizes: p.sizes.clone(),
+                            offsets: p.offsets().to_vec(),
+                            sizes: p.sizes().to_vec(),
                         };
                         assert_eq!(
                             pb.intersect(&b).is_some(),

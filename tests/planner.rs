@@ -10,7 +10,9 @@ use std::sync::atomic::AtomicBool;
 use ckpt::dtype::DType;
 use ckpt::exec::{self, ExecOptions, IoMode, NoProgress};
 use ckpt::geometry::Placement;
-use ckpt::model::{contiguous_strides, Checkpoint, DataRef, Encoding, Format, Piece, Tensor};
+use ckpt::model::{
+    contiguous_strides, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
+};
 use ckpt::plan::{self, MeshSpec, Plan, PlanOptions, Target};
 use proptest::prelude::*;
 
@@ -71,7 +73,7 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
                 key_path: vec![],
                 dtype: *dtype,
                 shape: shape.clone(),
-                pieces: vec![piece],
+                pieces: Pieces::single(piece).unwrap(),
             }
         })
         .collect();

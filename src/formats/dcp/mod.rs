@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
 use crate::model::{
-    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor,
+    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor,
 };
 use metadata::{DcpEntry, StorageInfo};
 
@@ -105,6 +105,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                             .map_err(|e| e.tensor(&fqn))
                     })
                     .collect::<Result<Vec<Piece>>>()?;
+                let pieces = Pieces::from_vec(size.len(), pieces).map_err(|e| e.tensor(&fqn))?;
                 tensors.push(Tensor {
                     key_path: paths
                         .get(fqn.as_str())
