@@ -198,35 +198,59 @@ impl Pieces {
 
     /// Add a piece, which must have [`Pieces::ndim`] dims in its offsets, sizes and strides.
     pub fn push(&mut self, piece: Piece) -> Result<()> {
+        let Piece {
+            offsets,
+            sizes,
+            data,
+        } = piece;
+        self.push_parts(
+            &offsets,
+            &sizes,
+            data.file,
+            data.offset,
+            &data.strides,
+            data.encoding,
+        )
+    }
+
+    /// [`Pieces::push`] of a piece given by its parts.
+    pub fn push_parts(
+        &mut self,
+        offsets: &[u64],
+        sizes: &[u64],
+        file: Arc<Path>,
+        offset: u64,
+        strides: &[u64],
+        encoding: Encoding,
+    ) -> Result<()> {
         let n = self.ndim;
-        if piece.offsets.len() != n || piece.sizes.len() != n || piece.data.strides.len() != n {
+        if offsets.len() != n || sizes.len() != n || strides.len() != n {
             return Err(Error::invalid(format!(
-                "a piece at offsets {:?} with sizes {:?} and strides {:?} does not have the \
-                 tensor's {n} dims",
-                piece.offsets, piece.sizes, piece.data.strides
+                "a piece at offsets {offsets:?} with sizes {sizes:?} and strides {strides:?} \
+                 does not have the tensor's {n} dims"
             ))
-            .file(&piece.data.file)
-            .at(piece.data.offset));
+            .file(&file)
+            .at(offset));
         }
         let k = self.len();
-        if self.strides.is_empty() && piece.data.strides != contiguous_strides(&piece.sizes) {
+        if self.strides.is_empty() && !is_contiguous(sizes, strides) {
             self.strides = (0..k)
                 .flat_map(|j| contiguous_strides(self.get(j).sizes()))
                 .collect();
         }
         if !self.strides.is_empty() {
-            self.strides.extend_from_slice(&piece.data.strides);
+            self.strides.extend_from_slice(strides);
         }
-        if self.encodings.is_empty() && piece.data.encoding != Encoding::Raw {
+        if self.encodings.is_empty() && encoding != Encoding::Raw {
             self.encodings = vec![Encoding::Raw; k];
         }
         if !self.encodings.is_empty() {
-            self.encodings.push(piece.data.encoding);
+            self.encodings.push(encoding);
         }
-        self.boxes.extend_from_slice(&piece.offsets);
-        self.boxes.extend_from_slice(&piece.sizes);
-        self.files.push(piece.data.file);
-        self.offsets.push(piece.data.offset);
+        self.boxes.extend_from_slice(offsets);
+        self.boxes.extend_from_slice(sizes);
+        self.files.push(file);
+        self.offsets.push(offset);
         Ok(())
     }
 
@@ -375,6 +399,18 @@ pub fn numel(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
 }
 
+/// True when `strides` are the row-major contiguous strides of `sizes`.
+pub fn is_contiguous(sizes: &[u64], strides: &[u64]) -> bool {
+    let mut expected = 1u64;
+    for (&size, &stride) in sizes.iter().zip(strides).rev() {
+        if stride != expected {
+            return false;
+        }
+        expected = expected.saturating_mul(size);
+    }
+    sizes.len() == strides.len()
+}
+
 /// Row-major contiguous strides, in elements.
 pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
     let mut strides = vec![1u64; shape.len()];
@@ -410,6 +446,14 @@ mod tests {
         assert_eq!(numel(&[]), Some(1));
         assert_eq!(numel(&[3, 0]), Some(0));
         assert_eq!(numel(&[u64::MAX, 2]), None);
+        for sizes in [&[2, 3, 4][..], &[], &[5], &[0, 3], &[u64::MAX, 2, 2]] {
+            assert!(
+                is_contiguous(sizes, &contiguous_strides(sizes)),
+                "{sizes:?}"
+            );
+        }
+        assert!(!is_contiguous(&[2, 3], &[1, 2]));
+        assert!(!is_contiguous(&[2, 3], &[3]));
     }
 
     fn piece(offsets: &[u64], sizes: &[u64], strides: &[u64], encoding: Encoding) -> Piece {

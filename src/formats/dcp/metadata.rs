@@ -71,11 +71,43 @@ pub struct StorageInfo {
 }
 
 /// Parse `.metadata` bytes. Never executes anything; unknown globals are errors naming them.
-///
-/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), so no
-/// owned copy of the whole pickle is ever built.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
-    let mut taken = Taken::default();
+    let mut collected = Collect::default();
+    let rest = parse_into(bytes, &mut collected)?;
+    Ok(DcpMetadata {
+        entries: collected.entries,
+        storage: dedup_storage(collected.storage),
+        planner_data: rest.planner_data,
+        version: rest.version,
+    })
+}
+
+/// Where [`parse_into`] puts the `state_dict_metadata` entries and `storage_data` records, one at a
+/// time in pickled order, so a reader can keep what it needs of millions of them in its own form.
+///
+/// As in the Python dicts they were pickled from, a later entry with the same fqn replaces an
+/// earlier one, and a later record with the same `MetadataIndex` (fqn and offsets) does too.
+pub trait Sink {
+    fn entry(&mut self, entry: DcpEntry) -> Result<()>;
+    fn storage(&mut self, index: MetadataIndex, info: StorageInfo) -> Result<()>;
+}
+
+/// What [`parse_into`] returns besides what it gave its [`Sink`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Rest {
+    /// `planner_data`: fqn -> nesting path in the original state dict.
+    pub planner_data: Vec<(String, Vec<KeyPart>)>,
+    /// `version`, e.g. "1.0.0".
+    pub version: Option<String>,
+}
+
+/// Parse `.metadata` bytes, handing entries and storage records to `sink` as they are read.
+///
+/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), and the
+/// two big dicts are taken from it batch by batch (see [`pickle::Consumer`]), so no owned copy of
+/// the whole pickle is ever built.
+pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
+    let mut taken = Taken { sink, error: None };
     let graph = pickle::parse_consuming(bytes, &DcpGlobals, limits_for(bytes.len()), &mut taken)
         .map_err(|e| match (e, taken.error.take()) {
             (PickleError::Stopped { offset }, Some(err)) => Error {
@@ -100,23 +132,16 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
     // Items that were not consumed while reading (a last batch of one, written as `SETITEM`) come
     // after the consumed ones, as they did in the file.
     for (k, v) in sdm {
-        taken.add_entry(entry(k, v)?);
+        taken.sink.entry(entry(k, v)?)?;
     }
-    let entries = taken.entries;
-
-    let storage = match state.get("storage_data").filter(|v| !v.is_none()) {
-        None => Vec::new(),
-        Some(v) => {
-            let items =
-                dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
-            let mut pairs = taken.storage;
-            pairs.reserve(items.len());
-            for (k, v) in items {
-                pairs.push((metadata_index(k)?, storage_info(k, v)?));
-            }
-            dedup_storage(pairs)
+    if let Some(v) = state.get("storage_data").filter(|v| !v.is_none()) {
+        let items = dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
+        for (k, v) in items {
+            taken
+                .sink
+                .storage(metadata_index(k)?, storage_info(k, v)?)?;
         }
-    };
+    }
 
     let planner_data = match state.get("planner_data").filter(|v| !v.is_none()) {
         None => Vec::new(),
@@ -138,9 +163,7 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
         },
     };
 
-    Ok(DcpMetadata {
-        entries,
-        storage,
+    Ok(Rest {
         planner_data,
         version,
     })
@@ -404,34 +427,53 @@ impl Globals for DcpGlobals {
     }
 }
 
-/// What [`parse`] takes from `state_dict_metadata` and `storage_data` as the pickle is read, so
-/// that their millions of objects never stand in the graph at once (see [`pickle::Consumer`]).
+/// The [`Sink`] of [`parse`]: everything, as a [`DcpMetadata`] holds it.
 #[derive(Default)]
-struct Taken {
+struct Collect {
     entries: Vec<DcpEntry>,
     /// Position in `entries` of each fqn: a repeated key keeps its first place and last value,
     /// as a Python dict does.
     positions: std::collections::HashMap<String, usize>,
+    /// Deduplicated at the end ([`dedup_storage`]).
     storage: Vec<(MetadataIndex, StorageInfo)>,
-    error: Option<Error>,
 }
 
-impl Taken {
-    fn add_entry(&mut self, e: DcpEntry) {
-        let fqn = match &e {
-            DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn.clone(),
-        };
-        match self.positions.get(&fqn) {
+impl Sink for Collect {
+    fn entry(&mut self, e: DcpEntry) -> Result<()> {
+        match self.positions.get(e.fqn()) {
             Some(&i) => self.entries[i] = e,
             None => {
-                self.positions.insert(fqn, self.entries.len());
+                self.positions
+                    .insert(e.fqn().to_string(), self.entries.len());
                 self.entries.push(e);
             }
+        }
+        Ok(())
+    }
+
+    fn storage(&mut self, index: MetadataIndex, info: StorageInfo) -> Result<()> {
+        self.storage.push((index, info));
+        Ok(())
+    }
+}
+
+impl DcpEntry {
+    pub fn fqn(&self) -> &str {
+        match self {
+            DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn,
         }
     }
 }
 
-impl pickle::Consumer for Taken {
+/// What [`parse_into`] takes from `state_dict_metadata` and `storage_data` as the pickle is read,
+/// handed to the sink, so that their millions of objects never stand in the graph at once (see
+/// [`pickle::Consumer`]).
+struct Taken<'s> {
+    sink: &'s mut dyn Sink,
+    error: Option<Error>,
+}
+
+impl pickle::Consumer for Taken<'_> {
     fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
         let is_metadata =
             matches!(owner.class(), Some((m, "Metadata")) if m == META || m == OLD_META);
@@ -442,9 +484,9 @@ impl pickle::Consumer for Taken {
         let result = (|| -> Result<()> {
             for &(k, v) in pairs {
                 if key == "state_dict_metadata" {
-                    self.add_entry(entry(k, v)?);
+                    self.sink.entry(entry(k, v)?)?;
                 } else {
-                    self.storage.push((metadata_index(k)?, storage_info(k, v)?));
+                    self.sink.storage(metadata_index(k)?, storage_info(k, v)?)?;
                 }
             }
             Ok(())
