@@ -203,7 +203,8 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
                     .iter()
                     .map(|(i, f)| dest.get(*i).map(|p| create_output(p, f.len)).transpose())
                     .collect::<Result<Vec<_>>>()?;
-                let batch = pool.install(|| run_files(&files, &outputs, dest, &sources, opts))?;
+                let batch =
+                    pool.install(|| run_files(plan, &files, &outputs, dest, &sources, opts))?;
                 digests.extend(batch);
                 if opts.durable {
                     for ((i, _), out) in files.iter().zip(&outputs) {
@@ -238,10 +239,11 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
 }
 
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
-fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
+fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; f.len as usize];
     let mut scratch = Vec::new();
     for r in &f.regions {
+        let fills = checked_fills(plan, r, None, sources)?;
         let rstrides = contiguous_strides(&r.shape);
         let start = r.offset as usize;
         let len = r.nbytes() as usize;
@@ -258,7 +260,7 @@ fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
             };
             let (at, unit_len) = u.bytes_in(r, &rstrides);
             let buf = &mut region[at as usize..(at + unit_len) as usize];
-            for fill in &r.fills {
+            for fill in fills.iter() {
                 written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
             }
         }
@@ -309,19 +311,13 @@ fn write_streamed(plan: &Plan, i: usize, path: &Path, durable: bool) -> Result<(
 /// Copy every region of `files` (in parallel, on the current pool) into `outputs`, then write
 /// their literals with the CRCs the copies produced. Returns one digest per region.
 fn run_files(
+    plan: &Plan,
     files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
     outputs: &[Option<File>],
     dest: &[PathBuf],
     sources: &[Source],
     opts: &ExecOptions,
 ) -> Result<Vec<RegionDigest>> {
-    for (_, f) in files {
-        for r in &f.regions {
-            for fill in &r.fills {
-                check_fill(fill, r, sources)?;
-            }
-        }
-    }
     // Small files with an output are built in memory and written with one write: a DCP rank
     // file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
     // otherwise cost a copy and a framing write each.
@@ -339,7 +335,7 @@ fn run_files(
         let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) else {
             return Ok(());
         };
-        let bytes = assemble(f, sources)?;
+        let bytes = assemble(plan, f, sources)?;
         out.write_all_at(&bytes, 0)
             .map_err(|e| Error::io(path, e))?;
         opts.progress
@@ -376,7 +372,7 @@ fn run_files(
                 .get(u.file)
                 .and_then(Option::as_ref)
                 .zip(dest.get(*i));
-            let result = run_unit(u, region, sources, out)?;
+            let result = run_unit(plan, u, region, sources, out)?;
             if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file))
             {
                 // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
@@ -440,6 +436,21 @@ fn create_output(path: &Path, len: u64) -> Result<File> {
         .map_err(|e| Error::io(path, e))?;
     file.set_len(len).map_err(|e| Error::io(path, e))?;
     Ok(file)
+}
+
+/// The fills of region `r` that meet its part `part` (all for `None`), each checked to lie
+/// inside its source file.
+fn checked_fills<'r>(
+    plan: &Plan,
+    r: &'r Region,
+    part: Option<(&[u64], &[u64])>,
+    sources: &[Source],
+) -> Result<std::borrow::Cow<'r, [Fill]>> {
+    let fills = plan.fills(r, part).map_err(|e| e.tensor(&r.name))?;
+    for fill in fills.iter() {
+        check_fill(fill, r, sources)?;
+    }
+    Ok(fills)
 }
 
 /// Check that every byte a fill reads lies inside its source file.
@@ -550,6 +561,7 @@ struct UnitResult {
 /// Gather one unit into a buffer, then write it to `out` or, without `out`, count its non-finite
 /// floats.
 fn run_unit(
+    plan: &Plan,
     u: &Unit,
     r: &Region,
     sources: &[Source],
@@ -558,7 +570,9 @@ fn run_unit(
     let rstrides = contiguous_strides(&r.shape);
     let (at, len) = u.bytes_in(r, &rstrides);
     let dest_offset = r.offset + at;
-    if let (Some((file, path)), Some(runs)) = (out, direct_runs(u, r, &rstrides, sources)) {
+    let fills = checked_fills(plan, r, Some((&u.start, &u.sizes)), sources)?;
+    let direct = direct_runs(u, r, &fills, &rstrides, sources);
+    if let (Some((file, path)), Some(runs)) = (out, direct) {
         let want_crc = !r.crc_slots.is_empty();
         let mut crc = crc32fast::Hasher::new();
         let mut copied = 0;
@@ -591,7 +605,7 @@ fn run_unit(
         }
         let buf = &mut whole[..len as usize];
         let mut written = 0u64;
-        for fill in &r.fills {
+        for fill in fills.iter() {
             written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
         }
         if written != len {
@@ -744,12 +758,13 @@ fn gather(
 fn direct_runs<'a>(
     u: &Unit,
     r: &Region,
+    fills: &[Fill],
     rstrides: &[u64],
     sources: &'a [Source],
 ) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
     let de = r.dtype.size() as u64;
     let mut runs = Vec::new();
-    for fill in &r.fills {
+    for fill in fills {
         let Some(sp) = span(fill, r, u, rstrides) else {
             continue;
         };

@@ -33,6 +33,8 @@ pub struct Plan<'a> {
     pub notes: Vec<String>,
     /// A DCP target's rank files and `.metadata`, after `files`.
     pub dcp: Option<DcpFiles<'a>>,
+    /// Where the regions of `files` find their fills (a DCP target's are in `dcp`).
+    src: Option<Sourcing<'a>>,
 }
 
 /// One destination file.
@@ -120,9 +122,21 @@ pub struct Region {
     pub dtype: DType,
     /// Shape of the box this region holds.
     pub shape: Vec<u64>,
-    pub fills: Vec<Fill>,
+    pub source: RegionSource,
     /// Offsets in the destination file where the CRC-32 of this region's bytes goes (ZIP records).
     pub crc_slots: Vec<u64>,
+}
+
+/// Where a region's elements come from.
+#[derive(Clone, Debug)]
+pub enum RegionSource {
+    /// Fills listed when planning (a value's carried bytes).
+    Fills(Vec<Fill>),
+    /// Box `b` of tensor `tensor` of the planned checkpoint. Its fills are found from the tensor's
+    /// pieces when the region is copied ([`Plan::fills`]): consolidating a tensor saved on 1024
+    /// ranks takes 1024 fills, and listing every tensor's up front took hundreds of bytes per
+    /// piece of the checkpoint.
+    Tensor { tensor: usize, b: Box },
 }
 
 /// Copy a box of source elements into a region.
@@ -203,6 +217,29 @@ impl Plan<'_> {
         match &self.dcp {
             Some(dcp) if self.is_streamed(i) => dcp_metadata::write_to(sink, &dcp),
             _ => Ok(0),
+        }
+    }
+
+    /// The fills of region `r` that meet its part at `start` of `sizes` (in region coordinates;
+    /// all of them for `None`), in source piece order.
+    pub fn fills<'r>(
+        &self,
+        r: &'r Region,
+        part: Option<(&[u64], &[u64])>,
+    ) -> Result<std::borrow::Cow<'r, [Fill]>> {
+        use std::borrow::Cow;
+        match &r.source {
+            RegionSource::Fills(fills) => Ok(Cow::Borrowed(fills)),
+            RegionSource::Tensor { tensor, b } => {
+                let src = self
+                    .src
+                    .as_ref()
+                    .or(self.dcp.as_ref().map(|d| &d.src))
+                    .ok_or_else(|| {
+                        Error::invalid("internal: a region of a tensor in a plan without one")
+                    })?;
+                Ok(Cow::Owned(src.fills(*tensor, b, part)))
+            }
         }
     }
 
@@ -293,7 +330,9 @@ pub fn plan<'a>(ckpt: &'a Checkpoint, target: &Target, opts: &PlanOptions) -> Re
             planner.skip_values("safetensors");
         }
     }
-    Ok(planner.plan)
+    let Planner { mut plan, src } = planner;
+    plan.src = Some(src);
+    Ok(plan)
 }
 
 /// Where each tensor's bytes come from: the checkpoint, its input files numbered once, and an
@@ -363,13 +402,40 @@ impl<'a> Sourcing<'a> {
     /// A region at `offset` holding box `b` of tensor `ti`, filled from the pieces that meet it.
     fn region(&self, ti: usize, b: &Box, offset: u64) -> Region {
         let t = &self.ckpt.tensors[ti];
+        Region {
+            name: t.name.clone(),
+            offset,
+            dtype: self.out_dtype(t),
+            shape: b.sizes.clone(),
+            source: RegionSource::Tensor {
+                tensor: ti,
+                b: b.clone(),
+            },
+            crc_slots: Vec::new(),
+        }
+    }
+
+    /// The fills of box `b` of tensor `ti` from the pieces that meet its part at `start` of
+    /// `sizes` (relative to `b`), or all of it.
+    fn fills(&self, ti: usize, b: &Box, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
+        let t = &self.ckpt.tensors[ti];
+        let query = match part {
+            Some((start, sizes)) => Box {
+                offsets: b.offsets.iter().zip(start).map(|(o, s)| o + s).collect(),
+                sizes: sizes.to_vec(),
+            },
+            None => b.clone(),
+        };
         let mut fills = Vec::new();
-        for k in self.indexes[ti].meeting(b) {
+        for k in self.indexes[ti].meeting(&query) {
             let piece = t.pieces.get(k);
             let pb = Box {
                 offsets: piece.offsets().to_vec(),
                 sizes: piece.sizes().to_vec(),
             };
+            if part.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
+                continue;
+            }
             let Some(common) = pb.intersect(b) else {
                 continue;
             };
@@ -393,14 +459,7 @@ impl<'a> Sourcing<'a> {
                 sizes: common.sizes,
             });
         }
-        Region {
-            name: t.name.clone(),
-            offset,
-            dtype: self.out_dtype(t),
-            shape: b.sizes.clone(),
-            fills,
-            crc_slots: Vec::new(),
-        }
+        fills
     }
 
     /// Append a non-tensor entry's torch.save bytes to `file`: the original bytes when the source
@@ -413,7 +472,7 @@ impl<'a> Sourcing<'a> {
                 offset: base,
                 dtype: DType::U8,
                 shape: vec![blob.length],
-                fills: vec![Fill {
+                source: RegionSource::Fills(vec![Fill {
                     input: self.input(&blob.file),
                     encoding: Encoding::Raw,
                     dtype: DType::U8,
@@ -421,7 +480,7 @@ impl<'a> Sourcing<'a> {
                     strides: vec![1],
                     start: vec![0],
                     sizes: vec![blob.length],
-                }],
+                }]),
                 crc_slots: Vec::new(),
             });
             file.len = base + blob.length;

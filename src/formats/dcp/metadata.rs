@@ -11,6 +11,7 @@
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
 //! `storage_meta` (save and load ids, the original directory), which torch never reads back.
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use crate::bail_invalid;
@@ -107,7 +108,11 @@ pub struct Rest {
 /// two big dicts are taken from it batch by batch (see [`pickle::Consumer`]), so no owned copy of
 /// the whole pickle is ever built.
 pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
-    let mut taken = Taken { sink, error: None };
+    let mut taken = Taken {
+        sink,
+        lists: HashMap::new(),
+        error: None,
+    };
     let graph = pickle::parse_consuming(bytes, &DcpGlobals, limits_for(bytes.len()), &mut taken)
         .map_err(|e| match (e, taken.error.take()) {
             (PickleError::Stopped { offset }, Some(err)) => Error {
@@ -132,7 +137,7 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
     // Items that were not consumed while reading (a last batch of one, written as `SETITEM`) come
     // after the consumed ones, as they did in the file.
     for (k, v) in sdm {
-        taken.sink.entry(entry(k, v)?)?;
+        taken.sink.entry(entry(k, v, &mut taken.lists)?)?;
     }
     if let Some(v) = state.get("storage_data").filter(|v| !v.is_none()) {
         let items = dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
@@ -470,7 +475,22 @@ impl DcpEntry {
 /// [`pickle::Consumer`]).
 struct Taken<'s> {
     sink: &'s mut dyn Sink,
+    /// The chunks taken from each `chunks` list of a tensor entry, by the list's node id, until
+    /// the entry is read.
+    lists: HashMap<u32, Vec<Chunk>>,
     error: Option<Error>,
+}
+
+impl Taken<'_> {
+    fn stop(&mut self, result: Result<()>) -> ControlFlow<()> {
+        match result {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                self.error = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    }
 }
 
 impl pickle::Consumer for Taken<'_> {
@@ -484,20 +504,36 @@ impl pickle::Consumer for Taken<'_> {
         let result = (|| -> Result<()> {
             for &(k, v) in pairs {
                 if key == "state_dict_metadata" {
-                    self.sink.entry(entry(k, v)?)?;
+                    self.sink.entry(entry(k, v, &mut self.lists)?)?;
                 } else {
                     self.sink.storage(metadata_index(k)?, storage_info(k, v)?)?;
                 }
             }
             Ok(())
         })();
-        match result {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(e) => {
-                self.error = Some(e);
-                ControlFlow::Break(())
-            }
+        if key == "state_dict_metadata" {
+            // Lists of entries this batch did not hold are not any later entry's either: the
+            // ids of their nodes are given to new nodes from here on.
+            self.lists.clear();
         }
+        self.stop(result)
+    }
+
+    fn claims_list(&mut self, owner: View<'_>, key: &str) -> bool {
+        let is_tensor = matches!(
+            owner.class(),
+            Some((m, "TensorStorageMetadata")) if m == META || m == OLD_META
+        );
+        is_tensor && key == "chunks"
+    }
+
+    fn consume_list(&mut self, list: View<'_>, items: &[View<'_>]) -> ControlFlow<()> {
+        let chunks = self.lists.entry(list.id()).or_default();
+        let result = items.iter().try_for_each(|&c| {
+            chunks.push(raw_chunk(c)?);
+            Ok(())
+        });
+        self.stop(result)
     }
 }
 
@@ -530,8 +566,8 @@ fn pickle_error(err: PickleError) -> Error {
     e
 }
 
-/// One `state_dict_metadata` item.
-fn entry(key: View<'_>, value: View<'_>) -> Result<DcpEntry> {
+/// One `state_dict_metadata` item; `lists` holds the chunks already taken from tensor entries.
+fn entry(key: View<'_>, value: View<'_>, lists: &mut HashMap<u32, Vec<Chunk>>) -> Result<DcpEntry> {
     let fqn = key
         .as_str()
         .ok_or_else(|| {
@@ -550,10 +586,10 @@ fn entry(key: View<'_>, value: View<'_>) -> Result<DcpEntry> {
             describe(value)
         );
     };
-    tensor(&fqn, state).map_err(|e| e.tensor(&fqn))
+    tensor(&fqn, state, lists).map_err(|e| e.tensor(&fqn))
 }
 
-fn tensor(fqn: &str, state: View<'_>) -> Result<DcpEntry> {
+fn tensor(fqn: &str, state: View<'_>, lists: &mut HashMap<u32, Vec<Chunk>>) -> Result<DcpEntry> {
     let properties = state
         .get("properties")
         .ok_or_else(|| Error::invalid("`properties` is missing"))?;
@@ -568,13 +604,20 @@ fn tensor(fqn: &str, state: View<'_>) -> Result<DcpEntry> {
     {
         bail_invalid!("size {size:?} has more bytes than fit in 64 bits");
     }
-    let chunk_values = state
+    let list = state
         .get("chunks")
-        .and_then(|c| c.as_seq())
         .ok_or_else(|| Error::invalid("`chunks` is not a list"))?;
-    let chunks = chunk_values
-        .map(|c| chunk(c, &size))
-        .collect::<Result<Vec<_>>>()?;
+    let chunk_values = list
+        .as_seq()
+        .ok_or_else(|| Error::invalid("`chunks` is not a list"))?;
+    // Chunks taken while the list was read come first, as they did in the file.
+    let mut chunks = lists.remove(&list.id()).unwrap_or_default();
+    for c in chunk_values {
+        chunks.push(raw_chunk(c)?);
+    }
+    for c in &chunks {
+        check_chunk(c, &size)?;
+    }
     Ok(DcpEntry::Tensor {
         fqn: fqn.to_string(),
         dtype,
@@ -647,7 +690,8 @@ fn tensor_dtype(properties: View<'_>) -> Result<DType> {
     Ok(dtype)
 }
 
-fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
+/// A `ChunkStorageMetadata`, not yet checked against its tensor's size ([`check_chunk`]).
+fn raw_chunk(value: View<'_>) -> Result<Chunk> {
     let state =
         object_state(value, &[META, OLD_META], "ChunkStorageMetadata").ok_or_else(|| {
             Error::invalid(format!(
@@ -662,11 +706,17 @@ fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
             "a chunk's `offsets` or `sizes` is not a `torch.Size` of non-negative integers"
         );
     };
+    Ok(Chunk { offsets, sizes })
+}
+
+/// A chunk must lie inside its tensor.
+fn check_chunk(chunk: &Chunk, size: &[u64]) -> Result<()> {
+    let Chunk { offsets, sizes } = chunk;
     let fits = offsets.len() == size.len()
         && sizes.len() == size.len()
         && offsets
             .iter()
-            .zip(&sizes)
+            .zip(sizes)
             .zip(size)
             .all(|((&o, &s), &d)| o.checked_add(s).is_some_and(|end| end <= d));
     if !fits {
@@ -674,7 +724,7 @@ fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
             "chunk at offsets {offsets:?} with sizes {sizes:?} does not fit in size {size:?}"
         );
     }
-    Ok(Chunk { offsets, sizes })
+    Ok(())
 }
 
 fn metadata_index(value: View<'_>) -> Result<MetadataIndex> {

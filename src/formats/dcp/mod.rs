@@ -138,8 +138,12 @@ struct TensorSlot {
     size: Vec<u64>,
     /// Per chunk, its offsets then its sizes.
     boxes: Vec<u64>,
-    /// Chunk indices sorted by offsets, to find a storage record's chunks by binary search.
+    /// Chunk indices sorted by offsets, to find a storage record's chunks by binary search;
+    /// made when a record's index hint does not name its chunk.
     order: Vec<u32>,
+    /// Two chunks have the same offsets (a replica listed twice), so a record is put on every
+    /// chunk at its offsets, never on the one its hint names alone.
+    repeated: bool,
     /// Per chunk, its item once a storage record named it.
     items: Vec<Option<Item>>,
 }
@@ -153,6 +157,13 @@ impl TensorSlot {
     fn sizes(&self, k: usize) -> &[u64] {
         let n = self.size.len();
         &self.boxes[2 * n * k + n..2 * n * (k + 1)]
+    }
+
+    fn sort(&mut self) {
+        let mut order: Vec<u32> = (0..self.items.len() as u32).collect();
+        // Stable and nearly sorted already (chunks come in rank order), so this is cheap.
+        order.sort_by(|&a, &b| self.offsets(a as usize).cmp(self.offsets(b as usize)));
+        self.order = order;
     }
 }
 
@@ -191,6 +202,18 @@ impl Builder {
         match (&mut self.slots[at], &index.offset) {
             (Slot::Bytes { item: slot, .. }, None) => *slot = Some(item),
             (Slot::Tensor(t), Some(offsets)) => {
+                // The hint torch and ckpt write: the chunk's place in the entry. Trusted only
+                // when it names a chunk at these offsets and no other chunk has them.
+                let hinted = index.index.and_then(|i| usize::try_from(i).ok());
+                if let Some(k) = hinted.filter(|&k| k < t.items.len() && !t.repeated) {
+                    if t.offsets(k) == offsets.as_slice() {
+                        t.items[k] = Some(item);
+                        return true;
+                    }
+                }
+                if t.order.is_empty() {
+                    t.sort();
+                }
                 // Python's dict keys records by (fqn, offsets): every chunk at those offsets (a
                 // replica listed twice) reads this item, and a later record replaces it.
                 let first = t
@@ -241,12 +264,19 @@ impl metadata::Sink for Builder {
                     dtype,
                     size,
                     boxes,
-                    order: (0..count).collect(),
+                    order: Vec::new(),
+                    repeated: false,
                     items: vec![None; count as usize],
                 };
-                let mut order = std::mem::take(&mut t.order);
-                order.sort_by(|&a, &b| t.offsets(a as usize).cmp(t.offsets(b as usize)));
-                t.order = order;
+                t.sort();
+                t.repeated = t
+                    .order
+                    .windows(2)
+                    .any(|w| t.offsets(w[0] as usize) == t.offsets(w[1] as usize));
+                if !t.repeated {
+                    // Records name their chunks by hint; the order is made again if one does not.
+                    t.order = Vec::new();
+                }
                 Slot::Tensor(t)
             }
         };
@@ -647,6 +677,31 @@ mod tests {
         );
         assert_eq!(placed(&b, "v"), vec![Some(30)]);
         assert_eq!(b.file_names, ["__0_0.distcp", "__1_0.distcp"]);
+    }
+
+    #[test]
+    fn index_hints_are_used_only_when_they_name_a_chunk_at_the_records_offsets() {
+        let mut b = Builder::default();
+        b.entry(tensor("w", &[0, 2, 4])).unwrap();
+        b.entry(tensor("r", &[0, 2, 0])).unwrap();
+        let hinted = |fqn: &str, row: u64, hint: i64, at: u64| {
+            let (mut index, info) = record(fqn, Some(&[row, 0]), at);
+            index.index = Some(hint);
+            (index, info)
+        };
+        for (index, info) in [
+            hinted("w", 0, 0, 10),
+            // A wrong hint, and one past the end: found by offsets all the same.
+            hinted("w", 2, 0, 20),
+            hinted("w", 4, 9, 30),
+            // With a replica, a hint naming one chunk still reaches both.
+            hinted("r", 0, 0, 40),
+            hinted("r", 2, 1, 50),
+        ] {
+            b.storage(index, info).unwrap();
+        }
+        assert_eq!(placed(&b, "w"), vec![Some(10), Some(20), Some(30)]);
+        assert_eq!(placed(&b, "r"), vec![Some(40), Some(50), Some(40)]);
     }
 
     #[test]
