@@ -1177,6 +1177,47 @@ mod tests {
     }
 
     #[test]
+    fn the_fills_of_a_part_are_the_fills_of_the_whole_that_meet_it() {
+        let rows = [(0, 3), (3, 4), (7, 1)];
+        let cols = [(0, 2), (2, 2), (4, 5), (9, 1)];
+        let mut boxes = Vec::new();
+        for &(r0, rn) in &rows {
+            for &(c0, cn) in &cols {
+                boxes.push((vec![r0, c0], vec![rn, cn]));
+            }
+        }
+        let ckpt = Checkpoint {
+            root: PathBuf::from("/nonexistent"),
+            format: crate::model::Format::Dcp,
+            world_size: None,
+            tensors: vec![tensor_of_boxes(&[8, 10], &boxes)],
+            values: Vec::new(),
+        };
+        let src = Sourcing::new(&ckpt, &PlanOptions::default()).unwrap();
+        let b = Box {
+            offsets: vec![1, 1],
+            sizes: vec![6, 8],
+        };
+        let whole = src.fills(0, &b, None);
+        assert_eq!(whole.len(), 6, "rows 0..3 and 3..7, cols 0..2, 2..4 and 4..9");
+        for (start, sizes) in [
+            (vec![0, 0], vec![6, 8]),
+            (vec![0, 0], vec![1, 8]),
+            (vec![2, 0], vec![3, 8]),
+            (vec![5, 3], vec![1, 1]),
+            (vec![1, 2], vec![4, 3]),
+        ] {
+            let meets = |f: &Fill| {
+                (0..2).all(|d| {
+                    f.start[d] < start[d] + sizes[d] && start[d] < f.start[d] + f.sizes[d]
+                })
+            };
+            let want: Vec<Fill> = whole.iter().filter(|f| meets(f)).cloned().collect();
+            assert_eq!(src.fills(0, &b, Some((&start, &sizes))), want, "{start:?} {sizes:?}");
+        }
+    }
+
+    #[test]
     fn the_piece_index_looks_only_near_the_box() {
         // 1024 one-row pieces: a box of rows 10..12 is met by pieces 10 and 11 alone, so a
         // reshard asks O(log n) per box, not n.

@@ -114,7 +114,7 @@ fn write_counts(plan: &Plan) -> Vec<Vec<u32>> {
                 // Each element of the region must be filled by exactly one fill.
                 let strides = contiguous_strides(&r.shape);
                 let elem = r.dtype.size() as u64;
-                for fill in &r.fills {
+                for fill in plan.fills(r, None).unwrap().iter() {
                     let n: u64 = fill.sizes.iter().product();
                     for k in 0..n {
                         let mut rest = k;
