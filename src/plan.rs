@@ -1199,7 +1199,11 @@ mod tests {
             sizes: vec![6, 8],
         };
         let whole = src.fills(0, &b, None);
-        assert_eq!(whole.len(), 6, "rows 0..3 and 3..7, cols 0..2, 2..4 and 4..9");
+        assert_eq!(
+            whole.len(),
+            6,
+            "rows 0..3 and 3..7, cols 0..2, 2..4 and 4..9"
+        );
         for (start, sizes) in [
             (vec![0, 0], vec![6, 8]),
             (vec![0, 0], vec![1, 8]),
@@ -1208,12 +1212,15 @@ mod tests {
             (vec![1, 2], vec![4, 3]),
         ] {
             let meets = |f: &Fill| {
-                (0..2).all(|d| {
-                    f.start[d] < start[d] + sizes[d] && start[d] < f.start[d] + f.sizes[d]
-                })
+                (0..2)
+                    .all(|d| f.start[d] < start[d] + sizes[d] && start[d] < f.start[d] + f.sizes[d])
             };
             let want: Vec<Fill> = whole.iter().filter(|f| meets(f)).cloned().collect();
-            assert_eq!(src.fills(0, &b, Some((&start, &sizes))), want, "{start:?} {sizes:?}");
+            assert_eq!(
+                src.fills(0, &b, Some((&start, &sizes))),
+                want,
+                "{start:?} {sizes:?}"
+            );
         }
     }
 

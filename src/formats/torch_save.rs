@@ -76,6 +76,42 @@ impl Archive {
 
 /// Read the torch.save archive that spans exactly `bytes`. Error offsets are relative to `bytes`.
 pub fn read(bytes: &[u8]) -> Result<Archive> {
+    read_with(bytes, false)
+}
+
+/// [`read`] for many small archives alike: DCP stores each chunk as one, and a checkpoint of a
+/// million chunks has a few distinct shapes. What a `data.pkl` says, given the records it can
+/// name, is interpreted once per thread and reused for every archive with the same `data.pkl`
+/// bytes and the same record names and lengths; the ZIP structure of each is still read whole.
+pub fn read_cached(bytes: &[u8]) -> Result<Archive> {
+    read_with(bytes, true)
+}
+
+/// Interpreted leaves by [`leaves_key`], per thread; cleared when full. Keys are hundreds of
+/// bytes and looked up once per archive, so they are hashed with xxh3 rather than SipHash (the
+/// cache is too small for colliding keys to matter).
+type LeafCache = HashMap<Vec<u8>, Vec<(Vec<KeyPart>, Leaf)>, xxhash_rust::xxh3::Xxh3Builder>;
+const MAX_CACHED_LEAVES: usize = 256;
+
+thread_local! {
+    static LEAVES: std::cell::RefCell<LeafCache> = std::cell::RefCell::default();
+}
+
+/// Everything the interpretation of `pkl` depends on: its bytes and each record's name and
+/// length (the storages it names are checked against them), each length-prefixed.
+fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(pkl.len() + 48 * entries.len() + 8);
+    key.extend_from_slice(&(pkl.len() as u64).to_le_bytes());
+    key.extend_from_slice(pkl);
+    for e in entries {
+        key.extend_from_slice(&(e.name.len() as u64).to_le_bytes());
+        key.extend_from_slice(e.name.as_bytes());
+        key.extend_from_slice(&e.len.to_le_bytes());
+    }
+    key
+}
+
+fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
     // Every pickle starts with PROTO (0x80) from protocol 2 on; the legacy format is a pickle.
     if bytes.first() == Some(&0x80) {
         return Err(Error::invalid(
@@ -143,6 +179,12 @@ pub fn read(bytes: &[u8]) -> Result<Archive> {
     let pkl_bytes = record(bytes, pkl).ok_or_else(|| {
         Error::invalid(format!("`{pkl_name}` lies outside the archive")).at(pkl.data_offset)
     })?;
+    let key = cached.then(|| leaves_key(pkl_bytes, &archive.entries));
+    if let Some(key) = &key {
+        if let Some(leaves) = LEAVES.with(|c| c.borrow().get(key).cloned()) {
+            return Ok(Archive { leaves, ..archive });
+        }
+    }
     let value = pickle::read(pkl_bytes, &TorchGlobals, Limits::default())
         .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
 
@@ -154,6 +196,15 @@ pub fn read(bytes: &[u8]) -> Result<Archive> {
     };
     reader.walk(&value, &mut Vec::new())?;
     let leaves = reader.leaves;
+    if let Some(key) = key {
+        LEAVES.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() >= MAX_CACHED_LEAVES {
+                c.clear();
+            }
+            c.insert(key, leaves.clone());
+        });
+    }
     Ok(Archive { leaves, ..archive })
 }
 
@@ -1009,6 +1060,28 @@ mod tests {
 
     fn read_err(bytes: &[u8]) -> Error {
         read(bytes).unwrap_err()
+    }
+
+    #[test]
+    fn cached_reads_equal_plain_reads_and_still_check_each_archives_records() {
+        let tensor = pickle::write(
+            &v2("FloatStorage", "0", 6, 0, &[2, 3], &[3, 1]),
+            Protocol::V2,
+        );
+        let good = archive("archive", tensor.clone(), &[("0", &[1u8; 24])]);
+        let other = archive("archive", tensor.clone(), &[("0", &[2u8; 24])]);
+        // The same data.pkl over a storage record of another length: torch refuses it.
+        let short = archive("archive", tensor, &[("0", &[1u8; 20])]);
+        for _ in 0..2 {
+            assert_eq!(read_cached(&good).unwrap(), read(&good).unwrap());
+            assert_eq!(read_cached(&other).unwrap(), read(&other).unwrap());
+            assert_eq!(
+                read_cached(&short).unwrap_err().to_string(),
+                read(&short).unwrap_err().to_string()
+            );
+        }
+        // `good` and `other` differ only in their data: one interpretation serves both.
+        assert_eq!(LEAVES.with(|c| c.borrow().len()), 1);
     }
 
     #[test]

