@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
 use crate::formats::{dcp, hf_index, safetensors};
-use crate::model::{Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor};
+use crate::model::{
+    Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor, Unsupported,
+};
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
@@ -79,6 +81,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
     let file_name = PathBuf::from(path.file_name().unwrap_or_default());
     let mut tensors = Vec::new();
     let mut values = Vec::new();
+    let mut unsupported = Vec::new();
     let mut names = std::collections::HashSet::new();
     for (key_path, leaf) in &archive.leaves {
         let name = flat_name(key_path);
@@ -117,6 +120,11 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                 value: Some(v.clone()),
                 raw: None,
             }),
+            Leaf::Unsupported { dtype } => unsupported.push(Unsupported {
+                name,
+                dtype: dtype.clone(),
+                file: file_name.clone(),
+            }),
         }
     }
     Ok(Checkpoint {
@@ -125,6 +133,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
         world_size: None,
         tensors,
         values,
+        unsupported,
     })
 }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::pickle::Value;
 
 /// On-disk layouts ckpt reads and writes.
@@ -75,6 +76,19 @@ pub struct Checkpoint {
     pub world_size: Option<usize>,
     pub tensors: Vec<Tensor>,
     pub values: Vec<NonTensor>,
+    /// Tensors of a dtype ckpt cannot carry, by name: a selection may leave them out before
+    /// [`Checkpoint::check_supported`] refuses the checkpoint for them.
+    pub unsupported: Vec<Unsupported>,
+}
+
+/// A tensor whose dtype ckpt does not support (`torch.bits8`, safetensors `F4`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsupported {
+    pub name: String,
+    /// The dtype as the file names it: `torch.bits8`, `F4`.
+    pub dtype: String,
+    /// The file that names it, relative to [`Checkpoint::root`].
+    pub file: PathBuf,
 }
 
 /// One logical tensor.
@@ -216,6 +230,32 @@ impl Checkpoint {
     /// Absolute path of a file named by a [`DataRef`] or [`Blob`].
     pub fn path_of(&self, file: &Path) -> PathBuf {
         self.root.join(file)
+    }
+
+    /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and how
+    /// many others there are) with the flag that leaves it out.
+    pub fn check_supported(&self) -> Result<()> {
+        let Some(first) = self.unsupported.first() else {
+            return Ok(());
+        };
+        let mut hint = format!(
+            "consolidate and reshard leave it out with --exclude '{}'",
+            first.name
+        );
+        if self.unsupported.len() > 1 {
+            let names: Vec<&str> = self.unsupported.iter().map(|u| u.name.as_str()).collect();
+            hint = format!(
+                "{} tensors have dtypes ckpt does not support ({}); {hint}, and the others likewise",
+                names.len(),
+                names.join(", ")
+            );
+        }
+        Err(
+            Error::invalid(format!("dtype `{}` is not supported by ckpt", first.dtype))
+                .file(self.path_of(&first.file))
+                .tensor(&first.name)
+                .hint(hint),
+        )
     }
 
     /// Sum of the logical bytes of every tensor (saturating).

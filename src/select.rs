@@ -47,9 +47,12 @@ impl Selection {
     }
 
     /// Apply to a checkpoint. Renamed entries lose their nesting (they become top-level keys).
+    /// Tensors of unsupported dtypes are selected like the others, so that one left out never
+    /// stops a run ([`Checkpoint::check_supported`] refuses those that stay).
     pub fn apply(&self, mut ckpt: Checkpoint) -> Result<Checkpoint> {
         ckpt.tensors.retain(|t| self.keeps(&t.name));
         ckpt.values.retain(|v| self.keeps(&v.name));
+        ckpt.unsupported.retain(|u| self.keeps(&u.name));
         if !self.strip_prefixes.is_empty() {
             for t in &mut ckpt.tensors {
                 let new = self.rename(&t.name);

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
 use crate::model::{
-    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor,
+    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor, Unsupported,
 };
 use metadata::{DcpEntry, StorageInfo};
 
@@ -77,6 +77,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let files = Files::map_all(dir, &storage_data)?;
     let mut tensors = Vec::new();
     let mut values = Vec::new();
+    let mut unsupported = Vec::new();
     for entry in entries {
         match entry {
             DcpEntry::Tensor {
@@ -133,6 +134,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     raw: Some(blob),
                 });
             }
+            DcpEntry::Unsupported { fqn, dtype } => unsupported.push(Unsupported {
+                name: fqn,
+                dtype,
+                file: PathBuf::from(METADATA),
+            }),
         }
     }
     Ok(Checkpoint {
@@ -141,6 +147,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         world_size: world_size(dir, &storage_data),
         tensors,
         values,
+        unsupported,
     })
 }
 
