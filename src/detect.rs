@@ -162,17 +162,40 @@ fn list(dir: &Path) -> Result<Vec<PathBuf>> {
 /// The error for a directory no reader recognises, pointing at a likely checkpoint inside it.
 fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
     let err = Error::invalid("no checkpoint layout recognised in this directory").file(dir);
-    let nested = entries.iter().find(|p| {
-        p.is_dir()
-            && (dcp::looks_like(p)
-                || p.join(hf_index::INDEX_NAME).is_file()
-                || dcp::hf::looks_like(p))
+    let mut nested: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| {
+            p.is_dir()
+                && (dcp::looks_like(p)
+                    || p.join(hf_index::INDEX_NAME).is_file()
+                    || dcp::hf::looks_like(p))
+        })
+        .collect();
+    // accelerate saves `pytorch_model_fsdp_0/` beside `optimizer_0/`: the model is what most
+    // people want, so it comes first.
+    nested.sort_by_key(|p| {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        (!name.contains("model"), name.contains("optim"))
     });
-    if let Some(inner) = nested {
-        return err.hint(format!(
-            "it holds a checkpoint in `{}`: point ckpt at that",
-            inner.display()
-        ));
+    match nested.as_slice() {
+        [] => {}
+        [inner] => {
+            return err.hint(format!(
+                "it holds a checkpoint in `{}`: point ckpt at that",
+                inner.display()
+            ))
+        }
+        many => {
+            let names: Vec<String> = many.iter().map(|p| format!("`{}`", p.display())).collect();
+            return err.hint(format!(
+                "it holds {} checkpoints, {}: point ckpt at one of them",
+                many.len(),
+                names.join(", ")
+            ));
+        }
     }
     let many: Vec<&PathBuf> = entries
         .iter()
