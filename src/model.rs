@@ -232,24 +232,31 @@ impl Checkpoint {
         self.root.join(file)
     }
 
-    /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and how
-    /// many others there are) with the flag that leaves it out.
+    /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and the
+    /// others, up to a few) with the flag that leaves them out.
     pub fn check_supported(&self) -> Result<()> {
         let Some(first) = self.unsupported.first() else {
             return Ok(());
         };
-        let mut hint = format!(
-            "consolidate and reshard leave it out with --exclude '{}'",
-            first.name
-        );
-        if self.unsupported.len() > 1 {
-            let names: Vec<&str> = self.unsupported.iter().map(|u| u.name.as_str()).collect();
-            hint = format!(
-                "{} tensors have dtypes ckpt does not support ({}); {hint}, and the others likewise",
-                names.len(),
-                names.join(", ")
-            );
-        }
+        let hint = match self.unsupported.len() {
+            1 => format!(
+                "consolidate and reshard leave it out with --exclude '{}'",
+                first.name
+            ),
+            n => {
+                let names: Vec<&str> = self
+                    .unsupported
+                    .iter()
+                    .take(5)
+                    .map(|u| u.name.as_str())
+                    .collect();
+                let more = if n > 5 { ", ..." } else { "" };
+                format!(
+                    "{n} tensors have dtypes ckpt does not support ({}{more}); consolidate and reshard leave them out with --exclude",
+                    names.join(", ")
+                )
+            }
+        };
         Err(
             Error::invalid(format!("dtype `{}` is not supported by ckpt", first.dtype))
                 .file(self.path_of(&first.file))

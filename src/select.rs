@@ -100,3 +100,46 @@ fn glob_set(patterns: &[String]) -> Result<Option<GlobSet>> {
         .map(Some)
         .map_err(|e| Error::usage(format!("bad glob: {e}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::{Format, Unsupported};
+
+    fn with_unsupported(names: &[&str]) -> Checkpoint {
+        Checkpoint {
+            root: PathBuf::from("."),
+            format: Format::TorchSave,
+            world_size: None,
+            tensors: Vec::new(),
+            values: Vec::new(),
+            unsupported: names
+                .iter()
+                .map(|n| Unsupported {
+                    name: n.to_string(),
+                    dtype: "torch.bits8".into(),
+                    file: PathBuf::from("m.pt"),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn unsupported_tensors_are_selected_before_they_are_refused() {
+        let ckpt = with_unsupported(&["model.packed", "model.scales"]);
+        let err = ckpt.check_supported().unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("model.packed"));
+        assert!(err.hint.unwrap().starts_with("2 tensors"));
+
+        let sel = Selection::new(&[], &["model.packed".into()], &[]).unwrap();
+        let left = sel.apply(ckpt.clone()).unwrap();
+        let err = left.check_supported().unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("model.scales"));
+        assert!(err.hint.unwrap().contains("--exclude 'model.scales'"));
+
+        let sel = Selection::new(&["other.*".into()], &[], &["model.".into()]).unwrap();
+        assert!(sel.apply(ckpt).unwrap().check_supported().is_ok());
+    }
+}

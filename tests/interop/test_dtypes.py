@@ -97,6 +97,14 @@ def test_dtypes_round_trip_bitwise(ckpt, tmp_path, chain):
     assert_same_state(got, flat, chain)
 
 
+def test_dtypes_safetensors_output_is_what_safetensors_writes(ckpt, tmp_path):
+    """Consolidating a file safetensors 0.8 wrote gives back its bytes: the same dtype codes
+    (C64, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ), header and data."""
+    out = tmp_path / "same.safetensors"
+    ckpt_ok("consolidate", fixture("dtypes_safetensors"), "-o", out, "-q")
+    assert out.read_bytes() == fixture("dtypes_safetensors").read_bytes()
+
+
 def test_torch_only_dtypes_are_refused_for_safetensors(ckpt, tmp_path):
     for args, suggestion in [
         (["consolidate", fixture("dtypes_torch_dcp"), "-o", tmp_path / "x.safetensors"], "--format torch"),
