@@ -136,8 +136,49 @@ fn encode(vals: &[f32], dst: &mut [u8], to: DType, nan_bf16: u16) {
     }
 }
 
-/// Count NaN and infinite elements in `bytes` of `dtype` (zero for non-float types).
+/// Count NaN and infinite elements in `bytes` of `dtype` (zero for integer and bool types). A
+/// complex element counts as NaN (infinite) when either part is, as `torch.isnan` (`isinf`) says.
 pub fn count_non_finite(bytes: &[u8], dtype: DType) -> (u64, u64) {
+    if dtype == DType::C128 {
+        // f64 parts checked as f64: through f32, a large finite part would look infinite.
+        let (mut nan, mut inf) = (0, 0);
+        for element in bytes.chunks_exact(16) {
+            let (re, im) = element.split_at(8);
+            let re = f64::from_le_bytes(re.try_into().unwrap_or_default());
+            let im = f64::from_le_bytes(im.try_into().unwrap_or_default());
+            nan += (re.is_nan() || im.is_nan()) as u64;
+            inf += (re.is_infinite() || im.is_infinite()) as u64;
+        }
+        return (nan, inf);
+    }
+    let part = match dtype {
+        DType::C64 => Some(DType::F32),
+        DType::C32 => Some(DType::F16),
+        _ => None,
+    };
+    if let Some(part) = part {
+        // Real and imaginary parts alternate; a batch (even) never splits an element.
+        let mut tmp = [0f32; BATCH];
+        let (mut nan, mut inf) = (0, 0);
+        for chunk in bytes.chunks(BATCH * part.size()) {
+            let n = chunk.len() / part.size();
+            decode(chunk, part, &mut tmp[..n]);
+            for pair in tmp[..n].chunks_exact(2) {
+                nan += (pair[0].is_nan() || pair[1].is_nan()) as u64;
+                inf += (pair[0].is_infinite() || pair[1].is_infinite()) as u64;
+            }
+        }
+        return (nan, inf);
+    }
+    // No infinities; one NaN pattern each.
+    let nan_byte = match dtype {
+        DType::F8E8M0 => Some(0xFF),
+        DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => Some(0x80),
+        _ => None,
+    };
+    if let Some(nan_byte) = nan_byte {
+        return (bytes.iter().filter(|&&b| b == nan_byte).count() as u64, 0);
+    }
     if !dtype.is_float() {
         return (0, 0);
     }
@@ -207,5 +248,32 @@ mod tests {
         let mut out = [0u8; 4];
         convert(&[0x3C], DType::F8E5M2, &mut out, DType::F32);
         assert_eq!(f32::from_le_bytes(out), 1.0);
+    }
+
+    #[test]
+    fn non_finite_counts_cover_complex_and_every_fp8() {
+        let c64 = |re: f32, im: f32| [re.to_le_bytes(), im.to_le_bytes()].concat();
+        let bytes = [
+            c64(1.0, f32::NAN),
+            c64(f32::INFINITY, 0.0),
+            c64(f32::NAN, f32::NAN),
+            c64(0.0, -0.0),
+        ]
+        .concat();
+        assert_eq!(count_non_finite(&bytes, DType::C64), (2, 1));
+        let c128 = [f64::NEG_INFINITY.to_le_bytes(), 2.0f64.to_le_bytes()].concat();
+        assert_eq!(count_non_finite(&c128, DType::C128), (0, 1));
+        // complex32: f16 parts; 0x7E00 is a NaN.
+        assert_eq!(count_non_finite(&[0, 0x7E, 0, 0], DType::C32), (1, 0));
+        assert_eq!(count_non_finite(&[0xFF, 0x7F, 0x80], DType::F8E8M0), (1, 0));
+        assert_eq!(
+            count_non_finite(&[0x80, 0x7F, 0xFF], DType::F8E4M3Fnuz),
+            (1, 0)
+        );
+        assert_eq!(
+            count_non_finite(&[0x80, 0x7C, 0xFC], DType::F8E5M2Fnuz),
+            (1, 0)
+        );
+        assert_eq!(count_non_finite(&[0xFF], DType::F4E2M1X2), (0, 0));
     }
 }

@@ -462,13 +462,17 @@ fn convert_with(
     let ckpt = crate::detect::read(path)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
+    ckpt.check_supported()?;
     let cast = select.dtype.map(|d| match d {
         CastTo::Bf16 => DType::BF16,
         CastTo::Fp16 => DType::F16,
         CastTo::Fp32 => DType::F32,
     });
     let target = target_of(&ckpt);
-    let plan = plan::plan(&ckpt, &target, &PlanOptions { cast })?;
+    let opts = PlanOptions { cast };
+    plan::check_dtypes(&ckpt, &target, &opts)?;
+    let mut plan = plan::plan(&ckpt, &target, &opts)?;
+    plan.notes.extend(uncast_note(&ckpt, cast));
     let staging = Staging::prepare(output, path, kind, write.force)?;
     let relative = plan.paths();
     let dest = staging.paths(&relative);
@@ -504,6 +508,32 @@ fn convert_with(
         );
     }
     Ok(0)
+}
+
+/// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind
+/// (complex, the fp8 scale and fnuz types, packed fp4): listed, so nobody expects them cast.
+fn uncast_note(ckpt: &crate::model::Checkpoint, cast: Option<DType>) -> Option<String> {
+    cast?;
+    let kept: Vec<String> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| t.dtype.is_kept_by_cast())
+        .map(|t| format!("{} ({})", t.name, t.dtype))
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let shown = kept.len().min(8);
+    let more = if kept.len() > shown {
+        format!(" and {} more", kept.len() - shown)
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "--dtype left {} tensors as they are (complex, fp8 e8m0/fnuz and fp4 are not cast): {}{more}",
+        kept.len(),
+        kept[..shown].join(", ")
+    ))
 }
 
 /// An indicatif bar on stderr, or nothing.

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
 use crate::formats::{dcp, hf_index, safetensors};
 use crate::model::{
-    Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor,
+    Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
@@ -81,6 +81,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
     let file_name = PathBuf::from(path.file_name().unwrap_or_default());
     let mut tensors = Vec::new();
     let mut values = Vec::new();
+    let mut unsupported = Vec::new();
     let mut names = std::collections::HashSet::new();
     for (key_path, leaf) in &archive.leaves {
         let name = flat_name(key_path);
@@ -121,6 +122,11 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                 value: Some(v.clone()),
                 raw: None,
             }),
+            Leaf::Unsupported { dtype } => unsupported.push(Unsupported {
+                name,
+                dtype: dtype.clone(),
+                file: file_name.clone(),
+            }),
         }
     }
     Ok(Checkpoint {
@@ -129,6 +135,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
         world_size: None,
         tensors,
         values,
+        unsupported,
     })
 }
 
@@ -157,17 +164,40 @@ fn list(dir: &Path) -> Result<Vec<PathBuf>> {
 /// The error for a directory no reader recognises, pointing at a likely checkpoint inside it.
 fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
     let err = Error::invalid("no checkpoint layout recognised in this directory").file(dir);
-    let nested = entries.iter().find(|p| {
-        p.is_dir()
-            && (dcp::looks_like(p)
-                || p.join(hf_index::INDEX_NAME).is_file()
-                || dcp::hf::looks_like(p))
+    let mut nested: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| {
+            p.is_dir()
+                && (dcp::looks_like(p)
+                    || p.join(hf_index::INDEX_NAME).is_file()
+                    || dcp::hf::looks_like(p))
+        })
+        .collect();
+    // accelerate saves `pytorch_model_fsdp_0/` beside `optimizer_0/`: the model is what most
+    // people want, so it comes first.
+    nested.sort_by_key(|p| {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        (!name.contains("model"), name.contains("optim"))
     });
-    if let Some(inner) = nested {
-        return err.hint(format!(
-            "it holds a checkpoint in `{}`: point ckpt at that",
-            inner.display()
-        ));
+    match nested.as_slice() {
+        [] => {}
+        [inner] => {
+            return err.hint(format!(
+                "it holds a checkpoint in `{}`: point ckpt at that",
+                inner.display()
+            ))
+        }
+        many => {
+            let names: Vec<String> = many.iter().map(|p| format!("`{}`", p.display())).collect();
+            return err.hint(format!(
+                "it holds {} checkpoints, {}: point ckpt at one of them",
+                many.len(),
+                names.join(", ")
+            ));
+        }
     }
     let many: Vec<&PathBuf> = entries
         .iter()

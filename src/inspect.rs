@@ -26,6 +26,16 @@ pub struct Report<'a> {
     pub bytes_per_dtype: BTreeMap<String, u64>,
     pub tensors: Tensors<'a>,
     pub non_tensors: Vec<ValueReport>,
+    /// Tensors of a dtype ckpt does not support (not in `tensors`); absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unsupported: Vec<UnsupportedReport<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct UnsupportedReport<'a> {
+    pub name: &'a str,
+    /// The dtype as the file names it: `torch.bits8`, `F4`.
+    pub dtype: &'a str,
 }
 
 /// The selected tensors of a checkpoint, each described when it is serialized or iterated.
@@ -166,6 +176,15 @@ pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'
         bytes_per_dtype,
         tensors: Tensors(tensors),
         non_tensors,
+        unsupported: ckpt
+            .unsupported
+            .iter()
+            .filter(|u| keep(&u.name))
+            .map(|u| UnsupportedReport {
+                name: &u.name,
+                dtype: &u.dtype,
+            })
+            .collect(),
     }
 }
 
@@ -350,6 +369,15 @@ pub fn render(report: &Report) -> String {
                     }
                 });
             let _ = writeln!(s, "{}  {shown}", v.name);
+        }
+    }
+    if !report.unsupported.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nunsupported dtypes (ckpt converts the rest with --exclude naming these):"
+        );
+        for u in &report.unsupported {
+            let _ = writeln!(s, "{}  {}", u.name, u.dtype);
         }
     }
     s

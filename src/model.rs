@@ -79,6 +79,19 @@ pub struct Checkpoint {
     pub world_size: Option<usize>,
     pub tensors: Vec<Tensor>,
     pub values: Vec<NonTensor>,
+    /// Tensors of a dtype ckpt cannot carry, by name: a selection may leave them out before
+    /// [`Checkpoint::check_supported`] refuses the checkpoint for them.
+    pub unsupported: Vec<Unsupported>,
+}
+
+/// A tensor whose dtype ckpt does not support (`torch.bits8`, safetensors `F4`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsupported {
+    pub name: String,
+    /// The dtype as the file names it: `torch.bits8`, `F4`.
+    pub dtype: String,
+    /// The file that names it, relative to [`Checkpoint::root`].
+    pub file: PathBuf,
 }
 
 /// One logical tensor.
@@ -424,6 +437,39 @@ impl Checkpoint {
     /// Absolute path of a file named by a [`DataRef`] or [`Blob`].
     pub fn path_of(&self, file: &Path) -> PathBuf {
         self.root.join(file)
+    }
+
+    /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and the
+    /// others, up to a few) with the flag that leaves them out.
+    pub fn check_supported(&self) -> Result<()> {
+        let Some(first) = self.unsupported.first() else {
+            return Ok(());
+        };
+        let hint = match self.unsupported.len() {
+            1 => format!(
+                "consolidate and reshard leave it out with --exclude '{}'",
+                first.name
+            ),
+            n => {
+                let names: Vec<&str> = self
+                    .unsupported
+                    .iter()
+                    .take(5)
+                    .map(|u| u.name.as_str())
+                    .collect();
+                let more = if n > 5 { ", ..." } else { "" };
+                format!(
+                    "{n} tensors have dtypes ckpt does not support ({}{more}); consolidate and reshard leave them out with --exclude",
+                    names.join(", ")
+                )
+            }
+        };
+        Err(
+            Error::invalid(format!("dtype `{}` is not supported by ckpt", first.dtype))
+                .file(self.path_of(&first.file))
+                .tensor(&first.name)
+                .hint(hint),
+        )
     }
 
     /// Sum of the logical bytes of every tensor (saturating).

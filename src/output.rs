@@ -2,7 +2,8 @@
 //!
 //! Files are written under a temporary name beside the destination (`.NAME.ckpt-tmp-PID`), synced,
 //! then renamed into place. A run that dies leaves only such a temporary, which the next run into
-//! the same destination removes once the process that made it is gone. ckpt refuses to overwrite
+//! the same destination removes once the process that made it is gone. Missing directories above
+//! the output are created, and removed again if the run fails. ckpt refuses to overwrite
 //! without `--force`, and refuses outright any output that is, contains or sits inside an input.
 
 use std::path::{Path, PathBuf};
@@ -27,6 +28,9 @@ pub struct Staging {
     kind: OutputKind,
     force: bool,
     committed: bool,
+    /// Directories this run created for the output, outermost first: removed again (when
+    /// empty) if the run does not commit.
+    created: Vec<PathBuf>,
 }
 
 impl Staging {
@@ -44,12 +48,7 @@ impl Staging {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let parent = parent.canonicalize().map_err(|_| {
-            Error::usage(format!(
-                "the output's directory `{}` does not exist",
-                parent.display()
-            ))
-        })?;
+        let (parent, missing) = resolve_dir(&parent)?;
         let final_path = parent.join(name);
         let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
         if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
@@ -64,18 +63,30 @@ impl Staging {
             return Err(Error::usage(format!("`{}` already exists", out.display()))
                 .hint("pass --force to replace it"));
         }
-        remove_stale(&parent, name);
         let temp_path = parent.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
-        if kind == OutputKind::Dir {
-            std::fs::create_dir(&temp_path).map_err(|e| Error::io(&temp_path, e))?;
-        }
-        Ok(Staging {
+        // From here on, dropping the staging undoes what was made.
+        let mut staging = Staging {
             final_path,
             temp_path,
             kind,
             force,
             committed: false,
-        })
+            created: Vec::new(),
+        };
+        for dir in missing {
+            match std::fs::create_dir(&dir) {
+                Ok(()) => staging.created.push(dir),
+                // Made meanwhile by someone else: theirs, so not removed on failure.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+                Err(e) => return Err(Error::io(&dir, e)),
+            }
+        }
+        remove_stale(&parent, name);
+        if kind == OutputKind::Dir {
+            std::fs::create_dir(&staging.temp_path)
+                .map_err(|e| Error::io(&staging.temp_path, e))?;
+        }
+        Ok(staging)
     }
 
     /// Where each planned file is written: the temporary file itself, or files inside the
@@ -128,8 +139,53 @@ impl Drop for Staging {
     fn drop(&mut self) {
         if !self.committed {
             remove_path(&self.temp_path);
+            for dir in self.created.iter().rev() {
+                // Only if empty: anything another process put there stays.
+                let _ = std::fs::remove_dir(dir);
+            }
         }
     }
+}
+
+/// `dir` made absolute through its deepest existing ancestor (symlinks resolved there), and the
+/// directories below that ancestor which do not exist yet, outermost first.
+fn resolve_dir(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let mut tail = Vec::new();
+    let mut existing = dir;
+    while existing.symlink_metadata().is_err() {
+        match (existing.parent(), existing.components().next_back()) {
+            (Some(up), Some(std::path::Component::Normal(name))) => {
+                tail.push(name);
+                existing = if up.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    up
+                };
+            }
+            // `..` or `.` below a missing directory: what it means depends on that directory.
+            _ => {
+                return Err(Error::usage(format!(
+                    "the output's directory `{}` does not exist",
+                    dir.display()
+                )))
+            }
+        }
+    }
+    let mut path = existing
+        .canonicalize()
+        .map_err(|e| Error::io(existing, e))?;
+    if !path.is_dir() {
+        return Err(Error::usage(format!(
+            "`{}` is not a directory, so the output cannot go inside it",
+            existing.display()
+        )));
+    }
+    let mut missing = Vec::with_capacity(tail.len());
+    for name in tail.into_iter().rev() {
+        path.push(name);
+        missing.push(path.clone());
+    }
+    Ok((path, missing))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -47,9 +47,12 @@ impl Selection {
     }
 
     /// Apply to a checkpoint. Renamed entries lose their nesting (they become top-level keys).
+    /// Tensors of unsupported dtypes are selected like the others, so that one left out never
+    /// stops a run ([`Checkpoint::check_supported`] refuses those that stay).
     pub fn apply(&self, mut ckpt: Checkpoint) -> Result<Checkpoint> {
         ckpt.tensors.retain(|t| self.keeps(&t.name));
         ckpt.values.retain(|v| self.keeps(&v.name));
+        ckpt.unsupported.retain(|u| self.keeps(&u.name));
         if !self.strip_prefixes.is_empty() {
             for t in &mut ckpt.tensors {
                 let new = self.rename(&t.name);
@@ -96,4 +99,47 @@ fn glob_set(patterns: &[String]) -> Result<Option<GlobSet>> {
     b.build()
         .map(Some)
         .map_err(|e| Error::usage(format!("bad glob: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::{Format, Unsupported};
+
+    fn with_unsupported(names: &[&str]) -> Checkpoint {
+        Checkpoint {
+            root: PathBuf::from("."),
+            format: Format::TorchSave,
+            world_size: None,
+            tensors: Vec::new(),
+            values: Vec::new(),
+            unsupported: names
+                .iter()
+                .map(|n| Unsupported {
+                    name: n.to_string(),
+                    dtype: "torch.bits8".into(),
+                    file: PathBuf::from("m.pt"),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn unsupported_tensors_are_selected_before_they_are_refused() {
+        let ckpt = with_unsupported(&["model.packed", "model.scales"]);
+        let err = ckpt.check_supported().unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("model.packed"));
+        assert!(err.hint.unwrap().starts_with("2 tensors"));
+
+        let sel = Selection::new(&[], &["model.packed".into()], &[]).unwrap();
+        let left = sel.apply(ckpt.clone()).unwrap();
+        let err = left.check_supported().unwrap_err();
+        assert_eq!(err.tensor.as_deref(), Some("model.scales"));
+        assert!(err.hint.unwrap().contains("--exclude 'model.scales'"));
+
+        let sel = Selection::new(&["other.*".into()], &[], &["model.".into()]).unwrap();
+        assert!(sel.apply(ckpt).unwrap().check_supported().is_ok());
+    }
 }

@@ -138,6 +138,9 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
     report.pieces = ckpt.tensors.iter().map(|t| t.pieces.len()).sum();
     report.bytes = ckpt.total_bytes();
     report.problems.extend(structural_problems(&ckpt));
+    if let Err(e) = ckpt.check_supported() {
+        report.problems.push(Problem::from_error(&e));
+    }
     if opts.deep && report.is_sound() {
         match digests(&ckpt, opts) {
             Ok(per_tensor) => {

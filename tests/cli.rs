@@ -19,7 +19,26 @@ const FIXTURES: &[(&str, &str)] = &[
     ("single", "single.safetensors"),
     ("hf_split", "hf_split"),
     ("torch_save", "torch_save.bin"),
+    ("dtypes_safetensors", "dtypes.safetensors"),
+    ("dtypes_torch_save", "dtypes_torch_save.pt"),
+    ("dtypes_torch_dcp", "dtypes_torch_dcp"),
 ];
+
+/// ckpt's codes for the torch dtypes safetensors cannot hold.
+const TORCH_ONLY: &[&str] = &["C128", "C32", "F4_E2M1FN_X2"];
+
+/// Whether the fixture `expected` (its `expected/<name>.json`) holds a dtype safetensors lacks.
+fn holds_torch_only(expected: &str) -> bool {
+    let doc: Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("expected").join(format!("{expected}.json"))).unwrap(),
+    )
+    .unwrap();
+    doc["tensors"]
+        .as_object()
+        .unwrap()
+        .values()
+        .any(|t| TORCH_ONLY.contains(&t["dtype"].as_str().unwrap()))
+}
 
 fn ckpt(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
@@ -239,6 +258,159 @@ fn a_directory_holding_a_checkpoint_gets_a_hint() {
     );
 }
 
+/// accelerate's `save_fsdp_model` + `save_fsdp_optimizer` output directory: the hint names both
+/// checkpoints in it, the model first.
+#[test]
+fn the_hint_names_every_checkpoint_one_level_down_model_first() {
+    let env = TestEnv::new();
+    let outer = env.path("checkpoint-100");
+    copy_tree(&fixtures().join("dtypes"), &outer.join("optimizer_0"));
+    copy_tree(
+        &fixtures().join("dcp_zstd"),
+        &outer.join("pytorch_model_fsdp_0"),
+    );
+    std::fs::write(outer.join("random_states_0.pkl"), b"not a checkpoint").unwrap();
+    let out = ckpt(&[&"consolidate", &outer, &"-o", &env.path("out.safetensors")]);
+    let err = stderr(&out);
+    assert_eq!(code(&out), 1, "{err}");
+    let hint = err
+        .lines()
+        .find(|l| l.contains("hint:"))
+        .unwrap_or_default();
+    let model = hint.find("pytorch_model_fsdp_0");
+    let optim = hint.find("optimizer_0");
+    assert!(
+        model.is_some() && optim.is_some() && model < optim,
+        "the hint should name the model, then the optimizer: {err}"
+    );
+    assert!(!env.path("out.safetensors").exists());
+}
+
+/// Tensors of dtypes ckpt does not support (safetensors F4, torch.bits8, torch.bcomplex32, as
+/// the real libraries write them) block a run only while the selection keeps them.
+#[test]
+fn excluded_tensors_of_unsupported_dtypes_never_block_a_run() {
+    let env = TestEnv::new();
+    let cases = [
+        ("f4.safetensors", "packed", "`F4`", "w"),
+        ("bits8.pt", "bits", "`torch.bits8`", "w"),
+        (
+            "bcomplex32_dcp",
+            "model.bc",
+            "`torch.bcomplex32`",
+            "model.w",
+        ),
+    ];
+    for (file, bad, dtype, good) in cases {
+        let input = fixtures().join("unsupported_dtypes").join(file);
+        let kept = env.path(&format!("{file}-kept.bin"));
+        let out = ckpt(&[&"consolidate", &input, &"-o", &kept, &"--format", &"torch"]);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 1, "{file}: {err}");
+        assert!(
+            err.contains(&format!("`{bad}`")) && err.contains(dtype),
+            "{err}"
+        );
+        assert!(err.contains(&format!("--exclude '{bad}'")), "{err}");
+        assert!(!kept.exists());
+
+        for (flag, glob) in [("--exclude", bad), ("--include", good)] {
+            let full = env.path(&format!("{file}{flag}.bin"));
+            let out = ckpt(&[
+                &"consolidate",
+                &input,
+                &"-o",
+                &full,
+                &"--format",
+                &"torch",
+                &flag,
+                &glob,
+                &"-q",
+            ]);
+            assert_eq!(code(&out), 0, "{file} {flag} {glob}: {}", stderr(&out));
+            let names: Vec<Value> = inspect_json(&full)["tensors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["name"].clone())
+                .collect();
+            assert_eq!(names, [good], "{file} {flag}");
+        }
+        let sharded = env.path(&format!("{file}-sharded"));
+        let out = ckpt(&[
+            &"reshard",
+            &input,
+            &"-o",
+            &sharded,
+            &"--world-size",
+            &"2",
+            &"--exclude",
+            &bad,
+            &"-q",
+        ]);
+        assert_eq!(code(&out), 0, "{file}: {}", stderr(&out));
+
+        // inspect shows it apart (unless filtered out); verify says it cannot check it
+        let listed = inspect_json(&input);
+        assert_eq!(listed["unsupported"][0]["name"], bad, "{listed}");
+        let filtered = ckpt(&[&"inspect", &input, &"--json", &"--filter", &good]);
+        let filtered: Value = serde_json::from_slice(&filtered.stdout).unwrap();
+        assert!(filtered.get("unsupported").is_none(), "{filtered}");
+        let out = ckpt(&[&"verify", &input]);
+        assert_eq!(code(&out), 1, "{file}");
+    }
+}
+
+/// `-o` into directories that do not exist yet creates them; a run that refuses creates nothing,
+/// and nothing is ever created inside the input.
+#[test]
+fn missing_parent_directories_of_the_output_are_created() {
+    let env = TestEnv::new();
+    let file = env.path("new/deeper/model.safetensors");
+    let out = ckpt(&[
+        &"consolidate",
+        &fixtures().join("dtypes"),
+        &"-o",
+        &file,
+        &"-q",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let cmp = ckpt(&[&"verify", &file, &"--against", &fixtures().join("dtypes")]);
+    assert_eq!(code(&cmp), 0, "{}", String::from_utf8_lossy(&cmp.stdout));
+
+    let dir = env.path("runs/7/sharded");
+    let out = ckpt(&[
+        &"reshard",
+        &fixtures().join("dtypes_torch_dcp"),
+        &"-o",
+        &dir,
+        &"--world-size",
+        &"3",
+        &"-q",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(dir.join(".metadata").is_file());
+
+    // Refused (safetensors cannot hold complex128): no directory left behind.
+    let refused = env.path("other/x.safetensors");
+    let out = ckpt(&[
+        &"consolidate",
+        &fixtures().join("dtypes_torch_dcp"),
+        &"-o",
+        &refused,
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(!env.path("other").exists());
+
+    // Never inside the input, even where the output's directory would be new.
+    let input = env.copy_fixture("hf_split");
+    let before = env.snapshot();
+    let inside = input.join("sub/out.safetensors");
+    let out = ckpt(&[&"consolidate", &input, &"-o", &inside]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert_eq!(env.snapshot(), before);
+}
+
 #[test]
 fn verify_against_compares_layouts() {
     let out = ckpt(&[
@@ -257,6 +429,7 @@ fn every_fixture_survives_consolidate_and_reshard() {
     let env = TestEnv::new();
     for (name, path) in FIXTURES {
         let input = fixtures().join(path);
+        let torch_only = holds_torch_only(name);
         let outputs: Vec<(String, Vec<String>)> = vec![
             (format!("{name}.safetensors"), vec![]),
             (
@@ -276,6 +449,12 @@ fn every_fixture_survives_consolidate_and_reshard() {
                 args.push(e);
             }
             let out = ckpt(&args);
+            if torch_only && !out_name.ends_with(".bin") {
+                // safetensors cannot hold complex128, complex32 or packed fp4
+                assert_eq!(code(&out), 2, "{out_name}: {}", stderr(&out));
+                assert!(stderr(&out).contains("--format torch"), "{}", stderr(&out));
+                continue;
+            }
             assert_eq!(
                 code(&out),
                 0,
@@ -304,6 +483,10 @@ fn every_fixture_survives_consolidate_and_reshard() {
                     &format,
                     &"-q",
                 ]);
+                if torch_only && format == "dcp-safetensors" {
+                    assert_eq!(code(&out), 2, "{name} {format}: {}", stderr(&out));
+                    continue;
+                }
                 assert_eq!(
                     code(&out),
                     0,

@@ -146,6 +146,27 @@ fn ctrl_c_stops_cleanly_and_removes_temporary_output() {
 }
 
 #[test]
+fn ctrl_c_removes_the_directories_made_for_the_output() {
+    let (tmp, _input, _, mut args) = slow_run(&["consolidate"], "unused");
+    let out = tmp.path().join("new/deeper/out.safetensors");
+    let at = args.iter().position(|a| a == "-o").unwrap() + 1;
+    args[at] = out.clone().into_os_string();
+    let child = start_and_wait_for_temp(&args, &out);
+    signal(&child, "INT");
+    let result = finish(child);
+    assert_eq!(
+        result.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    assert!(
+        !tmp.path().join("new").exists(),
+        "an interrupted run left the directories it made"
+    );
+}
+
+#[test]
 fn an_input_that_grows_during_the_run_is_an_error() {
     let (_tmp, input, out, args) = slow_run(&["consolidate"], "out.safetensors");
     let child = start_and_wait_for_temp(&args, &out);

@@ -99,6 +99,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         .collect();
 
     let mut tensors = Vec::with_capacity(weight_map.len());
+    let mut unsupported = Vec::new();
     for (file, names) in &by_file {
         let file_path = root.join(file);
         if !file_path.is_file() {
@@ -110,8 +111,10 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             );
         }
         let header = safetensors::read_header(&file_path)?;
-        for t in &header.tensors {
-            match mapped.get(t.name.as_str()) {
+        let all_names = header.tensors.iter().map(|t| t.name.as_str());
+        let all_names = all_names.chain(header.unsupported.iter().map(|u| u.name.as_str()));
+        for t_name in all_names.clone() {
+            match mapped.get(t_name) {
                 Some(f) if f == file => {}
                 Some(f) => {
                     return Err(Error::invalid(format!(
@@ -119,7 +122,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
                         index_name(&index_path)
                     ))
                     .file(&file_path)
-                    .tensor(&t.name)
+                    .tensor(t_name)
                     .hint("the index and the files come from different saves"))
                 }
                 None => {
@@ -128,12 +131,12 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
                         index_name(&index_path)
                     ))
                     .file(&file_path)
-                    .tensor(&t.name)
+                    .tensor(t_name)
                     .hint("the index and the files come from different saves"))
                 }
             }
         }
-        let present: HashSet<&str> = header.tensors.iter().map(|t| t.name.as_str()).collect();
+        let present: HashSet<&str> = all_names.collect();
         if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
             return Err(Error::invalid(format!(
                 "`{}` maps this tensor to `{file}`, which does not hold it",
@@ -144,6 +147,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             .hint("the index and the files come from different saves"));
         }
         let file_name: std::sync::Arc<Path> = Path::new(file).into();
+        unsupported.extend(safetensors::unsupported(&header, &file_name));
         for t in &header.tensors {
             tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
         }
@@ -155,6 +159,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         world_size: None,
         tensors,
         values: Vec::new(),
+        unsupported,
     })
 }
 

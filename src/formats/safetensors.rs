@@ -29,6 +29,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{
     contiguous_strides, numel, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
+    Unsupported,
 };
 
 /// Largest header the `safetensors` crate accepts; anything larger is corruption, and the cap keeps
@@ -50,6 +51,27 @@ pub struct Header {
     pub tensors: Vec<HeaderTensor>,
     /// The `__metadata__` string map, in file order.
     pub metadata: Vec<(String, String)>,
+    /// Entries of a dtype safetensors has but ckpt does not support, in file order.
+    pub unsupported: Vec<HeaderUnsupported>,
+}
+
+/// A header entry whose dtype ckpt does not support (`F4`, `F6_E2M3`, `F6_E3M2`: sub-byte
+/// types). Its bytes still count when the offsets are checked; readers report it by name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeaderUnsupported {
+    pub name: String,
+    pub code: String,
+    pub begin: u64,
+    pub end: u64,
+}
+
+/// safetensors codes ckpt does not support, with their size in bits.
+const UNSUPPORTED_CODES: &[(&str, u64)] = &[("F4", 4), ("F6_E2M3", 6), ("F6_E3M2", 6)];
+
+/// What one tensor entry of a header is.
+enum Entry {
+    Tensor(HeaderTensor),
+    Unsupported(HeaderUnsupported),
 }
 
 /// One tensor entry of a safetensors header.
@@ -138,6 +160,7 @@ fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let mut seen = HashSet::new();
     let mut metadata = None;
     let mut tensors = Vec::with_capacity(raw.0.len());
+    let mut unsupported = Vec::new();
     for (name, entry) in raw.0 {
         if !seen.insert(name.clone()) {
             return Err(Error::invalid("header names this key twice")
@@ -155,41 +178,50 @@ fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
                 }
                 metadata = Some(m);
             }
-            RawEntry::Tensor(value) => {
-                tensors.push(tensor_entry(&name, &value).map_err(|e| e.tensor(&name))?)
-            }
+            RawEntry::Tensor(value) => match tensor_entry(&name, &value) {
+                Ok(Entry::Tensor(t)) => tensors.push(t),
+                Ok(Entry::Unsupported(u)) => unsupported.push(u),
+                Err(e) => return Err(e.tensor(&name)),
+            },
         }
     }
 
     // The crate sorts by (begin, end) before checking that the offsets tile the buffer, so an
     // empty tensor at the start of another one's range is fine.
     tensors.sort_by_key(|t| (t.begin, t.end));
+    let mut spans: Vec<(u64, u64, &str)> = tensors
+        .iter()
+        .map(|t| (t.begin, t.end, t.name.as_str()))
+        .chain(
+            unsupported
+                .iter()
+                .map(|u| (u.begin, u.end, u.name.as_str())),
+        )
+        .collect();
+    spans.sort_by_key(|&(begin, end, _)| (begin, end));
     let mut expected = 0u64;
-    let mut previous: Option<&HeaderTensor> = None;
-    for t in &tensors {
-        let at = data_start.saturating_add(t.begin);
-        if t.begin < expected {
-            let prev = previous.map(|p| p.name.as_str()).unwrap_or_default();
+    let mut previous: Option<&str> = None;
+    for &(begin, end, name) in &spans {
+        let at = data_start.saturating_add(begin);
+        if begin < expected {
+            let prev = previous.unwrap_or_default();
             return Err(Error::invalid(format!(
-                "data_offsets [{}, {}] overlap tensor `{prev}`, which ends at data byte {expected}",
-                t.begin, t.end
+                "data_offsets [{begin}, {end}] overlap tensor `{prev}`, which ends at data byte {expected}",
             ))
-            .tensor(&t.name)
+            .tensor(name)
             .at(at));
         }
-        if t.begin > expected {
+        if begin > expected {
             return Err(Error::invalid(format!(
-                "{} bytes before data_offsets [{}, {}] belong to no tensor",
-                t.begin - expected,
-                t.begin,
-                t.end
+                "{} bytes before data_offsets [{begin}, {end}] belong to no tensor",
+                begin - expected,
             ))
-            .tensor(&t.name)
+            .tensor(name)
             .at(data_start.saturating_add(expected))
             .hint("safetensors requires the tensors to cover the data buffer exactly"));
         }
-        expected = t.end;
-        previous = Some(t);
+        expected = end;
+        previous = Some(name);
     }
 
     let Some(needed) = data_start.checked_add(expected) else {
@@ -216,11 +248,12 @@ fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
         data_start,
         tensors,
         metadata: metadata.unwrap_or_default(),
+        unsupported,
     })
 }
 
 /// Interpret one `name: {...}` entry of the header.
-fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<HeaderTensor> {
+fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<Entry> {
     let at = |e: Error| e.at(LEN_PREFIX);
     let obj = value
         .as_object()
@@ -229,11 +262,22 @@ fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<HeaderTensor> {
         .get("dtype")
         .and_then(|v| v.as_str())
         .ok_or_else(|| at(Error::invalid("`dtype` is missing or not a string")))?;
-    let dtype = DType::from_safetensors_code(code).ok_or_else(|| {
-        let known: Vec<&str> = DType::ALL.iter().map(|d| d.safetensors_code()).collect();
-        at(Error::invalid(format!("unknown dtype `{code}`"))
-            .hint(format!("ckpt handles {}", known.join(", "))))
-    })?;
+    // Bits per element: the supported dtype's, or an unsupported sub-byte type's.
+    let (dtype, bits) = match DType::from_safetensors_code(code) {
+        Some(dtype) => (Some(dtype), dtype.size() as u64 * 8),
+        None => match UNSUPPORTED_CODES.iter().find(|(c, _)| *c == code) {
+            Some(&(_, bits)) => (None, bits),
+            None => {
+                let known: Vec<&str> = DType::ALL
+                    .iter()
+                    .filter_map(|d| d.safetensors_code())
+                    .chain(UNSUPPORTED_CODES.iter().map(|(c, _)| *c))
+                    .collect();
+                return Err(at(Error::invalid(format!("unknown dtype `{code}`"))
+                    .hint(format!("safetensors knows {}", known.join(", ")))));
+            }
+        },
+    };
     let shape = obj
         .get("shape")
         .and_then(|v| v.as_array())
@@ -272,21 +316,35 @@ fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<HeaderTensor> {
         ))
         .at(LEN_PREFIX));
     }
-    let nbytes = numel(&shape).and_then(|n| n.checked_mul(dtype.size() as u64));
+    // As the crate checks: the elements' bits must fill whole bytes.
+    let nbits = numel(&shape).and_then(|n| n.checked_mul(bits));
+    let nbytes = nbits.filter(|b| b % 8 == 0).map(|b| b / 8);
     if nbytes != Some(end - begin) {
-        let needs = nbytes.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
+        let needs = match nbits {
+            None => "more than 2^64 bytes".to_string(),
+            Some(b) if b % 8 != 0 => format!("{b} bits, not whole bytes"),
+            Some(b) => format!("{} bytes", b / 8),
+        };
         return Err(Error::invalid(format!(
-            "shape {shape:?} of {dtype} needs {needs} bytes, data_offsets [{begin}, {end}] hold {}",
+            "shape {shape:?} of {code} needs {needs}, data_offsets [{begin}, {end}] hold {}",
             end - begin
         ))
         .at(LEN_PREFIX));
     }
-    Ok(HeaderTensor {
-        name: name.to_string(),
-        dtype,
-        shape,
-        begin,
-        end,
+    Ok(match dtype {
+        Some(dtype) => Entry::Tensor(HeaderTensor {
+            name: name.to_string(),
+            dtype,
+            shape,
+            begin,
+            end,
+        }),
+        None => Entry::Unsupported(HeaderUnsupported {
+            name: name.to_string(),
+            code: code.to_string(),
+            begin,
+            end,
+        }),
     })
 }
 
@@ -314,7 +372,21 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         world_size: None,
         tensors,
         values: Vec::new(),
+        unsupported: unsupported(&header, &file),
     })
+}
+
+/// The entries of `header`, a header of `file`, whose dtype ckpt does not support.
+pub(crate) fn unsupported(header: &Header, file: &Path) -> Vec<Unsupported> {
+    header
+        .unsupported
+        .iter()
+        .map(|u| Unsupported {
+            name: u.name.clone(),
+            dtype: u.code.clone(),
+            file: file.to_path_buf(),
+        })
+        .collect()
 }
 
 /// The directory of `path` (`.` for a bare file name) and the file name within it.
@@ -399,7 +471,9 @@ pub fn header_bytes(
         json.push_str(&format!(
             "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{pos},{end}]}}",
             rust_json_string(name),
-            dtype.safetensors_code(),
+            // `plan::check_dtypes` keeps dtypes safetensors lacks out of every file written; only
+            // verify's digest plan, never written, gets here with one, named by ckpt's code.
+            dtype.safetensors_code().unwrap_or(dtype.code()),
             dims.join(",")
         ));
         ranges.push((pos, end));
@@ -744,11 +818,36 @@ mod tests {
 
     #[test]
     fn unknown_dtype_names_tensor_and_code() {
-        let json = r#"{"x":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#;
+        let json = r#"{"x":{"dtype":"F5","shape":[2],"data_offsets":[0,1]}}"#;
         let err = parse(&raw_file(json, 1)).unwrap_err();
         assert_eq!(err.tensor.as_deref(), Some("x"));
-        assert_eq!(err.message, "unknown dtype `F4`");
+        assert_eq!(err.message, "unknown dtype `F5`");
         assert!(err.hint.as_deref().unwrap().contains("BF16"));
+    }
+
+    #[test]
+    fn sub_byte_dtypes_are_kept_aside_and_still_tile() {
+        // F4 counts 4-bit values: 3 of them fill 1.5 bytes, which the crate refuses.
+        let json = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"x":{"dtype":"F4","shape":[2,2],"data_offsets":[1,3]},"y":{"dtype":"F6_E3M2","shape":[4],"data_offsets":[3,6]}}"#;
+        let h = parse(&raw_file(json, 6)).unwrap();
+        assert_eq!(h.tensors.len(), 1);
+        let codes: Vec<(&str, &str, u64)> = h
+            .unsupported
+            .iter()
+            .map(|u| (u.name.as_str(), u.code.as_str(), u.begin))
+            .collect();
+        assert_eq!(codes, [("x", "F4", 1), ("y", "F6_E3M2", 3)]);
+        let json = r#"{"x":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#;
+        let err = parse(&raw_file(json, 2)).unwrap_err();
+        assert!(
+            err.message.contains("12 bits, not whole bytes"),
+            "{}",
+            err.message
+        );
+        // An unsupported entry still takes part in the hole and overlap checks.
+        let json = r#"{"x":{"dtype":"F4","shape":[2],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}}"#;
+        let err = parse(&raw_file(json, 3)).unwrap_err();
+        assert!(err.message.starts_with("1 bytes before"), "{}", err.message);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! - dtypes with a legacy storage class (`torch.FloatStorage`, `torch.BFloat16Storage`, ...) are
 //!   `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)`, with
 //!   `numel` counted in elements;
-//! - the others (float8, uint16/32/64) are `_rebuild_tensor_v3(..., hooks, dtype)` over
+//! - the others (float8, float4, complex32, uint16/32/64) are `_rebuild_tensor_v3(..., hooks, dtype)` over
 //!   `torch.storage.UntypedStorage`, with `numel` counted in bytes.
 //!
 //! Reading accepts only the globals that tensors and plain data need (see [`TorchGlobals`]);
@@ -42,6 +42,11 @@ pub struct SavedTensor {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Leaf {
     Tensor(SavedTensor),
+    /// A tensor of a dtype ckpt does not support (`torch.bits8`), as `data.pkl` names it. Kept by
+    /// name so that a selection can leave it out; its storage is not checked.
+    Unsupported {
+        dtype: String,
+    },
     /// Anything that is neither a tensor nor a dict with str/int keys (or an empty dict).
     Value(Value),
 }
@@ -405,8 +410,6 @@ impl Globals for TorchGlobals {
 
 /// torch storage classes for dtypes ckpt does not support.
 const OTHER_STORAGE_CLASSES: &[&str] = &[
-    "ComplexFloatStorage",
-    "ComplexDoubleStorage",
     "QInt8Storage",
     "QUInt8Storage",
     "QInt32Storage",
@@ -414,18 +417,12 @@ const OTHER_STORAGE_CLASSES: &[&str] = &[
     "QUInt2x4Storage",
 ];
 
-/// torch dtypes ckpt does not support (a saved `torch.complex64` in plain data is still fine).
+/// torch dtypes ckpt does not support (a saved `torch.bits8` in plain data is still fine).
 const OTHER_DTYPES: &[&str] = &[
-    "complex32",
-    "complex64",
-    "complex128",
-    "cfloat",
-    "cdouble",
-    "chalf",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
+    "bcomplex32",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
     "qint8",
     "quint8",
     "qint32",
@@ -479,6 +476,12 @@ struct Interpreter<'a> {
 
 impl Interpreter<'_> {
     fn walk(&mut self, value: &Value, path: &mut Vec<KeyPart>) -> Result<()> {
+        if let Some(name) = unsupported_dtype(value) {
+            let dtype = format!("torch.{name}");
+            self.leaves
+                .push((path.clone(), Leaf::Unsupported { dtype }));
+            return Ok(());
+        }
         if let Some(rebuild) = rebuild_function(value) {
             let tensor = self
                 .tensor(value, rebuild)
@@ -669,6 +672,22 @@ fn rebuild_function(value: &Value) -> Option<Rebuild> {
             Some(Rebuild::Parameter)
         }
         _ => None,
+    }
+}
+
+/// The dtype a `_rebuild_tensor_v3` call (or a parameter wrapping one) names, when it is a torch
+/// dtype ckpt does not support.
+fn unsupported_dtype(value: &Value) -> Option<&str> {
+    let Value::Object(object) = value else {
+        return None;
+    };
+    match rebuild_function(value)? {
+        Rebuild::Parameter => unsupported_dtype(object.args.first()?),
+        Rebuild::V2 => None,
+        Rebuild::V3 => match object.args.get(6)?.as_global()? {
+            ("torch", name) if DType::from_torch_name(name).is_none() => Some(name),
+            _ => None,
+        },
     }
 }
 
@@ -999,7 +1018,7 @@ mod tests {
     fn tensor(leaf: &Leaf) -> &SavedTensor {
         match leaf {
             Leaf::Tensor(t) => t,
-            Leaf::Value(v) => panic!("expected a tensor, got {v:?}"),
+            other => panic!("expected a tensor, got {other:?}"),
         }
     }
 
@@ -1121,10 +1140,7 @@ mod tests {
     fn every_dtype() {
         let a = read(DTYPES).unwrap();
         assert_eq!(a.leaves.len(), DType::ALL.len());
-        let offsets = [
-            1920, 2048, 2176, 2304, 2432, 2560, 2688, 2816, 2944, 3072, 3200, 3328, 3456, 3584,
-            3712,
-        ];
+        let offsets: Vec<u64> = (0..22).map(|i| 2624 + 128 * i).collect();
         for (i, (p, leaf)) in a.leaves.iter().enumerate() {
             let [KeyPart::Key(name)] = p.as_slice() else {
                 panic!("{p:?}")
@@ -1194,7 +1210,7 @@ mod tests {
         assert_eq!(a.storage("5").unwrap().len, 0);
         let value = |i: usize| match leaf(i) {
             Leaf::Value(v) => v,
-            Leaf::Tensor(t) => panic!("{t:?}"),
+            other => panic!("{other:?}"),
         };
         assert_eq!(value(5), &Value::Int(3));
         assert_eq!(value(6), &Value::Str("run-1".into()));
@@ -1291,9 +1307,9 @@ mod tests {
                 "reaches past",
             ),
             (
-                v2("ComplexFloatStorage", "0", 3, 0, &[3], &[1]),
+                v2("QInt8Storage", "0", 3, 0, &[3], &[1]),
                 vec![("0", full)],
-                "`torch.ComplexFloatStorage` holds a dtype ckpt does not support",
+                "`torch.QInt8Storage` holds a dtype ckpt does not support",
             ),
             (
                 Value::List(vec![v2("FloatStorage", "0", 6, 0, &[6], &[1])]),
@@ -1334,6 +1350,35 @@ mod tests {
             );
             assert!(e.offset.is_some(), "{e} has an offset");
         }
+    }
+
+    #[test]
+    fn unsupported_dtypes_are_leaves_by_name() {
+        // What torch writes for a `torch.bits8` tensor: `_rebuild_tensor_v3` over untyped bytes.
+        let Value::Object(mut bits8) = tensor_value(DType::F8E8M0, &[3], "0") else {
+            panic!("a tensor is a call")
+        };
+        bits8.args[6] = Value::global("torch", "bits8");
+        let saved = Value::Dict(vec![
+            (Value::Str("w".into()), Value::Object(bits8)),
+            (Value::Str("b".into()), tensor_value(DType::F32, &[1], "1")),
+        ]);
+        let bytes = archive(
+            "a",
+            pickle::write(&saved, Protocol::V2),
+            &[("0", &[7; 3]), ("1", &[0; 4])],
+        );
+        let a = read(&bytes).unwrap();
+        assert_eq!(
+            a.leaves[0],
+            (
+                vec![key("w")],
+                Leaf::Unsupported {
+                    dtype: "torch.bits8".into()
+                }
+            )
+        );
+        assert_eq!(tensor(&a.leaves[1].1).dtype, DType::F32);
     }
 
     #[test]

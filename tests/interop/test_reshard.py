@@ -36,6 +36,7 @@ from ckpt_helpers import (
     load_expected,
     load_with_torch,
     run_torchrun,
+    safetensors_lacks,
 )
 from conftest import run_ckpt
 
@@ -262,6 +263,15 @@ def test_dcp_safetensors_consolidates_with_pytorch(outputs, tmp_path, name):
 
     flat, _ = load_expected(FIXTURES_DIR, name)
     want = expected_tensors(flat)
+    if safetensors_lacks(flat):
+        # refused: exit 2, the first such tensor and its dtype named, plain DCP suggested
+        out = tmp_path / "refused"
+        proc = run_ckpt("reshard", fixture_path(name), "-o", out, "--world-size", "3", "--format", "dcp-safetensors")
+        first = safetensors_lacks(flat)[0]
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}:\n{proc.stderr}"
+        assert f"`{first}`" in proc.stderr and f"`{flat[first].dtype}`" in proc.stderr, proc.stderr
+        assert "--format dcp" in proc.stderr and not out.exists(), proc.stderr
+        return
     out = outputs.reshard(name, 3, "--format", "dcp-safetensors")
     files = sorted(p.name for p in out.iterdir())
     assert files and all(re.fullmatch(r"shard-0000[123]-model-\d{5}-of-\d{5}\.safetensors", f) for f in files), files

@@ -54,6 +54,16 @@ def sentinel_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full((n,), 0xA5, dtype=torch.uint8).view(t.dtype).reshape(t.shape).clone()
 
 
+def distribute(t: torch.Tensor, mesh, placements: list) -> DTensor:
+    """distribute_tensor without communication (src_data_rank=None). float4_e2m1fn_x2 goes as
+    bytes of the same shape, viewed back: torch zero-fills an empty shard, and has no fill for it."""
+    if t.dtype != torch.float4_e2m1fn_x2:
+        return distribute_tensor(t, mesh, placements, src_data_rank=None)
+    d = distribute_tensor(t.view(torch.uint8), mesh, placements, src_data_rank=None)
+    return DTensor.from_local(d.to_local().view(t.dtype), mesh, placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
 def parse_placement(s: str):
     s = s.strip()
     if s == "R":
@@ -104,7 +114,7 @@ def run_load(item: dict, mesh) -> list:
     for k, v in want.items():
         if isinstance(v, torch.Tensor):
             blank = sentinel_like(v)
-            sd[k] = blank if v.dim() == 0 else distribute_tensor(blank, mesh, [Shard(0)], src_data_rank=None)
+            sd[k] = blank if v.dim() == 0 else distribute(blank, mesh, [Shard(0)])
         else:
             sd[k] = SENTINEL
     dcp.load(sd, checkpoint_id=item["ckpt"])
@@ -138,7 +148,7 @@ def run_save(item: dict) -> list:
     sd = {}
     for k, v in want.items():
         if isinstance(v, torch.Tensor) and v.dim() > 0:
-            sd[k] = distribute_tensor(v, mesh, placements_for(v, placements), src_data_rank=None)
+            sd[k] = distribute(v, mesh, placements_for(v, placements))
         else:
             sd[k] = v
     dcp.save(sd, checkpoint_id=item["out"])

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::formats::safetensors::{
     self, first_duplicate, python_json_string, Entries, DCP_SHARDING_INFO,
 };
-use crate::model::{Checkpoint, Format, Pieces, Tensor};
+use crate::model::{Checkpoint, Format, Pieces, Tensor, Unsupported};
 
 /// `__metadata__` key torch writes with the value [`DCP_VERSION`].
 const DCP_VERSION_KEY: &str = "DCP_VERSION";
@@ -133,11 +133,18 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 
     let mut tensors: Vec<Tensor> = Vec::new();
     let mut by_name: HashMap<String, usize> = HashMap::new();
+    let mut unsupported: Vec<Unsupported> = Vec::new();
     for (name, _) in &files {
         let path = dir.join(name);
         let header = safetensors::read_header(&path)?;
         let sharding = sharding_info(&header).map_err(|e| e.file(&path))?;
         let file: Arc<Path> = Path::new(name).into();
+        // Every rank holds a piece of it: one entry per name is enough to refuse or drop it.
+        for u in safetensors::unsupported(&header, &file) {
+            if !unsupported.iter().any(|seen| seen.name == u.name) {
+                unsupported.push(u);
+            }
+        }
         for t in &header.tensors {
             let at = header.data_start.saturating_add(t.begin);
             let offsets = match &sharding {
@@ -241,6 +248,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         world_size: Some(ranks.len()),
         tensors,
         values: Vec::new(),
+        unsupported,
     })
 }
 

@@ -18,7 +18,9 @@ use rayon::prelude::*;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::model::{Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor};
+use crate::model::{
+    Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor, Unsupported,
+};
 use metadata::DcpEntry;
 
 /// Name of the metadata file in a DCP directory.
@@ -73,6 +75,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let world_size = world_size(dir, &built.file_names);
     let mut tensors = Vec::new();
     let mut values = Vec::new();
+    let mut unsupported = Vec::new();
     // Each entry's columns are freed as its pieces are made, so the two are never both whole.
     for slot in slots {
         match slot {
@@ -102,6 +105,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     raw: Some(blob),
                 });
             }
+            Slot::Unsupported { fqn, dtype } => unsupported.push(Unsupported {
+                name: fqn,
+                dtype,
+                file: PathBuf::from(METADATA),
+            }),
         }
     }
     Ok(Checkpoint {
@@ -110,6 +118,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         world_size,
         tensors,
         values,
+        unsupported,
     })
 }
 
@@ -127,7 +136,15 @@ struct Item {
 /// One `state_dict_metadata` entry as it is read, with the items its storage records give.
 enum Slot {
     Tensor(TensorSlot),
-    Bytes { fqn: String, item: Option<Item> },
+    Bytes {
+        fqn: String,
+        item: Option<Item>,
+    },
+    /// A tensor of a dtype ckpt does not support, kept by name (see [`Unsupported`]).
+    Unsupported {
+        fqn: String,
+        dtype: String,
+    },
 }
 
 /// A tensor entry's chunks as columns, about 60 bytes each, where the parsed records of a chunk
@@ -248,6 +265,7 @@ impl metadata::Sink for Builder {
     fn entry(&mut self, entry: DcpEntry) -> Result<()> {
         let slot = match entry {
             DcpEntry::Bytes { fqn } => Slot::Bytes { fqn, item: None },
+            DcpEntry::Unsupported { fqn, dtype } => Slot::Unsupported { fqn, dtype },
             DcpEntry::Tensor {
                 fqn,
                 dtype,
@@ -285,7 +303,7 @@ impl metadata::Sink for Builder {
         };
         let fqn = match &slot {
             Slot::Tensor(t) => &t.fqn,
-            Slot::Bytes { fqn, .. } => fqn,
+            Slot::Bytes { fqn, .. } | Slot::Unsupported { fqn, .. } => fqn,
         };
         match self.by_fqn.get(fqn) {
             Some(&at) => self.slots[at] = slot,
@@ -669,6 +687,7 @@ mod tests {
         match &b.slots[b.by_fqn[fqn]] {
             Slot::Tensor(t) => t.items.iter().map(|i| i.map(|i| i.offset)).collect(),
             Slot::Bytes { item, .. } => vec![item.map(|i| i.offset)],
+            Slot::Unsupported { .. } => Vec::new(),
         }
     }
 

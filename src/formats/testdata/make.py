@@ -24,13 +24,25 @@ torch.save(
     "views.pt",
 )
 
-# Every dtype ckpt knows; fp8 and uint16/32/64 take torch's `_rebuild_tensor_v3` path.
+# Every dtype ckpt knows, in `DType::ALL` order; fp8, fp4, complex32 and uint16/32/64 take torch's
+# `_rebuild_tensor_v3` path. The byte kinds without a cast from integers are viewed from bytes.
 dtypes = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
     torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64,
-    torch.uint32, torch.uint16, torch.uint8, torch.bool,
+    torch.uint32, torch.uint16, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.complex32, torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float4_e2m1fn_x2,
 ]
-torch.save({str(d).removeprefix("torch."): torch.tensor([0, 1, 2]).to(d) for d in dtypes}, "dtypes.pt")
+BYTE_VIEWS = {torch.float8_e8m0fnu, torch.float4_e2m1fn_x2}
+
+
+def three(d):
+    if d in BYTE_VIEWS:
+        return torch.tensor([0, 1, 2], dtype=torch.uint8).view(d)
+    return torch.tensor([0, 1, 2]).to(d)
+
+
+torch.save({str(d).removeprefix("torch."): three(d) for d in dtypes}, "dtypes.pt")
 
 # A bare tensor written to a buffer: what every DCP tensor item is (prefix `archive`).
 buf = io.BytesIO()
