@@ -583,8 +583,9 @@ fn inspect_infers_the_mesh_from_how_tensors_are_cut() {
 fn ckpt_into_closed_pipe(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
     use std::os::fd::{FromRawFd, OwnedFd};
     let mut fds = [0; 2];
-    // SAFETY: `pipe` fills both descriptors on success; each is owned exactly once below.
+    // SAFETY: `fds` has room for the two descriptors `pipe` writes.
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: `pipe` succeeded, so both descriptors are open and nothing else owns them.
     let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     drop(read);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
