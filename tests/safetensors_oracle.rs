@@ -1,8 +1,8 @@
 //! ckpt's safetensors header reader against the reference reader, the `safetensors` crate (which
 //! the Python package wraps): over generated headers and their mutations, ckpt accepts a file
 //! exactly when the crate does, and then reads the same tensors and metadata. The only exceptions
-//! are the cases in [`STRICTER`] (ckpt refuses on purpose, each with its reason, as README's
-//! Guarantees says) and [`NOT_YET`] (dtypes ckpt does not read yet, never generated here).
+//! are the cases in `oracle::STRICTER` (ckpt refuses on purpose, each with its reason, as README's
+//! Guarantees says) and `oracle::NOT_YET` (dtypes ckpt does not read yet, never generated here).
 //!
 //! Files start valid (tensors laid out back to back, header members in any order, keys escaped
 //! or not, optional `__metadata__`), then get JSON-level edits (a field repeated, dropped or
@@ -14,52 +14,16 @@
 // ckpt's error carries file, tensor, offset and hint; the library allows its size the same way.
 #![allow(clippy::result_large_err)]
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ckpt::formats::safetensors::{read_header, Header};
+use ckpt::formats::safetensors::read_header;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 
-/// Files the reference reads and ckpt refuses on purpose, each with why. README's Guarantees
-/// lists the same cases; each detector looks at the header itself, not at ckpt's error.
-const STRICTER: &[(&str, Detector)] = &[
-    (
-        // The crate keeps the last entry of a repeated name and ignores the others, whose byte
-        // ranges still have to tile the buffer: two descriptions of one tensor, and a reader
-        // that picks one silently may pick the wrong one.
-        "a tensor name appears twice in the header",
-        |m| has_duplicate(m.0.iter().map(|(k, _)| k)),
-    ),
-    (
-        // The crate keeps the last value of a repeated `__metadata__` key. Some keys decide how
-        // the tensors are read (`DCP_SHARDING_INFO` places each shard of a DCP checkpoint), so an
-        // ambiguous one is refused rather than guessed.
-        "a `__metadata__` key appears twice",
-        |m| {
-            m.metadata_keys()
-                .is_some_and(|keys| has_duplicate(keys.iter()))
-        },
-    ),
-];
-
-/// Whether a case of [`STRICTER`] applies to a header.
-type Detector = fn(&Members) -> bool;
-
-/// Dtypes safetensors 0.8 reads that ckpt does not yet (another change adds them): a temporary
-/// exclusion. The generator never writes them; a mutation that happens to is skipped.
-const NOT_YET: &[&str] = &[
-    "F4",
-    "F6_E2M3",
-    "F6_E3M2",
-    "F8_E8M0",
-    "F8_E4M3FNUZ",
-    "F8_E5M2FNUZ",
-    "C64",
-];
+mod oracle;
+use oracle::{top_members, Verdict, STRICTER};
 
 /// Every dtype ckpt reads, with its element size in bytes.
 const DTYPES: &[(&str, u64)] = &[
@@ -663,125 +627,6 @@ fn file_of(case: &Case) -> Vec<u8> {
     file
 }
 
-// ---------------------------------------------------------------------------------------------
-// The comparison.
-
-/// The header's members, duplicates kept, as a detector of [`STRICTER`] sees them: each name,
-/// with the names inside it when its value is an object.
-struct Members(Vec<(String, Option<Vec<String>>)>);
-
-impl Members {
-    fn metadata_keys(&self) -> Option<&Vec<String>> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == "__metadata__")
-            .and_then(|(_, v)| v.as_ref())
-    }
-}
-
-/// An object's member names, duplicates kept; `None` for any other value.
-struct Keys(Option<Vec<String>>);
-
-impl<'de> Deserialize<'de> for Keys {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Keys;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
-                let mut out = Vec::new();
-                while let Some(k) = map.next_key::<String>()? {
-                    map.next_value::<IgnoredAny>()?;
-                    out.push(k);
-                }
-                Ok(Keys(Some(out)))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Keys, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Keys(None))
-            }
-            fn visit_unit<E>(self) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-            fn visit_str<E>(self, _: &str) -> Result<Keys, E> {
-                Ok(Keys(None))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Members {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Members;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
-                let mut out = Vec::new();
-                while let Some(k) = map.next_key::<String>()? {
-                    out.push((k, map.next_value::<Keys>()?.0));
-                }
-                Ok(Members(out))
-            }
-        }
-        d.deserialize_map(V)
-    }
-}
-
-/// The top-level members of a header the reference accepted.
-fn top_members(file: &[u8]) -> Option<Members> {
-    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
-    let text = std::str::from_utf8(file.get(8..8 + n)?).ok()?;
-    serde_json::from_str(text).ok()
-}
-
-fn has_duplicate<'a>(keys: impl Iterator<Item = &'a String>) -> bool {
-    let mut seen = std::collections::HashSet::new();
-    keys.into_iter().any(|k| !seen.insert(k))
-}
-
-/// Which documented exception, if any, excuses ckpt refusing a file the reference reads.
-fn excuse(file: &[u8], meta: &safetensors::tensor::Metadata) -> Option<&'static str> {
-    let dtypes: Vec<String> = meta
-        .tensors()
-        .values()
-        .map(|t| format!("{:?}", t.dtype))
-        .collect();
-    if dtypes.iter().any(|d| NOT_YET.contains(&d.as_str())) {
-        return Some("a dtype ckpt does not read yet");
-    }
-    let members = top_members(file)?;
-    STRICTER
-        .iter()
-        .find(|(_, applies)| applies(&members))
-        .map(|(why, _)| *why)
-}
-
-fn show(file: &[u8]) -> String {
-    format!(
-        "{} bytes, starting {:?}",
-        file.len(),
-        String::from_utf8_lossy(&file[..file.len().min(600)])
-    )
-}
-
 /// Counts over a run, so that a generator that drifts to one side is noticed.
 #[derive(Default)]
 struct Tally {
@@ -793,86 +638,13 @@ struct Tally {
 /// Compare ckpt and the reference on one file written at `path`.
 fn agree(path: &Path, file: &[u8], tally: &Tally) -> Result<(), TestCaseError> {
     std::fs::write(path, file).unwrap();
-    let ours = read_header(path);
-    let theirs = safetensors::SafeTensors::read_metadata(file);
-    match (ours, theirs) {
-        (Err(_), Err(_)) => {
-            tally.both_refused.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }
-        (Ok(header), Ok((n, meta))) => {
-            tally.both_read.fetch_add(1, Ordering::Relaxed);
-            same_reading(&header, n, &meta).map_err(|e| {
-                TestCaseError::fail(format!("both read it, differently: {e}\n{}", show(file)))
-            })
-        }
-        (Ok(_), Err(e)) => Err(TestCaseError::fail(format!(
-            "ckpt reads a file the reference refuses ({e})\n{}",
-            show(file)
-        ))),
-        (Err(ours), Ok((_, meta))) => match excuse(file, &meta) {
-            Some(_) => {
-                tally.excused.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            None => Err(TestCaseError::fail(format!(
-                "ckpt refuses a file the reference reads: {ours}\n{}",
-                show(file)
-            ))),
-        },
-    }
-}
-
-/// Each tensor's dtype, shape and data offsets, by name.
-type Reading = HashMap<String, (String, Vec<u64>, (u64, u64))>;
-
-/// Both readers' view of an accepted file: data start, every tensor, the metadata.
-fn same_reading(
-    ours: &Header,
-    n: usize,
-    theirs: &safetensors::tensor::Metadata,
-) -> Result<(), String> {
-    if ours.data_start != 8 + n as u64 {
-        return Err(format!("data starts at {} vs {}", ours.data_start, 8 + n));
-    }
-    let want: Reading = theirs
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let shape = t.shape.iter().map(|&d| d as u64).collect();
-            let (b, e) = t.data_offsets;
-            (
-                name,
-                (format!("{:?}", t.dtype), shape, (b as u64, e as u64)),
-            )
-        })
-        .collect();
-    let got: Reading = ours
-        .tensors
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                (
-                    t.dtype.safetensors_code().to_string(),
-                    t.shape.clone(),
-                    (t.begin, t.end),
-                ),
-            )
-        })
-        .collect();
-    if got.len() != ours.tensors.len() || got != want {
-        return Err(format!("tensors {got:?} vs {want:?}"));
-    }
-    let want_meta = theirs.metadata().clone().unwrap_or_default();
-    let got_meta: HashMap<String, String> = ours.metadata.iter().cloned().collect();
-    if got_meta.len() != ours.metadata.len() || got_meta != want_meta.into_iter().collect() {
-        return Err(format!(
-            "metadata {:?} vs {:?}",
-            ours.metadata,
-            theirs.metadata()
-        ));
-    }
+    let counter = match oracle::compare(read_header(path), file) {
+        Verdict::BothRead => &tally.both_read,
+        Verdict::BothRefused => &tally.both_refused,
+        Verdict::Excused(_) => &tally.excused,
+        Verdict::Disagree(e) => return Err(TestCaseError::fail(e)),
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
@@ -1004,9 +776,16 @@ fn the_documented_exceptions_are_the_only_refusals_of_readable_files() {
     // Each is read by the reference, refused by ckpt, and excused by exactly its STRICTER entry.
     let dup_name = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
     let dup_meta = r#"{"__metadata__":{"k":"1","k":"2"}}"#;
+    let dir = scratch();
+    let path = dir.path().join("strict.safetensors");
     for (json, data, why) in [(dup_name, 1, 0), (dup_meta, 0, 1)] {
-        assert_eq!(check_fixed(json, data), (false, true), "{json}");
-        let members = top_members(&raw(json, data)).unwrap();
+        let file = raw(json, data);
+        std::fs::write(&path, &file).unwrap();
+        match oracle::compare(read_header(&path), &file) {
+            Verdict::Excused(reason) => assert_eq!(reason, STRICTER[why].0, "{json}"),
+            _ => panic!("{json}: not an excused refusal"),
+        }
+        let members = top_members(&file).unwrap();
         let applies: Vec<usize> = (0..STRICTER.len())
             .filter(|&i| (STRICTER[i].1)(&members))
             .collect();
