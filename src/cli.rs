@@ -181,6 +181,12 @@ fn to_stdout(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Resul
     }
 }
 
+/// Write one line to stderr. A closed stderr (`ckpt ... 2>&1 | head`) drops it instead of panicking
+/// as `eprintln!` does: the line is a message about the run, whose exit code still tells how it went.
+pub fn to_stderr(line: std::fmt::Arguments) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
@@ -492,11 +498,11 @@ fn convert_with(
     staging.commit()?;
     if !write.quiet {
         for note in &plan.notes {
-            eprintln!("note: {}", terminal_safe(note));
+            to_stderr(format_args!("note: {}", terminal_safe(note)));
         }
         let secs = started.elapsed().as_secs_f64();
         let bytes = plan.data_bytes();
-        eprintln!(
+        to_stderr(format_args!(
             "wrote {} tensors to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
             ckpt.tensors.len(),
             terminal_safe(&final_path.display().to_string()),
@@ -505,7 +511,7 @@ fn convert_with(
             human_bytes(bytes),
             secs,
             human_bytes((bytes as f64 / secs.max(1e-9)) as u64)
-        );
+        ));
     }
     Ok(0)
 }

@@ -70,10 +70,11 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
 pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    // SAFETY: read-only map of an input ckpt never writes.
     let map = if len == 0 {
         None
     } else {
+        // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
+        // truncation caveat.
         Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
     };
     let bytes = map.as_deref().unwrap_or(&[]);

@@ -15,7 +15,10 @@ fn main() -> ExitCode {
     match ckpt::cli::run(cli, cancel.clone()) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("error: {}", ckpt::cli::terminal_safe(&e.to_string()));
+            ckpt::cli::to_stderr(format_args!(
+                "error: {}",
+                ckpt::cli::terminal_safe(&e.to_string())
+            ));
             if cancel.load(Ordering::SeqCst) {
                 return ExitCode::from(130);
             }

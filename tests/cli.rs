@@ -761,43 +761,134 @@ fn inspect_infers_the_mesh_from_how_tensors_are_cut() {
     assert_eq!(got["world_size"], 4);
 }
 
-/// Run ckpt with its stdout on a pipe whose read end is already closed, as `ckpt ... | head` is
-/// once `head` has what it wants.
-fn ckpt_into_closed_pipe(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
+/// Run ckpt with its stdout (and with `stderr_too`, its stderr) on a pipe whose read end is
+/// already closed, as `ckpt ... | head` (`ckpt ... 2>&1 | head`) is once `head` has what it wants.
+fn ckpt_into_closed_pipe(args: &[&dyn AsRef<std::ffi::OsStr>], stderr_too: bool) -> Output {
     use std::os::fd::{FromRawFd, OwnedFd};
     let mut fds = [0; 2];
-    // SAFETY: `pipe` fills both descriptors on success; each is owned exactly once below.
+    // SAFETY: `fds` has room for the two descriptors `pipe` writes.
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: `pipe` succeeded, so both descriptors are open and nothing else owns them.
     let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     drop(read);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
     for a in args {
         cmd.arg(a);
     }
+    if stderr_too {
+        cmd.stderr(std::process::Stdio::from(write.try_clone().unwrap()));
+    }
     cmd.stdout(std::process::Stdio::from(write));
     cmd.output().expect("run ckpt")
 }
 
+/// Every command, and clap's own output, with stdout a closed pipe (`ckpt ... | head` once `head`
+/// has what it wants): the output just ends, with no panic, no broken-pipe message and the exit
+/// code the run would have had anyway.
 #[test]
 fn a_closed_stdout_ends_the_output_without_a_panic() {
+    let env = TestEnv::new();
     let dcp = fixtures().join("fsdp2_adamw");
-    for args in [
-        vec!["inspect"],
-        vec!["inspect", "--json"],
-        vec!["verify"],
-        vec!["verify", "--json"],
-    ] {
-        let mut all: Vec<&dyn AsRef<std::ffi::OsStr>> = args
+    let single = fixtures().join("single.safetensors");
+    // A safetensors file one byte short: `verify` lists the problem, then says NOT sound (exit 1).
+    let bytes = std::fs::read(&single).unwrap();
+    let short = env.write("short.safetensors", &bytes[..bytes.len() - 1]);
+    let manifest = env.path("manifest.json");
+    let (cons, cons_torch, split, resh) = (
+        env.path("c.safetensors"),
+        env.path("c.bin"),
+        env.path("split"),
+        env.path("resharded"),
+    );
+    let runs: Vec<(Vec<&dyn AsRef<std::ffi::OsStr>>, i32)> = vec![
+        (vec![&"inspect", &dcp], 0),
+        (vec![&"inspect", &dcp, &"--json"], 0),
+        (vec![&"inspect", &dcp, &"--filter", &"model.*"], 0),
+        (vec![&"verify", &dcp], 0),
+        (vec![&"verify", &dcp, &"--json"], 0),
+        (vec![&"verify", &dcp, &"--deep"], 0),
+        (vec![&"verify", &dcp, &"--against", &dcp], 0),
+        (vec![&"verify", &dcp, &"--write-manifest", &manifest], 0),
+        (vec![&"verify", &dcp, &"--manifest", &manifest], 0),
+        (vec![&"verify", &short], 1),
+        (vec![&"verify", &short, &"--json"], 1),
+        (vec![&"consolidate", &dcp, &"-o", &cons], 0),
+        (
+            vec![
+                &"consolidate",
+                &dcp,
+                &"-o",
+                &cons_torch,
+                &"--format",
+                &"torch",
+            ],
+            0,
+        ),
+        (
+            vec![
+                &"consolidate",
+                &dcp,
+                &"-o",
+                &split,
+                &"--max-shard-size",
+                &"1KB",
+            ],
+            0,
+        ),
+        (
+            vec![&"reshard", &dcp, &"-o", &resh, &"--world-size", &"2"],
+            0,
+        ),
+        (vec![&"--help"], 0),
+        (vec![&"--version"], 0),
+        (vec![&"help", &"reshard"], 0),
+        (vec![&"inspect", &"--help"], 0),
+    ];
+    for (args, want) in &runs {
+        let out = ckpt_into_closed_pipe(args, false);
+        let shown: Vec<String> = args
             .iter()
-            .map(|a| a as &dyn AsRef<std::ffi::OsStr>)
+            .map(|a| a.as_ref().to_string_lossy().into_owned())
             .collect();
-        all.push(&dcp);
-        let out = ckpt_into_closed_pipe(&all);
-        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert_eq!(code(&out), *want, "{shown:?}: {err}");
+        assert!(!err.contains("panicked"), "{shown:?}: {err}");
         assert!(
-            !stderr(&out).contains("panicked"),
-            "{args:?}: {}",
-            stderr(&out)
+            !err.to_lowercase().contains("broken pipe") && !err.contains("os error 32"),
+            "{shown:?}: {err}"
         );
+    }
+}
+
+/// `ckpt ... 2>&1 | head`: messages on stderr (a summary, an error) meet the closed pipe too, and
+/// are dropped; the exit code is still the run's (a panic would be 101).
+#[test]
+fn a_closed_stderr_drops_messages_without_a_panic() {
+    let env = TestEnv::new();
+    let dcp = fixtures().join("fsdp2_adamw");
+    let missing = env.path("missing");
+    let bytes = std::fs::read(fixtures().join("single.safetensors")).unwrap();
+    let short = env.write("short.safetensors", &bytes[..bytes.len() - 1]);
+    let (cons, resh) = (env.path("c.safetensors"), env.path("resharded"));
+    let runs: Vec<(Vec<&dyn AsRef<std::ffi::OsStr>>, i32)> = vec![
+        (vec![&"inspect", &dcp], 0),
+        (vec![&"consolidate", &dcp, &"-o", &cons], 0),
+        (
+            vec![&"reshard", &dcp, &"-o", &resh, &"--world-size", &"2"],
+            0,
+        ),
+        // An error message, then exit 2 (usage) or 1 (an unreadable input).
+        (vec![&"verify", &missing], 2),
+        (vec![&"consolidate", &dcp, &"-o", &cons], 2),
+        (vec![&"inspect", &short], 1),
+        (vec![&"--bogus"], 2),
+    ];
+    for (args, want) in &runs {
+        let out = ckpt_into_closed_pipe(args, true);
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| a.as_ref().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(code(&out), *want, "{shown:?}");
     }
 }

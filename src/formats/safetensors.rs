@@ -2,10 +2,13 @@
 //!
 //! A safetensors file is an 8-byte little-endian header length, a JSON header
 //! `{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}`, then the
-//! data buffer that the offsets index. The reader accepts exactly what the `safetensors` crate (and
-//! so the Python package) accepts: a capped header length, offsets that tile the data buffer with
-//! no hole and no overlap, and a file that ends where the buffer ends. It reads only the header, so
-//! a checkpoint of any size is described without touching tensor bytes.
+//! data buffer that the offsets index. The reader accepts what the `safetensors` crate (and so the
+//! Python package, which wraps it) accepts: a capped header length, JSON read the way the crate's
+//! serde types read it, offsets that tile the data buffer with no hole and no overlap, and a file
+//! that ends where the buffer ends. It is stricter in two places, a tensor name or a
+//! `__metadata__` key given twice (the crate keeps the last); `tests/safetensors_oracle.rs` holds
+//! it to that against the crate. It reads only the header, so a checkpoint of any size is
+//! described without touching tensor bytes.
 //!
 //! The writer side produces only the header bytes, byte for byte what the Python package writes
 //! for the same tensors in the same order; the executor writes the data after it.
@@ -23,7 +26,10 @@ use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::de::{
+    self, Deserialize, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess,
+    VariantAccess, Visitor,
+};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -144,18 +150,34 @@ fn check_header_len(header_len: u64, file_len: u64) -> Result<usize> {
 /// Errors carry byte offsets but no file; the caller adds it.
 fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let data_start = LEN_PREFIX + json.len() as u64;
-    if json.first() != Some(&b'{') {
-        // The safetensors crate rejects this too (`InvalidHeaderStart`), so a file we accepted
-        // would not load.
+    // JSON whitespace may come first: the crate's parser skips it (0.4 and 0.8 alike).
+    let start = json
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+    if start.and_then(|i| json.get(i)) != Some(&b'{') {
+        // The crate refuses any header that is not a JSON object.
         return Err(Error::invalid("header does not start with `{`")
-            .at(LEN_PREFIX)
+            .at(LEN_PREFIX + start.unwrap_or(0) as u64)
             .hint("the file is not safetensors, or its header is corrupt"));
     }
     let text = std::str::from_utf8(json).map_err(|e| {
         Error::invalid("header is not valid UTF-8").at(LEN_PREFIX + e.valid_up_to() as u64)
     })?;
-    let raw: RawHeader =
-        serde_json::from_str(text).map_err(|e| json_error(&e, json, LEN_PREFIX))?;
+    // The member being read when the JSON turns out bad, to name the tensor in the error.
+    let mut current = None;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let raw = HeaderSeed {
+        current: &mut current,
+    }
+    .deserialize(&mut de)
+    .and_then(|raw| de.end().map(|()| raw))
+    .map_err(|e| {
+        let err = json_error(&e, json, LEN_PREFIX);
+        match current.take() {
+            Some(name) if e.is_data() => err.tensor(name),
+            _ => err,
+        }
+    })?;
 
     let mut seen = HashSet::new();
     let mut metadata = None;
@@ -178,7 +200,7 @@ fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
                 }
                 metadata = Some(m);
             }
-            RawEntry::Tensor(value) => match tensor_entry(&name, &value) {
+            RawEntry::Tensor(raw) => match tensor_entry(&name, raw) {
                 Ok(Entry::Tensor(t)) => tensors.push(t),
                 Ok(Entry::Unsupported(u)) => unsupported.push(u),
                 Err(e) => return Err(e.tensor(&name)),
@@ -252,18 +274,17 @@ fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     })
 }
 
-/// Interpret one `name: {...}` entry of the header.
-fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<Entry> {
+/// Interpret one `name: {...}` entry of the header: a dtype ckpt knows (or an unsupported
+/// sub-byte one, kept by name), offsets that hold the shape.
+fn tensor_entry(name: &str, raw: RawTensor) -> Result<Entry> {
     let at = |e: Error| e.at(LEN_PREFIX);
-    let obj = value
-        .as_object()
-        .ok_or_else(|| at(Error::invalid("header entry is not an object")))?;
-    let code = obj
-        .get("dtype")
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| at(Error::invalid("`dtype` is missing or not a string")))?;
+    let RawTensor {
+        dtype: code,
+        shape,
+        data_offsets: (begin, end),
+    } = raw;
     // Bits per element: the supported dtype's, or an unsupported sub-byte type's.
-    let (dtype, bits) = match DType::from_safetensors_code(code) {
+    let (dtype, bits) = match DType::from_safetensors_code(&code) {
         Some(dtype) => (Some(dtype), dtype.size() as u64 * 8),
         None => match UNSUPPORTED_CODES.iter().find(|(c, _)| *c == code) {
             Some(&(_, bits)) => (None, bits),
@@ -278,58 +299,25 @@ fn tensor_entry(name: &str, value: &serde_json::Value) -> Result<Entry> {
             }
         },
     };
-    let shape = obj
-        .get("shape")
-        .and_then(|v| v.as_array())
-        .and_then(|dims| {
-            dims.iter()
-                .map(|d| d.as_u64())
-                .collect::<Option<Vec<u64>>>()
-        })
-        .ok_or_else(|| {
-            at(Error::invalid(
-                "`shape` is missing or not a list of non-negative integers",
-            ))
-        })?;
-    let (begin, end) = match obj
-        .get("data_offsets")
-        .and_then(|v| v.as_array())
-        .map(|a| a.as_slice())
-    {
-        Some([b, e]) => match (b.as_u64(), e.as_u64()) {
-            (Some(b), Some(e)) => (b, e),
-            _ => {
-                return Err(at(Error::invalid(
-                    "`data_offsets` must be two non-negative integers",
-                )))
-            }
-        },
-        _ => {
-            return Err(at(Error::invalid(
-                "`data_offsets` is missing or not a [begin, end] pair",
-            )))
-        }
-    };
     if end < begin {
-        return Err(Error::invalid(format!(
+        return Err(at(Error::invalid(format!(
             "data_offsets [{begin}, {end}] end before they begin"
-        ))
-        .at(LEN_PREFIX));
+        ))));
     }
-    // As the crate checks: the elements' bits must fill whole bytes.
+    // Counted in bits, as the crate counts: the elements' bits must fill whole bytes, and a
+    // shape whose bit count overflows 64 bits is refused even where its byte count would not.
     let nbits = numel(&shape).and_then(|n| n.checked_mul(bits));
     let nbytes = nbits.filter(|b| b % 8 == 0).map(|b| b / 8);
     if nbytes != Some(end - begin) {
         let needs = match nbits {
-            None => "more than 2^64 bytes".to_string(),
+            None => "more than 2^64 bits".to_string(),
             Some(b) if b % 8 != 0 => format!("{b} bits, not whole bytes"),
             Some(b) => format!("{} bytes", b / 8),
         };
-        return Err(Error::invalid(format!(
+        return Err(at(Error::invalid(format!(
             "shape {shape:?} of {code} needs {needs}, data_offsets [{begin}, {end}] hold {}",
             end - begin
-        ))
-        .at(LEN_PREFIX));
+        ))));
     }
     Ok(match dtype {
         Some(dtype) => Entry::Tensor(HeaderTensor {
@@ -561,41 +549,175 @@ pub(crate) fn first_duplicate<V>(entries: &[(String, V)]) -> Option<&str> {
         .find(|k| !seen.insert(*k))
 }
 
-/// A header's members in file order; `__metadata__` parsed as a string map, tensors kept as JSON
-/// values to be checked one by one with their name in the error.
+/// A header's members in file order; `__metadata__` parsed as a string map, each other member as
+/// a tensor entry.
 struct RawHeader(Vec<(String, RawEntry)>);
 
 enum RawEntry {
     /// `None` for `"__metadata__": null`, which the crate accepts.
     Metadata(Option<Entries<String>>),
-    Tensor(serde_json::Value),
+    Tensor(RawTensor),
 }
 
-impl<'de> Deserialize<'de> for RawHeader {
+/// Reads a [`RawHeader`], leaving in `current` the name of the member it was reading, so that an
+/// error can name the tensor.
+struct HeaderSeed<'a> {
+    current: &'a mut Option<String>,
+}
+
+impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+    fn deserialize<D: Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> std::result::Result<RawHeader, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<RawHeader, A::Error> {
+        let mut out = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            *self.current = Some(key.clone());
+            let entry = if key == "__metadata__" {
+                RawEntry::Metadata(map.next_value()?)
+            } else {
+                RawEntry::Tensor(map.next_value()?)
+            };
+            out.push((key, entry));
+        }
+        *self.current = None;
+        Ok(RawHeader(out))
+    }
+}
+
+/// One tensor entry as the `safetensors` crate's `TensorInfo` reads it (a serde-derived struct):
+/// the three fields once each, or an array of the three in order; other fields are allowed and
+/// ignored but must still be valid JSON within serde_json's depth limit (the crate buffers the
+/// entry before reading it); the dtype a string or a one-key `{"F32": null}` (a unit enum
+/// variant). The dtype is kept as its name, to be checked with the tensor's name in the error.
+struct RawTensor {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+const TENSOR_FIELDS: &[&str] = &["dtype", "shape", "data_offsets"];
+
+impl<'de> Deserialize<'de> for RawTensor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        struct HeaderVisitor;
-        impl<'de> Visitor<'de> for HeaderVisitor {
-            type Value = RawHeader;
+        struct TensorVisitor;
+        impl<'de> Visitor<'de> for TensorVisitor {
+            type Value = RawTensor;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
+                f.write_str("a tensor entry {\"dtype\", \"shape\", \"data_offsets\"}")
             }
             fn visit_map<A: MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> std::result::Result<RawHeader, A::Error> {
-                let mut out = Vec::new();
-                while let Some(key) = map.next_key::<String>()? {
-                    let entry = if key == "__metadata__" {
-                        RawEntry::Metadata(map.next_value()?)
-                    } else {
-                        RawEntry::Tensor(map.next_value()?)
-                    };
-                    out.push((key, entry));
+            ) -> std::result::Result<RawTensor, A::Error> {
+                let (mut dtype, mut shape, mut offsets) = (None, None, None);
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::DType if dtype.is_some() => {
+                            return Err(de::Error::duplicate_field("dtype"))
+                        }
+                        Field::DType => dtype = Some(map.next_value::<DTypeName>()?.0),
+                        Field::Shape if shape.is_some() => {
+                            return Err(de::Error::duplicate_field("shape"))
+                        }
+                        Field::Shape => shape = Some(map.next_value()?),
+                        Field::DataOffsets if offsets.is_some() => {
+                            return Err(de::Error::duplicate_field("data_offsets"))
+                        }
+                        Field::DataOffsets => offsets = Some(map.next_value()?),
+                        Field::Other => {
+                            map.next_value::<serde_json::Value>()?;
+                        }
+                    }
                 }
-                Ok(RawHeader(out))
+                Ok(RawTensor {
+                    dtype: dtype.ok_or_else(|| de::Error::missing_field("dtype"))?,
+                    shape: shape.ok_or_else(|| de::Error::missing_field("shape"))?,
+                    data_offsets: offsets
+                        .ok_or_else(|| de::Error::missing_field("data_offsets"))?,
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<RawTensor, A::Error> {
+                let missing = |i| de::Error::invalid_length(i, &"an array of 3 elements");
+                Ok(RawTensor {
+                    dtype: seq
+                        .next_element::<DTypeName>()?
+                        .ok_or_else(|| missing(0))?
+                        .0,
+                    shape: seq.next_element()?.ok_or_else(|| missing(1))?,
+                    data_offsets: seq.next_element()?.ok_or_else(|| missing(2))?,
+                })
             }
         }
-        deserializer.deserialize_map(HeaderVisitor)
+        deserializer.deserialize_struct("TensorInfo", TENSOR_FIELDS, TensorVisitor)
+    }
+}
+
+/// A member name inside a tensor entry.
+enum Field {
+    DType,
+    Shape,
+    DataOffsets,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct FieldVisitor;
+        impl Visitor<'_> for FieldVisitor {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, name: &str) -> std::result::Result<Field, E> {
+                Ok(match name {
+                    "dtype" => Field::DType,
+                    "shape" => Field::Shape,
+                    "data_offsets" => Field::DataOffsets,
+                    _ => Field::Other,
+                })
+            }
+        }
+        deserializer.deserialize_identifier(FieldVisitor)
+    }
+}
+
+/// A dtype's name, read the way serde reads a unit enum variant: `"F32"` or `{"F32": null}`.
+struct DTypeName(String);
+
+impl<'de> Deserialize<'de> for DTypeName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct NameVisitor;
+        impl<'de> Visitor<'de> for NameVisitor {
+            type Value = DTypeName;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a dtype name")
+            }
+            fn visit_enum<A: EnumAccess<'de>>(
+                self,
+                data: A,
+            ) -> std::result::Result<DTypeName, A::Error> {
+                let (name, variant) = data.variant::<String>()?;
+                variant.unit_variant()?;
+                Ok(DTypeName(name))
+            }
+        }
+        // Any name is taken here; `tensor_entry` refuses the ones ckpt does not know.
+        deserializer.deserialize_enum("Dtype", &[], NameVisitor)
     }
 }
 
