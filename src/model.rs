@@ -154,10 +154,10 @@ pub struct Pieces {
     files: Vec<Arc<Path>>,
     /// [`DataRef::offset`] of each piece.
     offsets: Vec<u64>,
-    /// `ndim` values per piece, or empty while every piece is row-major contiguous.
-    strides: Vec<u64>,
-    /// One per piece, or empty while every piece is [`Encoding::Raw`].
-    encodings: Vec<Encoding>,
+    /// `ndim` values per piece, or `None` while every piece is row-major contiguous.
+    strides: Option<Vec<u64>>,
+    /// One per piece, or `None` while every piece is [`Encoding::Raw`].
+    encodings: Option<Vec<Encoding>>,
 }
 
 /// One piece of a [`Pieces`].
@@ -246,19 +246,18 @@ impl Pieces {
             .at(offset));
         }
         let k = self.len();
-        if self.strides.is_empty() && !is_contiguous(sizes, strides) {
-            self.strides = (0..k)
-                .flat_map(|j| contiguous_strides(self.get(j).sizes()))
-                .collect();
+        if self.strides.is_none() && !is_contiguous(sizes, strides) {
+            let before = (0..k).flat_map(|j| contiguous_strides(self.get(j).sizes()));
+            self.strides = Some(before.collect());
         }
-        if !self.strides.is_empty() {
-            self.strides.extend_from_slice(strides);
+        if let Some(column) = &mut self.strides {
+            column.extend_from_slice(strides);
         }
-        if self.encodings.is_empty() && encoding != Encoding::Raw {
-            self.encodings = vec![Encoding::Raw; k];
+        if self.encodings.is_none() && encoding != Encoding::Raw {
+            self.encodings = Some(vec![Encoding::Raw; k]);
         }
-        if !self.encodings.is_empty() {
-            self.encodings.push(encoding);
+        if let Some(column) = &mut self.encodings {
+            column.push(encoding);
         }
         self.boxes.extend_from_slice(offsets);
         self.boxes.extend_from_slice(sizes);
@@ -304,19 +303,18 @@ impl<'a> PieceRef<'a> {
     /// [`DataRef::strides`]
     pub fn strides(&self) -> Cow<'a, [u64]> {
         let n = self.pieces.ndim;
-        match self.pieces.strides.get(n * self.k..n * (self.k + 1)) {
-            Some(s) if !self.pieces.strides.is_empty() => Cow::Borrowed(s),
-            _ => Cow::Owned(contiguous_strides(self.sizes())),
+        match &self.pieces.strides {
+            Some(column) => Cow::Borrowed(&column[n * self.k..n * (self.k + 1)]),
+            None => Cow::Owned(contiguous_strides(self.sizes())),
         }
     }
 
     /// [`DataRef::encoding`]
     pub fn encoding(&self) -> Encoding {
-        self.pieces
-            .encodings
-            .get(self.k)
-            .copied()
-            .unwrap_or(Encoding::Raw)
+        match &self.pieces.encodings {
+            Some(column) => column[self.k],
+            None => Encoding::Raw,
+        }
     }
 
     pub fn to_piece(&self) -> Piece {
@@ -528,13 +526,19 @@ mod tests {
             piece(&[4, 0], &[1, 3], &[3, 1], zstd),
             piece(&[5, 0], &[1, 3], &[3, 1], Encoding::Raw),
         ];
-        let mut pieces = Pieces::new(2);
-        for p in all.clone() {
-            pieces.push(p).unwrap();
+        // Every order, so a view or a zstd piece comes first, last and in between.
+        for first in 0..all.len() {
+            let mut order = all.clone();
+            order.rotate_left(first);
+            let mut pieces = Pieces::new(2);
+            for p in order.clone() {
+                pieces.push(p).unwrap();
+            }
+            assert_eq!(pieces.len(), 4);
+            let back: Vec<Piece> = pieces.iter().map(|p| p.to_piece()).collect();
+            assert_eq!(back, order);
         }
-        assert_eq!(pieces.len(), 4);
-        let back: Vec<Piece> = pieces.iter().map(|p| p.to_piece()).collect();
-        assert_eq!(back, all);
+        let mut pieces = Pieces::from_vec(2, all).unwrap();
         assert!(pieces.push(piece(&[0], &[1], &[1], Encoding::Raw)).is_err());
         assert_eq!(pieces.len(), 4);
         let scalar = Pieces::single(piece_0d()).unwrap();
