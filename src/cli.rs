@@ -268,7 +268,15 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 } else {
                     "NOT sound"
                 };
-                if report.format.is_none() {
+                if let Some(u) = &report.unfinished {
+                    writeln!(
+                        out,
+                        "{}: {verdict} (unfinished: {} of {} parts done)",
+                        path.display(),
+                        u.done.len(),
+                        u.parts
+                    )
+                } else if report.format.is_none() {
                     writeln!(out, "{}: {verdict} (it could not be read)", path.display())
                 } else {
                     writeln!(

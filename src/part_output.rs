@@ -57,12 +57,24 @@ struct Marker {
 }
 
 /// The fingerprint of a run: `description` (flags, target, part count, ckpt version, the output's
-/// layout) and every input file's path below `root`, length and modification time. Paths are
-/// taken below `root` so that machines mounting the input at different places agree.
+/// layout) and the path below `root`, length and modification time of every file the plan reads
+/// (`inputs`) and of every file directly in `root` (a DCP `.metadata`, an index). Paths are taken
+/// below `root` so that machines mounting the input at different places agree.
 pub fn fingerprint(description: &str, inputs: &[PathBuf], root: &Path) -> Result<String> {
     let root = root.canonicalize().map_err(|e| Error::io(root, e))?;
+    let mut files: std::collections::BTreeSet<PathBuf> = inputs.iter().cloned().collect();
+    if root.is_dir() {
+        for entry in std::fs::read_dir(&root).map_err(|e| Error::io(&root, e))? {
+            let entry = entry.map_err(|e| Error::io(&root, e))?;
+            if entry.file_type().is_ok_and(|t| t.is_file()) {
+                files.insert(entry.path());
+            }
+        }
+    } else {
+        files.insert(root.clone());
+    }
     let mut text = description.to_string();
-    for input in inputs {
+    for input in &files {
         let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
         let mtime = meta
             .modified()
