@@ -652,7 +652,8 @@ fn convert_part(
 /// every part, for hints.
 fn command_line(count: usize) -> String {
     let mut out = Vec::new();
-    let mut args = std::env::args().peekable();
+    // Lossy: this is for a hint, and `args()` would panic on an argument that is not UTF-8.
+    let mut args = std::env::args_os().map(|a| a.to_string_lossy().into_owned());
     while let Some(a) = args.next() {
         if a == "--part" {
             args.next();
