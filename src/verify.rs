@@ -137,6 +137,7 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
             .join(", ");
         let state = match &u.committing {
             Some(by) => format!("all {} parts done, {by} is committing it", u.parts),
+            None if u.missing.is_empty() => format!("all {} parts done, not committed", u.parts),
             None => format!(
                 "{} of {} parts missing: {missing}",
                 u.missing.len(),
