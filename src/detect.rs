@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
 use crate::formats::{dcp, hf_index, safetensors};
-use crate::model::{Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor};
+use crate::model::{
+    Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor,
+};
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
@@ -94,21 +96,23 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                         .file(path)
                         .tensor(&name)
                 })?;
+                let pieces = Pieces::single(Piece {
+                    offsets: vec![0; t.shape.len()],
+                    sizes: t.shape.clone(),
+                    data: DataRef {
+                        file: file_name.as_path().into(),
+                        offset: entry.data_offset + t.storage_offset * t.dtype.size() as u64,
+                        strides: t.strides.clone(),
+                        encoding: Encoding::Raw,
+                    },
+                })
+                .map_err(|e| e.file(path).tensor(&name))?;
                 tensors.push(Tensor {
                     name,
                     key_path: key_path.clone(),
                     dtype: t.dtype,
                     shape: t.shape.clone(),
-                    pieces: vec![Piece {
-                        offsets: vec![0; t.shape.len()],
-                        sizes: t.shape.clone(),
-                        data: DataRef {
-                            file: file_name.as_path().into(),
-                            offset: entry.data_offset + t.storage_offset * t.dtype.size() as u64,
-                            strides: t.strides.clone(),
-                            encoding: Encoding::Raw,
-                        },
-                    }],
+                    pieces,
                 });
             }
             Leaf::Value(v) => values.push(NonTensor {

@@ -357,8 +357,8 @@ fn run(
                     .iter()
                     .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
                     .collect();
-                let (batch, part) =
-                    pool.install(|| run_files(&files, &outputs, &clips, dest, &sources, opts))?;
+                let (batch, part) = pool
+                    .install(|| run_files(plan, &files, &outputs, &clips, dest, &sources, opts))?;
                 digests.extend(batch);
                 outcome.crcs.extend(part.crcs);
                 outcome.open_slots.extend(part.open_slots);
@@ -395,10 +395,11 @@ fn run(
 }
 
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
-fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
+fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; f.len as usize];
     let mut scratch = Vec::new();
     for r in &f.regions {
+        let fills = checked_fills(plan, r, None, sources)?;
         let rstrides = contiguous_strides(&r.shape);
         let start = r.offset as usize;
         let len = r.nbytes() as usize;
@@ -415,7 +416,7 @@ fn assemble(f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
             };
             let (at, unit_len) = u.bytes_in(r, &rstrides);
             let buf = &mut region[at as usize..(at + unit_len) as usize];
-            for fill in &r.fills {
+            for fill in fills.iter() {
                 written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
             }
         }
@@ -469,6 +470,7 @@ fn write_streamed(plan: &Plan, i: usize, path: &Path, durable: bool) -> Result<(
 /// `clips[k]`, when set, is the byte range of file `k` this part of a partitioned run writes:
 /// only those bytes are written, and CRCs that need bytes outside it are reported, not written.
 fn run_files(
+    plan: &Plan,
     files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
     outputs: &[Option<File>],
     clips: &[Option<Range<u64>>],
@@ -477,13 +479,6 @@ fn run_files(
     opts: &ExecOptions,
 ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
     let clip_of = |fi: usize| clips.get(fi).cloned().flatten();
-    for (_, f) in files {
-        for r in &f.regions {
-            for fill in &r.fills {
-                check_fill(fill, r, sources)?;
-            }
-        }
-    }
     // Small files with an output are built in memory and written with one write: a DCP rank
     // file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
     // otherwise cost a copy and a framing write each.
@@ -505,7 +500,7 @@ fn run_files(
         let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) else {
             return Ok(());
         };
-        let bytes = assemble(f, sources)?;
+        let bytes = assemble(plan, f, sources)?;
         out.write_all_at(&bytes, 0)
             .map_err(|e| Error::io(path, e))?;
         opts.progress
@@ -557,7 +552,7 @@ fn run_files(
                 .get(u.file)
                 .and_then(Option::as_ref)
                 .zip(dest.get(*i));
-            let result = run_unit(u, region, sources, out, clip_of(u.file))?;
+            let result = run_unit(plan, u, region, sources, out, clip_of(u.file))?;
             if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file))
             {
                 // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
@@ -682,6 +677,21 @@ fn create_output(path: &Path, len: u64) -> Result<File> {
     Ok(file)
 }
 
+/// The fills of region `r` that meet its part `part` (all for `None`), each checked to lie
+/// inside its source file.
+fn checked_fills<'r>(
+    plan: &Plan,
+    r: &'r Region,
+    part: Option<(&[u64], &[u64])>,
+    sources: &[Source],
+) -> Result<std::borrow::Cow<'r, [Fill]>> {
+    let fills = plan.fills(r, part).map_err(|e| e.tensor(&r.name))?;
+    for fill in fills.iter() {
+        check_fill(fill, r, sources)?;
+    }
+    Ok(fills)
+}
+
 /// Check that every byte a fill reads lies inside its source file.
 fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
     let src = sources
@@ -793,6 +803,7 @@ struct UnitResult {
 /// With `clip` (a byte range of the destination file: one part's share), only the unit's bytes
 /// inside it are written, and the result's length and CRC are those of these bytes.
 fn run_unit(
+    plan: &Plan,
     u: &Unit,
     r: &Region,
     sources: &[Source],
@@ -810,7 +821,9 @@ fn run_unit(
         }
         None => 0..len,
     };
-    if let (Some((file, path)), Some(runs)) = (out, direct_runs(u, r, &rstrides, sources)) {
+    let fills = checked_fills(plan, r, Some((&u.start, &u.sizes)), sources)?;
+    let direct = direct_runs(u, r, &fills, &rstrides, sources);
+    if let (Some((file, path)), Some(runs)) = (out, direct) {
         let want_crc = !r.crc_slots.is_empty();
         let mut crc = crc32fast::Hasher::new();
         let mut copied = 0;
@@ -851,7 +864,7 @@ fn run_unit(
         }
         let buf = &mut whole[..len as usize];
         let mut written = 0u64;
-        for fill in &r.fills {
+        for fill in fills.iter() {
             written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
         }
         if written != len {
@@ -1007,12 +1020,13 @@ fn gather(
 fn direct_runs<'a>(
     u: &Unit,
     r: &Region,
+    fills: &[Fill],
     rstrides: &[u64],
     sources: &'a [Source],
 ) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
     let de = r.dtype.size() as u64;
     let mut runs = Vec::new();
-    for fill in &r.fills {
+    for fill in fills {
         let Some(sp) = span(fill, r, u, rstrides) else {
             continue;
         };

@@ -92,15 +92,16 @@ impl Serialize for Pieces<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let elem = self.0.dtype.size() as u64;
         s.collect_seq(self.0.pieces.iter().map(|p| {
+            let strides = p.strides();
             PieceReport {
-                offsets: &p.offsets,
-                sizes: &p.sizes,
-                file: p.data.file.display().to_string(),
-                byte_offset: p.data.offset,
-                byte_length: crate::model::numel(&p.sizes).unwrap_or(0) * elem,
-                strides: (p.data.strides != crate::model::contiguous_strides(&p.sizes))
-                    .then_some(p.data.strides.as_slice()),
-                encoding: match p.data.encoding {
+                offsets: p.offsets(),
+                sizes: p.sizes(),
+                file: p.file().display().to_string(),
+                byte_offset: p.offset(),
+                byte_length: crate::model::numel(p.sizes()).unwrap_or(0) * elem,
+                strides: (*strides != crate::model::contiguous_strides(p.sizes()))
+                    .then_some(strides),
+                encoding: match p.encoding() {
                     Encoding::Raw => None,
                     Encoding::Zstd { .. } => Some("zstd"),
                 },
@@ -121,7 +122,7 @@ pub struct PieceReport<'a> {
     pub byte_length: u64,
     /// Present for a non-contiguous view (torch.save), in elements.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub strides: Option<&'a [u64]>,
+    pub strides: Option<std::borrow::Cow<'a, [u64]>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encoding: Option<&'static str>,
 }
@@ -178,7 +179,7 @@ fn inferred_mesh(ckpt: &Checkpoint) -> Option<Vec<usize>> {
                 let starts: std::collections::BTreeSet<u64> = t
                     .pieces
                     .iter()
-                    .filter_map(|p| p.offsets.get(d).copied())
+                    .filter_map(|p| p.offsets().get(d).copied())
                     .collect();
                 starts.len()
             })

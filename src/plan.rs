@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::formats::dcp::metadata::{self as dcp_metadata, Chunk, Describe, EntryRef, StorageRef};
 use crate::formats::{dcp, hf_index, safetensors, torch_save, zip};
 use crate::geometry::{self, local_box, Box, Placement};
-use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, Tensor};
+use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, PieceRef, Tensor};
 
 /// Everything needed to write one output: files, and where each byte comes from.
 ///
@@ -33,6 +33,8 @@ pub struct Plan<'a> {
     pub notes: Vec<String>,
     /// A DCP target's rank files and `.metadata`, after `files`.
     pub dcp: Option<DcpFiles<'a>>,
+    /// Where the regions of `files` find their fills (a DCP target's are in `dcp`).
+    src: Option<Sourcing<'a>>,
 }
 
 /// One destination file.
@@ -120,9 +122,21 @@ pub struct Region {
     pub dtype: DType,
     /// Shape of the box this region holds.
     pub shape: Vec<u64>,
-    pub fills: Vec<Fill>,
+    pub source: RegionSource,
     /// Offsets in the destination file where the CRC-32 of this region's bytes goes (ZIP records).
     pub crc_slots: Vec<u64>,
+}
+
+/// Where a region's elements come from.
+#[derive(Clone, Debug)]
+pub enum RegionSource {
+    /// Fills listed when planning (a value's carried bytes).
+    Fills(Vec<Fill>),
+    /// Box `b` of tensor `tensor` of the planned checkpoint. Its fills are found from the tensor's
+    /// pieces when the region is copied ([`Plan::fills`]): consolidating a tensor saved on 1024
+    /// ranks takes 1024 fills, and listing every tensor's up front took hundreds of bytes per
+    /// piece of the checkpoint.
+    Tensor { tensor: usize, b: Box },
 }
 
 /// Copy a box of source elements into a region.
@@ -220,6 +234,29 @@ impl Plan<'_> {
         }
     }
 
+    /// The fills of region `r` that meet its part at `start` of `sizes` (in region coordinates;
+    /// all of them for `None`), in source piece order.
+    pub fn fills<'r>(
+        &self,
+        r: &'r Region,
+        part: Option<(&[u64], &[u64])>,
+    ) -> Result<std::borrow::Cow<'r, [Fill]>> {
+        use std::borrow::Cow;
+        match &r.source {
+            RegionSource::Fills(fills) => Ok(Cow::Borrowed(fills)),
+            RegionSource::Tensor { tensor, b } => {
+                let src = self
+                    .src
+                    .as_ref()
+                    .or(self.dcp.as_ref().map(|d| &d.src))
+                    .ok_or_else(|| {
+                        Error::invalid("internal: a region of a tensor in a plan without one")
+                    })?;
+                Ok(Cow::Owned(src.fills(*tensor, b, part)))
+            }
+        }
+    }
+
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
         let whole: u64 = self
@@ -307,7 +344,9 @@ pub fn plan<'a>(ckpt: &'a Checkpoint, target: &Target, opts: &PlanOptions) -> Re
             planner.skip_values("safetensors");
         }
     }
-    Ok(planner.plan)
+    let Planner { mut plan, src } = planner;
+    plan.src = Some(src);
+    Ok(plan)
 }
 
 /// Where each tensor's bytes come from: the checkpoint, its input files numbered once, and an
@@ -336,8 +375,8 @@ impl<'a> Sourcing<'a> {
             .collect::<Result<Vec<_>>>()?;
         let mut inputs = Vec::new();
         let mut input_of = HashMap::new();
-        let pieces = ckpt.tensors.iter().flat_map(|t| &t.pieces);
-        let files = pieces.map(|p| &*p.data.file).chain(
+        let pieces = ckpt.tensors.iter().flat_map(|t| t.pieces.iter());
+        let files = pieces.map(|p| &**p.file()).chain(
             ckpt.values
                 .iter()
                 .filter_map(|v| Some(v.raw.as_ref()?.file.as_path())),
@@ -377,13 +416,40 @@ impl<'a> Sourcing<'a> {
     /// A region at `offset` holding box `b` of tensor `ti`, filled from the pieces that meet it.
     fn region(&self, ti: usize, b: &Box, offset: u64) -> Region {
         let t = &self.ckpt.tensors[ti];
+        Region {
+            name: t.name.clone(),
+            offset,
+            dtype: self.out_dtype(t),
+            shape: b.sizes.clone(),
+            source: RegionSource::Tensor {
+                tensor: ti,
+                b: b.clone(),
+            },
+            crc_slots: Vec::new(),
+        }
+    }
+
+    /// The fills of box `b` of tensor `ti` from the pieces that meet its part at `start` of
+    /// `sizes` (relative to `b`), or all of it.
+    fn fills(&self, ti: usize, b: &Box, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
+        let t = &self.ckpt.tensors[ti];
+        let query = match part {
+            Some((start, sizes)) => Box {
+                offsets: b.offsets.iter().zip(start).map(|(o, s)| o + s).collect(),
+                sizes: sizes.to_vec(),
+            },
+            None => b.clone(),
+        };
         let mut fills = Vec::new();
-        for k in self.indexes[ti].meeting(b) {
-            let piece = &t.pieces[k];
+        for k in self.indexes[ti].meeting(&query) {
+            let piece = t.pieces.get(k);
             let pb = Box {
-                offsets: piece.offsets.clone(),
-                sizes: piece.sizes.clone(),
+                offsets: piece.offsets().to_vec(),
+                sizes: piece.sizes().to_vec(),
             };
+            if part.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
+                continue;
+            }
             let Some(common) = pb.intersect(b) else {
                 continue;
             };
@@ -391,29 +457,23 @@ impl<'a> Sourcing<'a> {
                 continue;
             }
             let elem = t.dtype.size() as u64;
+            let strides = piece.strides().into_owned();
             let skip: u64 = (0..common.offsets.len())
-                .map(|d| (common.offsets[d] - pb.offsets[d]) * piece.data.strides[d])
+                .map(|d| (common.offsets[d] - pb.offsets[d]) * strides[d])
                 .sum();
             fills.push(Fill {
-                input: self.input(&piece.data.file),
-                encoding: piece.data.encoding.clone(),
+                input: self.input(piece.file()),
+                encoding: piece.encoding(),
                 dtype: t.dtype,
-                offset: piece.data.offset + skip * elem,
-                strides: piece.data.strides.clone(),
+                offset: piece.offset() + skip * elem,
+                strides,
                 start: (0..common.offsets.len())
                     .map(|d| common.offsets[d] - b.offsets[d])
                     .collect(),
                 sizes: common.sizes,
             });
         }
-        Region {
-            name: t.name.clone(),
-            offset,
-            dtype: self.out_dtype(t),
-            shape: b.sizes.clone(),
-            fills,
-            crc_slots: Vec::new(),
-        }
+        fills
     }
 
     /// Append a non-tensor entry's torch.save bytes to `file`: the original bytes when the source
@@ -426,7 +486,7 @@ impl<'a> Sourcing<'a> {
                 offset: base,
                 dtype: DType::U8,
                 shape: vec![blob.length],
-                fills: vec![Fill {
+                source: RegionSource::Fills(vec![Fill {
                     input: self.input(&blob.file),
                     encoding: Encoding::Raw,
                     dtype: DType::U8,
@@ -434,7 +494,7 @@ impl<'a> Sourcing<'a> {
                     strides: vec![1],
                     start: vec![0],
                     sizes: vec![blob.length],
-                }],
+                }]),
                 crc_slots: Vec::new(),
             });
             file.len = base + blob.length;
@@ -989,12 +1049,12 @@ impl<'m> Describe<'m> for &'m DcpFiles<'_> {
 }
 
 /// Pieces of `t`, with exact duplicates (replicas saved by several ranks) dropped.
-fn unique_pieces(t: &Tensor) -> impl Iterator<Item = (usize, &crate::model::Piece)> {
+fn unique_pieces(t: &Tensor) -> impl Iterator<Item = (usize, PieceRef<'_>)> {
     let mut seen = BTreeSet::new();
     t.pieces
         .iter()
         .enumerate()
-        .filter(move |(_, p)| seen.insert((p.offsets.as_slice(), p.sizes.as_slice())))
+        .filter(move |(_, p)| seen.insert((p.offsets(), p.sizes())))
 }
 
 /// A tensor's distinct pieces, sorted by where they start on the dim they are cut on, so that the
@@ -1016,18 +1076,20 @@ impl PieceIndex {
         let unique: Vec<usize> = unique_pieces(t).map(|(k, _)| k).collect();
         let dim = (0..t.shape.len())
             .max_by_key(|&d| {
-                let starts: BTreeSet<u64> =
-                    unique.iter().map(|&k| t.pieces[k].offsets[d]).collect();
+                let starts: BTreeSet<u64> = unique
+                    .iter()
+                    .map(|&k| t.pieces.get(k).offsets()[d])
+                    .collect();
                 starts.len()
             })
             .unwrap_or(0);
-        let at = |k: usize| t.pieces[k].offsets.get(dim).copied().unwrap_or(0);
+        let at = |k: usize| t.pieces.get(k).offsets().get(dim).copied().unwrap_or(0);
         let mut order = unique;
         order.sort_by_key(|&k| (at(k), k));
         let starts = order.iter().map(|&k| at(k)).collect();
         let max_len = order
             .iter()
-            .map(|&k| t.pieces[k].sizes.get(dim).copied().unwrap_or(0))
+            .map(|&k| t.pieces.get(k).sizes().get(dim).copied().unwrap_or(0))
             .max()
             .unwrap_or(0);
         PieceIndex {
@@ -1059,20 +1121,17 @@ impl PieceIndex {
 /// A tensor can be planned when its pieces are well-formed and cover it exactly once.
 fn check_tensor(t: &Tensor) -> Result<()> {
     let rank = t.shape.len();
-    for p in &t.pieces {
-        if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
-            return Err(Error::invalid(format!(
-                "a piece has {} dims but the tensor has {rank}",
-                p.offsets.len()
-            ))
-            .tensor(&t.name)
-            .file(&p.data.file));
-        }
+    if t.pieces.ndim() != rank {
+        return Err(Error::invalid(format!(
+            "its pieces have {} dims but the tensor has {rank}",
+            t.pieces.ndim()
+        ))
+        .tensor(&t.name));
     }
     let boxes: Vec<Box> = unique_pieces(t)
         .map(|(_, p)| Box {
-            offsets: p.offsets.clone(),
-            sizes: p.sizes.clone(),
+            offsets: p.offsets().to_vec(),
+            sizes: p.sizes().to_vec(),
         })
         .collect();
     if let Some(problem) = geometry::check_coverage(&t.shape, &boxes).first() {
@@ -1106,7 +1165,7 @@ mod tests {
             key_path: Vec::new(),
             dtype: DType::F32,
             shape: shape.to_vec(),
-            pieces,
+            pieces: crate::model::Pieces::from_vec(shape.len(), pieces).unwrap(),
         }
     }
 
@@ -1136,8 +1195,8 @@ mod tests {
                     let found = index.meeting(&b);
                     for (k, p) in t.pieces.iter().enumerate().take(12) {
                         let pb = Box {
-                            offsets: p.offsets.clone(),
-                            sizes: p.sizes.clone(),
+                            offsets: p.offsets().to_vec(),
+                            sizes: p.sizes().to_vec(),
                         };
                         assert_eq!(
                             pb.intersect(&b).is_some(),
@@ -1148,6 +1207,47 @@ mod tests {
                     assert!(found.windows(2).all(|w| w[0] < w[1]), "in piece order");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_fills_of_a_part_are_the_fills_of_the_whole_that_meet_it() {
+        let rows = [(0, 3), (3, 4), (7, 1)];
+        let cols = [(0, 2), (2, 2), (4, 5), (9, 1)];
+        let mut boxes = Vec::new();
+        for &(r0, rn) in &rows {
+            for &(c0, cn) in &cols {
+                boxes.push((vec![r0, c0], vec![rn, cn]));
+            }
+        }
+        let ckpt = Checkpoint {
+            root: PathBuf::from("/nonexistent"),
+            format: crate::model::Format::Dcp,
+            world_size: None,
+            tensors: vec![tensor_of_boxes(&[8, 10], &boxes)],
+            values: Vec::new(),
+        };
+        let src = Sourcing::new(&ckpt, &PlanOptions::default()).unwrap();
+        let b = Box {
+            offsets: vec![1, 1],
+            sizes: vec![6, 8],
+        };
+        let whole = src.fills(0, &b, None);
+        assert_eq!(whole.len(), 6, "rows 0..3 and 3..7, cols 0..2, 2..4 and 4..9");
+        for (start, sizes) in [
+            (vec![0, 0], vec![6, 8]),
+            (vec![0, 0], vec![1, 8]),
+            (vec![2, 0], vec![3, 8]),
+            (vec![5, 3], vec![1, 1]),
+            (vec![1, 2], vec![4, 3]),
+        ] {
+            let meets = |f: &Fill| {
+                (0..2).all(|d| {
+                    f.start[d] < start[d] + sizes[d] && start[d] < f.start[d] + f.sizes[d]
+                })
+            };
+            let want: Vec<Fill> = whole.iter().filter(|f| meets(f)).cloned().collect();
+            assert_eq!(src.fills(0, &b, Some((&start, &sizes))), want, "{start:?} {sizes:?}");
         }
     }
 

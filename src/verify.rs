@@ -247,46 +247,45 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
     let mut file_lens: BTreeMap<&Path, Option<u64>> = BTreeMap::new();
     for t in &ckpt.tensors {
         let rank = t.shape.len();
+        if t.pieces.ndim() != rank {
+            problems.push(
+                Problem::error(format!(
+                    "its pieces have {} dims but the tensor has {rank}",
+                    t.pieces.ndim()
+                ))
+                .tensor(&t.name),
+            );
+            continue;
+        }
         let mut boxes = Vec::new();
-        for p in &t.pieces {
-            if p.offsets.len() != rank || p.sizes.len() != rank || p.data.strides.len() != rank {
-                problems.push(
-                    Problem::error(format!(
-                        "a piece has {} dims but the tensor has {rank}",
-                        p.offsets.len()
-                    ))
-                    .tensor(&t.name)
-                    .file(&p.data.file),
-                );
-                continue;
-            }
+        for p in t.pieces.iter() {
             boxes.push(Box {
-                offsets: p.offsets.clone(),
-                sizes: p.sizes.clone(),
+                offsets: p.offsets().to_vec(),
+                sizes: p.sizes().to_vec(),
             });
-            if p.data.encoding != Encoding::Raw || p.sizes.contains(&0) {
+            if p.encoding() != Encoding::Raw || p.sizes().contains(&0) {
                 continue;
             }
-            let len = *file_lens.entry(&*p.data.file).or_insert_with(|| {
-                std::fs::metadata(ckpt.path_of(&p.data.file))
+            let len = *file_lens.entry(&**p.file()).or_insert_with(|| {
+                std::fs::metadata(ckpt.path_of(p.file()))
                     .ok()
                     .map(|m| m.len())
             });
             let elem = t.dtype.size() as u64;
             let end = p
-                .sizes
+                .sizes()
                 .iter()
-                .zip(&p.data.strides)
+                .zip(p.strides().iter())
                 .try_fold(0u64, |acc, (&n, &s)| {
                     acc.checked_add((n - 1).checked_mul(s)?)
                 })
                 .and_then(|last| last.checked_add(1)?.checked_mul(elem))
-                .and_then(|b| b.checked_add(p.data.offset));
+                .and_then(|b| b.checked_add(p.offset()));
             match (len, end) {
                 (None, _) => {
                     problems.push(
                         Problem::error("file is missing")
-                            .file(&p.data.file)
+                            .file(p.file())
                             .tensor(&t.name),
                     );
                 }
@@ -294,9 +293,9 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                 (Some(len), _) => {
                     problems.push(
                         Problem::error(format!("data runs past the end of the file ({len} bytes)"))
-                            .file(&p.data.file)
+                            .file(p.file())
                             .tensor(&t.name)
-                            .at(p.data.offset),
+                            .at(p.offset()),
                     );
                 }
             }

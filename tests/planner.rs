@@ -10,7 +10,9 @@ use std::sync::atomic::AtomicBool;
 use ckpt::dtype::DType;
 use ckpt::exec::{self, ExecOptions, IoMode, NoProgress};
 use ckpt::geometry::Placement;
-use ckpt::model::{contiguous_strides, Checkpoint, DataRef, Encoding, Format, Piece, Tensor};
+use ckpt::model::{
+    contiguous_strides, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
+};
 use ckpt::plan::{self, MeshSpec, Plan, PlanOptions, Target};
 use proptest::prelude::*;
 
@@ -71,7 +73,7 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
                 key_path: vec![],
                 dtype: *dtype,
                 shape: shape.clone(),
-                pieces: vec![piece],
+                pieces: Pieces::single(piece).unwrap(),
             }
         })
         .collect();
@@ -112,7 +114,7 @@ fn write_counts(plan: &Plan) -> Vec<Vec<u32>> {
                 // Each element of the region must be filled by exactly one fill.
                 let strides = contiguous_strides(&r.shape);
                 let elem = r.dtype.size() as u64;
-                for fill in &r.fills {
+                for fill in plan.fills(r, None).unwrap().iter() {
                     let n: u64 = fill.sizes.iter().product();
                     for k in 0..n {
                         let mut rest = k;

@@ -6,7 +6,7 @@
 //! Writing produces the index bytes exactly as `transformers`' `save_pretrained` does.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 
 use crate::error::{Error, Result};
 use crate::formats::safetensors::{
@@ -143,13 +143,10 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             .tensor(*missing)
             .hint("the index and the files come from different saves"));
         }
-        let file_name = PathBuf::from(file);
-        tensors.extend(
-            header
-                .tensors
-                .iter()
-                .map(|t| safetensors::full_tensor(t, &file_name, header.data_start)),
-        );
+        let file_name: std::sync::Arc<Path> = Path::new(file).into();
+        for t in &header.tensors {
+            tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
+        }
     }
 
     Ok(Checkpoint {
@@ -343,7 +340,7 @@ mod tests {
             assert_eq!(names, ["b", "a", "c"]);
             let c = &ckpt.tensors[2];
             assert_eq!(
-                &*c.pieces[0].data.file,
+                &**c.pieces.get(0).file(),
                 Path::new("model-00002-of-00002.safetensors")
             );
             assert_eq!(c.shape, vec![2, 2]);

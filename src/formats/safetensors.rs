@@ -21,13 +21,14 @@ use std::fs::File;
 use std::io::Read;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{
-    contiguous_strides, numel, Checkpoint, DataRef, Encoding, Format, Piece, Tensor,
+    contiguous_strides, numel, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
 };
 
 /// Largest header the `safetensors` crate accepts; anything larger is corruption, and the cap keeps
@@ -301,11 +302,12 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         .hint("read the directory that holds all the `shard-*-model-*.safetensors` files instead"));
     }
     let (root, file) = split_path(path)?;
+    let file: Arc<Path> = file.into();
     let tensors = header
         .tensors
         .iter()
         .map(|t| full_tensor(t, &file, header.data_start))
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     Ok(Checkpoint {
         root,
         format: Format::Safetensors,
@@ -328,23 +330,28 @@ pub(crate) fn split_path(path: &Path) -> Result<(PathBuf, PathBuf)> {
 }
 
 /// A header tensor as one whole-tensor piece of `file`, whose data buffer starts at `data_start`.
-pub(crate) fn full_tensor(t: &HeaderTensor, file: &Path, data_start: u64) -> Tensor {
-    Tensor {
+pub(crate) fn full_tensor(t: &HeaderTensor, file: &Arc<Path>, data_start: u64) -> Result<Tensor> {
+    Ok(Tensor {
         name: t.name.clone(),
         key_path: Vec::new(),
         dtype: t.dtype,
         shape: t.shape.clone(),
-        pieces: vec![piece(t, vec![0; t.shape.len()], file, data_start)],
-    }
+        pieces: Pieces::single(piece(t, vec![0; t.shape.len()], file, data_start))?,
+    })
 }
 
 /// A header tensor as the box at `offsets` of some larger tensor.
-pub(crate) fn piece(t: &HeaderTensor, offsets: Vec<u64>, file: &Path, data_start: u64) -> Piece {
+pub(crate) fn piece(
+    t: &HeaderTensor,
+    offsets: Vec<u64>,
+    file: &Arc<Path>,
+    data_start: u64,
+) -> Piece {
     Piece {
         offsets,
         sizes: t.shape.clone(),
         data: DataRef {
-            file: file.into(),
+            file: Arc::clone(file),
             // Cannot saturate: parse_header checked data_start + end against the file length.
             offset: data_start.saturating_add(t.begin),
             strides: contiguous_strides(&t.shape),
@@ -636,13 +643,14 @@ mod tests {
         let w = &ckpt.tensors[0];
         assert_eq!(w.shape, vec![2, 3]);
         assert_eq!(w.pieces.len(), 1);
-        assert_eq!(w.pieces[0].offsets, vec![0, 0]);
-        assert_eq!(w.pieces[0].sizes, vec![2, 3]);
-        assert_eq!(&*w.pieces[0].data.file, Path::new("m.safetensors"));
-        assert_eq!(w.pieces[0].data.offset, h.data_start);
-        assert_eq!(w.pieces[0].data.strides, vec![3, 1]);
-        assert_eq!(ckpt.tensors[1].pieces[0].data.offset, h.data_start + 24);
-        assert_eq!(ckpt.tensors[3].pieces[0].offsets, Vec::<u64>::new());
+        let p = w.pieces.get(0);
+        assert_eq!(p.offsets(), [0, 0]);
+        assert_eq!(p.sizes(), [2, 3]);
+        assert_eq!(&**p.file(), Path::new("m.safetensors"));
+        assert_eq!(p.offset(), h.data_start);
+        assert_eq!(&*p.strides(), [3, 1]);
+        assert_eq!(ckpt.tensors[1].pieces.get(0).offset(), h.data_start + 24);
+        assert_eq!(ckpt.tensors[3].pieces.get(0).offsets(), [] as [u64; 0]);
     }
 
     #[test]

@@ -451,6 +451,12 @@ impl<'g> View<'g> {
         (id != NONE).then(|| self.graph.view(id))
     }
 
+    /// The node's identity: two views of one node have the same id. Ids of nodes a consumed
+    /// batch made are given to later nodes (see [`crate::pickle::Consumer`]).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
     pub fn kind(&self) -> Kind {
         match self.node() {
             Node::None => Kind::None,

@@ -81,12 +81,27 @@ pub fn parse<'a>(
 /// batch the nodes it made are dropped, except that memo entries the pickle fetches later (found
 /// by a first pass, see `scan.rs`) keep a copy when they are scalars; when one is not, or the
 /// batch changed an older container, the batch's nodes are simply kept.
+///
+/// Inside a claimed dict's batch (whose values may be large objects: a DCP tensor entry holds a
+/// chunk per rank, and a batch holds a thousand entries), a list set under a string key in the
+/// state of any object may be claimed too ([`Consumer::claims_list`]); its `APPENDS` batches go to
+/// [`Consumer::consume_list`] the same way, and the list stays empty in the graph.
 pub trait Consumer {
     /// Whether the items of the dict set under `key` in the state of `owner` go to `consume`.
     fn claims(&mut self, owner: View<'_>, key: &str) -> bool;
     /// One batch of key-value pairs of a claimed dict, in order. `Break` stops the reader (with
     /// [`PickleError::Stopped`]); the consumer keeps the reason.
     fn consume(&mut self, key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()>;
+    /// Whether the items of the list set under `key` in the state of `owner` go to
+    /// `consume_list`.
+    fn claims_list(&mut self, _owner: View<'_>, _key: &str) -> bool {
+        false
+    }
+    /// One batch of items of a claimed list, in order; `list` is the (still empty) list, whose
+    /// [`View::id`] is the same when its owner is consumed later.
+    fn consume_list(&mut self, _list: View<'_>, _items: &[View<'_>]) -> ControlFlow<()> {
+        ControlFlow::Continue(())
+    }
 }
 
 /// [`parse`], handing the items of the dicts `consumer` claims to it instead of the graph.
@@ -113,7 +128,7 @@ fn run_machine<'a>(
         Some(Consuming {
             consumer: c,
             fetched: super::scan::fetched_memo(bytes)?,
-            batch: None,
+            open: Vec::new(),
             closed: None,
             memo_log: Vec::new(),
         })
@@ -144,22 +159,30 @@ struct Consuming<'c> {
     consumer: &'c mut dyn Consumer,
     /// Memo indices the pickle ever fetches.
     fetched: std::collections::HashSet<u64>,
-    /// The claimed batch being read, if any.
-    batch: Option<ClaimedBatch>,
+    /// The claimed batches being read, outermost first: a dict's, and inside it a list's.
+    open: Vec<ClaimedBatch>,
     /// The claimed batch whose mark the last `pop_mark` closed.
     closed: Option<ClaimedBatch>,
     /// Memo indices put while a claimed batch is open.
     memo_log: Vec<u64>,
 }
 
+/// Claimed batches open at once at most: a dict's, and a list's inside it.
+const MAX_OPEN_CLAIMS: usize = 2;
+
 /// Where the graph's arenas stood when a claimed batch's `MARK` opened it.
 #[derive(Clone, Copy)]
 struct ClaimedBatch {
     /// `marks.len()` once this batch's mark is pushed.
     depth: usize,
-    dict: Id,
+    /// The claimed dict or list.
+    container: Id,
+    /// A list's batch (`APPENDS`), not a dict's (`SETITEMS`).
+    list: bool,
     /// The claimed key, as a span of the input.
     key: Span,
+    /// `memo_log.len()` when the batch opened.
+    log_start: usize,
     nodes: usize,
     pool: usize,
     batches: usize,
@@ -548,7 +571,11 @@ impl<'a> Machine<'a, '_> {
                 }
                 APPENDS => {
                     let mark = self.pop_mark(at)?;
-                    self.extend(at, mark, "APPEND")?;
+                    let closed = self.consuming.as_mut().and_then(|c| c.closed.take());
+                    match closed {
+                        Some(batch) if batch.list => self.consume_batch(at, mark, batch)?,
+                        _ => self.extend(at, mark, "APPEND")?,
+                    }
                 }
                 EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY, origin(at)))?,
                 DICT => {
@@ -566,8 +593,8 @@ impl<'a> Machine<'a, '_> {
                     self.check_pairs(at, mark)?;
                     let closed = self.consuming.as_mut().and_then(|c| c.closed.take());
                     match closed {
-                        Some(batch) => self.consume_batch(at, mark, batch)?,
-                        None => self.extend(at, mark, "SETITEM")?,
+                        Some(batch) if !batch.list => self.consume_batch(at, mark, batch)?,
+                        _ => self.extend(at, mark, "SETITEM")?,
                     }
                 }
                 EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
@@ -738,36 +765,45 @@ impl<'a> Machine<'a, '_> {
             .ok_or_else(|| malformed(at, "no open `MARK`"))?;
         if let Some(c) = &mut self.consuming {
             c.closed = None;
-            if c.batch.is_some_and(|b| b.depth == depth) {
-                c.closed = c.batch.take();
+            if c.open.last().is_some_and(|b| b.depth == depth) {
+                c.closed = c.open.pop();
             }
         }
         Ok(mark.min(self.stack.len()))
     }
 
-    /// At a `MARK`: if it opens a batch of items for a dict the consumer claims, remember where
-    /// the graph stands (see [`Consumer`]).
+    /// At a `MARK`: if it opens a batch of items for a dict or list the consumer claims, remember
+    /// where the graph stands (see [`Consumer`]).
     fn open_claimed_batch(&mut self) {
         let Some(c) = &mut self.consuming else {
             return;
         };
-        // The dict and its key on top of the stack, inside the state dict of an object: the
-        // stack reads [.., owner, state, MARK, .., key, dict] and one mark is open.
-        if c.batch.is_some() || self.marks.len() != 1 {
+        if c.open.len() >= MAX_OPEN_CLAIMS {
             return;
         }
+        // The container and its key on top of the stack, inside the state dict of an object:
+        // the stack reads [.., owner, state, MARK, .., key, container]. A dict is claimed only in
+        // the state of a top-level object (one mark open) and outside any other claim.
         let n = self.stack.len();
-        let (Some(&dict), Some(&key), Some(&outer)) = (
+        let (Some(&container), Some(&key), Some(&state_mark)) = (
             self.stack.get(n.wrapping_sub(1)),
             self.stack.get(n.wrapping_sub(2)),
-            self.marks.first(),
+            self.marks.last(),
         ) else {
             return;
         };
-        let Some(&owner) = self.stack.get(outer.wrapping_sub(2)) else {
+        let list = match self.graph.node(container) {
+            Node::Dict(..) if c.open.is_empty() && self.marks.len() == 1 => false,
+            Node::List(..) => true,
+            _ => return,
+        };
+        let (Some(&owner), Some(&state)) = (
+            self.stack.get(state_mark.wrapping_sub(2)),
+            self.stack.get(state_mark.wrapping_sub(1)),
+        ) else {
             return;
         };
-        let (Node::Dict(..), Node::Str(span)) = (self.graph.node(dict), self.graph.node(key))
+        let (Node::Dict(..), Node::Str(span)) = (self.graph.node(state), self.graph.node(key))
         else {
             return;
         };
@@ -779,13 +815,24 @@ impl<'a> Machine<'a, '_> {
         else {
             return;
         };
-        if !c.consumer.claims(self.graph.view(owner), name) {
+        let owner = self.graph.view(owner);
+        let claimed = if list {
+            c.consumer.claims_list(owner, name)
+        } else {
+            c.consumer.claims(owner, name)
+        };
+        if !claimed {
             return;
         }
-        c.batch = Some(ClaimedBatch {
+        if c.open.is_empty() {
+            c.memo_log.clear();
+        }
+        c.open.push(ClaimedBatch {
             depth: self.marks.len() + 1,
-            dict,
+            container,
+            list,
             key: span,
+            log_start: c.memo_log.len(),
             nodes: self.graph.nodes.len(),
             pool: self.graph.pool.len(),
             batches: self.graph.batches.len(),
@@ -793,53 +840,58 @@ impl<'a> Machine<'a, '_> {
             object_items: self.graph.object_items.len(),
             dirty: false,
         });
-        c.memo_log.clear();
     }
 
     /// A container or object is about to change: if it is older than an open claimed batch, the
     /// batch's nodes cannot be dropped (the change may point into them).
     fn touch(&mut self, target: Id) {
-        if let Some(Consuming {
-            batch: Some(batch), ..
-        }) = &mut self.consuming
-        {
-            if (target as usize) < batch.nodes {
-                batch.dirty = true;
+        if let Some(c) = &mut self.consuming {
+            for batch in &mut c.open {
+                if (target as usize) < batch.nodes {
+                    batch.dirty = true;
+                }
             }
         }
     }
 
-    /// `SETITEMS` closing a claimed batch: hand `stack[mark..]` to the consumer, then drop the
-    /// nodes the batch made (see [`Consumer`]).
+    /// `SETITEMS` (`APPENDS`) closing a claimed dict's (list's) batch: hand `stack[mark..]` to
+    /// the consumer, then drop the nodes the batch made (see [`Consumer`]).
     fn consume_batch(
         &mut self,
         at: usize,
         mark: usize,
         batch: ClaimedBatch,
     ) -> Result<(), PickleError> {
+        let opcode = if batch.list { "APPEND" } else { "SETITEM" };
         let target = mark.checked_sub(1).and_then(|t| self.stack.get(t).copied());
         let Some(c) = &mut self.consuming else {
-            return self.extend(at, mark, "SETITEM");
+            return self.extend(at, mark, opcode);
         };
-        if target != Some(batch.dict) {
-            // Not the dict the batch was opened for (the stack changed under the mark).
-            return self.extend(at, mark, "SETITEM");
+        if target != Some(batch.container) {
+            // Not the container the batch was opened for (the stack changed under the mark).
+            return self.extend(at, mark, opcode);
         }
-        let key = self
-            .graph
-            .input
-            .get(batch.key.range())
-            .and_then(|b| std::str::from_utf8(b).ok())
-            .unwrap_or_default();
         let items = self.stack.get(mark..).unwrap_or_default();
-        let pairs: Vec<(View<'_>, View<'_>)> = items
-            .chunks_exact(2)
-            .map(|kv| (self.graph.view(kv[0]), self.graph.view(kv[1])))
-            .collect();
-        if c.consumer.consume(key, &pairs).is_break() {
+        let flow = if batch.list {
+            let views: Vec<View<'_>> = items.iter().map(|&id| self.graph.view(id)).collect();
+            c.consumer
+                .consume_list(self.graph.view(batch.container), &views)
+        } else {
+            let key = self
+                .graph
+                .input
+                .get(batch.key.range())
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .unwrap_or_default();
+            let pairs: Vec<(View<'_>, View<'_>)> = items
+                .chunks_exact(2)
+                .map(|kv| (self.graph.view(kv[0]), self.graph.view(kv[1])))
+                .collect();
+            c.consumer.consume(key, &pairs)
+        };
+        if flow.is_break() {
             return Err(PickleError::Stopped { offset: at });
         }
-        drop(pairs);
         self.stack.truncate(mark);
         self.drop_batch_nodes(batch);
         Ok(())
@@ -852,7 +904,15 @@ impl<'a> Machine<'a, '_> {
         let Some(c) = &mut self.consuming else {
             return;
         };
-        let log = std::mem::take(&mut c.memo_log);
+        // An outer batch still open sees these memo entries again when it closes.
+        let log = if c.open.is_empty() {
+            std::mem::take(&mut c.memo_log)
+        } else {
+            c.memo_log
+                .get(batch.log_start..)
+                .unwrap_or_default()
+                .to_vec()
+        };
         if batch.dirty {
             return;
         }
@@ -1153,7 +1213,7 @@ impl<'a> Machine<'a, '_> {
         }
         self.memo.put(index, top);
         if let Some(c) = &mut self.consuming {
-            if c.batch.is_some() {
+            if !c.open.is_empty() {
                 c.memo_log.push(index);
             }
         }
@@ -1292,6 +1352,90 @@ mod tests {
             .map(|v| v.as_str().unwrap().to_string())
             .collect();
         assert_eq!(after, (0..7).map(|i| format!("v{i}")).collect::<Vec<_>>());
+    }
+
+    /// Takes the dict under `big` in the state of an `m.Owner` and, inside it, the lists under
+    /// `xs` in the state of each `m.Item`: per entry, its key and its list's items.
+    #[derive(Default)]
+    struct TakeNested {
+        lists: HashMap<u32, Vec<String>>,
+        entries: Vec<(String, Vec<String>)>,
+        list_batches: usize,
+    }
+
+    impl Consumer for TakeNested {
+        fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+            owner.class() == Some(("m", "Owner")) && key == "big"
+        }
+
+        fn consume(&mut self, _key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+            for (k, v) in pairs {
+                let list = v.state().and_then(|s| s.get("xs")).unwrap();
+                let mut items = self.lists.remove(&list.id()).unwrap_or_default();
+                // Items not taken (a last one `APPEND`ed alone) are still in the graph.
+                items.extend(
+                    list.as_seq()
+                        .unwrap()
+                        .map(|x| x.as_str().unwrap().to_string()),
+                );
+                self.entries.push((k.as_str().unwrap().to_string(), items));
+            }
+            ControlFlow::Continue(())
+        }
+
+        fn claims_list(&mut self, owner: View<'_>, key: &str) -> bool {
+            owner.class() == Some(("m", "Item")) && key == "xs"
+        }
+
+        fn consume_list(&mut self, list: View<'_>, items: &[View<'_>]) -> ControlFlow<()> {
+            self.list_batches += 1;
+            let taken = self.lists.entry(list.id()).or_default();
+            taken.extend(items.iter().map(|x| x.as_str().unwrap().to_string()));
+            ControlFlow::Continue(())
+        }
+    }
+
+    #[test]
+    fn lists_inside_a_claimed_dict_are_taken_batch_by_batch() {
+        // 1500 entries (two dict batches), each an `m.Item` whose `xs` holds 2001 strings (three
+        // list batches: ckpt's writer batches by a thousand, a last one too); the strings
+        // repeat, so most are memo fetches.
+        let item = |i: usize| {
+            let xs = (0..2001)
+                .map(|j| s(&format!("x{}", (i + j) % 50)))
+                .collect();
+            Value::Object(Box::new(Object {
+                callable: Value::global("m", "Item"),
+                args: vec![],
+                new_obj: true,
+                dict_items: vec![],
+                list_items: vec![],
+                state: Some(Value::Dict(vec![(s("xs"), Value::List(xs))])),
+            }))
+        };
+        let big = (0..1500).map(|i| (s(&format!("k{i}")), item(i))).collect();
+        let v = Value::Object(Box::new(Object {
+            callable: Value::global("m", "Owner"),
+            args: vec![],
+            new_obj: true,
+            dict_items: vec![],
+            list_items: vec![],
+            state: Some(Value::Dict(vec![(s("big"), Value::Dict(big))])),
+        }));
+        let bytes = crate::pickle::write(&v, crate::pickle::Protocol::V4);
+        let allowed = [("m", "Owner"), ("m", "Item")];
+        let mut take = TakeNested::default();
+        let graph =
+            parse_consuming(&bytes, &allowed.as_slice(), Limits::default(), &mut take).unwrap();
+        assert_eq!(take.list_batches, 1500 * 3);
+        assert_eq!(take.entries.len(), 1500);
+        for (i, (k, xs)) in take.entries.iter().enumerate() {
+            assert_eq!(k, &format!("k{i}"));
+            let want: Vec<String> = (0..2001).map(|j| format!("x{}", (i + j) % 50)).collect();
+            assert_eq!(xs, &want, "entry {i}");
+        }
+        // Only the skeleton is left: no entry's list items stood in the graph at the end.
+        assert!(node_count(&graph) < 100, "{} nodes", node_count(&graph));
     }
 
     #[test]

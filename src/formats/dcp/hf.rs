@@ -9,13 +9,14 @@
 //! missing rank file would silently shrink a tensor; coverage is checked by the verifier, not here.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::formats::safetensors::{
     self, first_duplicate, python_json_string, Entries, DCP_SHARDING_INFO,
 };
-use crate::model::{Checkpoint, Format, Tensor};
+use crate::model::{Checkpoint, Format, Pieces, Tensor};
 
 /// `__metadata__` key torch writes with the value [`DCP_VERSION`].
 const DCP_VERSION_KEY: &str = "DCP_VERSION";
@@ -136,7 +137,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         let path = dir.join(name);
         let header = safetensors::read_header(&path)?;
         let sharding = sharding_info(&header).map_err(|e| e.file(&path))?;
-        let file = PathBuf::from(name);
+        let file: Arc<Path> = Path::new(name).into();
         for t in &header.tensors {
             let at = header.data_start.saturating_add(t.begin);
             let offsets = match &sharding {
@@ -170,8 +171,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 Some(tensor) => {
                     let other = tensor
                         .pieces
-                        .first()
-                        .map(|p| p.data.file.display().to_string())
+                        .iter()
+                        .next()
+                        .map(|p| p.file().display().to_string())
                         .unwrap_or_default();
                     if tensor.dtype != t.dtype {
                         return Err(Error::invalid(format!(
@@ -192,7 +194,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                         .tensor(&t.name)
                         .at(at));
                     }
-                    tensor.pieces.push(piece);
+                    tensor.pieces.push(piece).map_err(|e| e.tensor(&t.name))?;
                 }
                 None => {
                     by_name.insert(t.name.clone(), tensors.len());
@@ -202,7 +204,8 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                         dtype: t.dtype,
                         // Rank only, for now: the extent comes from all pieces below.
                         shape: vec![0; t.shape.len()],
-                        pieces: vec![piece],
+                        pieces: Pieces::from_vec(t.shape.len(), vec![piece])
+                            .map_err(|e| e.tensor(&t.name))?,
                     });
                 }
             }
@@ -210,19 +213,19 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     }
 
     for tensor in &mut tensors {
-        for piece in &tensor.pieces {
+        for piece in tensor.pieces.iter() {
             for ((dim, &offset), &size) in tensor
                 .shape
                 .iter_mut()
-                .zip(&piece.offsets)
-                .zip(&piece.sizes)
+                .zip(piece.offsets())
+                .zip(piece.sizes())
             {
                 let end = offset.checked_add(size).ok_or_else(|| {
                     Error::invalid(format!(
                         "`saved_offsets` {:?} overflow 64 bits",
-                        piece.offsets
+                        piece.offsets()
                     ))
-                    .file(dir.join(&piece.data.file))
+                    .file(dir.join(piece.file()))
                     .tensor(&tensor.name)
                 })?;
                 *dim = (*dim).max(end);
@@ -431,14 +434,15 @@ mod tests {
         let a = &ckpt.tensors[0];
         assert_eq!(a.shape, vec![5, 3]);
         assert_eq!(a.pieces.len(), 2);
-        assert_eq!(a.pieces[1].offsets, vec![3, 0]);
-        assert_eq!(a.pieces[1].sizes, vec![2, 3]);
-        assert_eq!(&*a.pieces[1].data.file, Path::new(&file_name(1, 1, 2)));
-        assert_eq!(a.pieces[1].data.strides, vec![3, 1]);
+        let p = a.pieces.get(1);
+        assert_eq!(p.offsets(), [3, 0]);
+        assert_eq!(p.sizes(), [2, 3]);
+        assert_eq!(&**p.file(), Path::new(&file_name(1, 1, 2)));
+        assert_eq!(&*p.strides(), [3, 1]);
         let header = safetensors::read_header(&dir.path().join(file_name(1, 1, 2))).unwrap();
-        assert_eq!(a.pieces[1].data.offset, header.data_start);
+        assert_eq!(p.offset(), header.data_start);
         assert_eq!(ckpt.tensors[1].shape, vec![1]);
-        assert_eq!(ckpt.tensors[1].pieces[1].sizes, vec![0]);
+        assert_eq!(ckpt.tensors[1].pieces.get(1).sizes(), [0]);
         assert_eq!(ckpt.tensors[2].shape, vec![4, 5]);
     }
 
@@ -453,7 +457,7 @@ mod tests {
             &[("format".to_string(), "pt".to_string())],
         );
         let ckpt = read(dir.path()).unwrap();
-        assert_eq!(ckpt.tensors[0].pieces[0].offsets, vec![0, 0]);
+        assert_eq!(ckpt.tensors[0].pieces.get(0).offsets(), [0, 0]);
         assert_eq!(ckpt.tensors[0].shape, vec![2, 2]);
         assert_eq!(ckpt.world_size, Some(1));
     }

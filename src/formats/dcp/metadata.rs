@@ -11,6 +11,7 @@
 //! `memory_format`, `pin_memory` and `strides` are informational and unused when torch loads), and
 //! `storage_meta` (save and load ids, the original directory), which torch never reads back.
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use crate::bail_invalid;
@@ -71,11 +72,47 @@ pub struct StorageInfo {
 }
 
 /// Parse `.metadata` bytes. Never executes anything; unknown globals are errors naming them.
-///
-/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), so no
-/// owned copy of the whole pickle is ever built.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
-    let mut taken = Taken::default();
+    let mut collected = Collect::default();
+    let rest = parse_into(bytes, &mut collected)?;
+    Ok(DcpMetadata {
+        entries: collected.entries,
+        storage: dedup_storage(collected.storage),
+        planner_data: rest.planner_data,
+        version: rest.version,
+    })
+}
+
+/// Where [`parse_into`] puts the `state_dict_metadata` entries and `storage_data` records, one at a
+/// time in pickled order, so a reader can keep what it needs of millions of them in its own form.
+///
+/// As in the Python dicts they were pickled from, a later entry with the same fqn replaces an
+/// earlier one, and a later record with the same `MetadataIndex` (fqn and offsets) does too.
+pub trait Sink {
+    fn entry(&mut self, entry: DcpEntry) -> Result<()>;
+    fn storage(&mut self, index: MetadataIndex, info: StorageInfo) -> Result<()>;
+}
+
+/// What [`parse_into`] returns besides what it gave its [`Sink`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Rest {
+    /// `planner_data`: fqn -> nesting path in the original state dict.
+    pub planner_data: Vec<(String, Vec<KeyPart>)>,
+    /// `version`, e.g. "1.0.0".
+    pub version: Option<String>,
+}
+
+/// Parse `.metadata` bytes, handing entries and storage records to `sink` as they are read.
+///
+/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), and the
+/// two big dicts are taken from it batch by batch (see [`pickle::Consumer`]), so no owned copy of
+/// the whole pickle is ever built.
+pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
+    let mut taken = Taken {
+        sink,
+        lists: HashMap::new(),
+        error: None,
+    };
     let graph = pickle::parse_consuming(bytes, &DcpGlobals, limits_for(bytes.len()), &mut taken)
         .map_err(|e| match (e, taken.error.take()) {
             (PickleError::Stopped { offset }, Some(err)) => Error {
@@ -100,23 +137,16 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
     // Items that were not consumed while reading (a last batch of one, written as `SETITEM`) come
     // after the consumed ones, as they did in the file.
     for (k, v) in sdm {
-        taken.add_entry(entry(k, v)?);
+        taken.sink.entry(entry(k, v, &mut taken.lists)?)?;
     }
-    let entries = taken.entries;
-
-    let storage = match state.get("storage_data").filter(|v| !v.is_none()) {
-        None => Vec::new(),
-        Some(v) => {
-            let items =
-                dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
-            let mut pairs = taken.storage;
-            pairs.reserve(items.len());
-            for (k, v) in items {
-                pairs.push((metadata_index(k)?, storage_info(k, v)?));
-            }
-            dedup_storage(pairs)
+    if let Some(v) = state.get("storage_data").filter(|v| !v.is_none()) {
+        let items = dict_items(v).ok_or_else(|| Error::invalid("`storage_data` is not a dict"))?;
+        for (k, v) in items {
+            taken
+                .sink
+                .storage(metadata_index(k)?, storage_info(k, v)?)?;
         }
-    };
+    }
 
     let planner_data = match state.get("planner_data").filter(|v| !v.is_none()) {
         None => Vec::new(),
@@ -138,9 +168,7 @@ pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
         },
     };
 
-    Ok(DcpMetadata {
-        entries,
-        storage,
+    Ok(Rest {
         planner_data,
         version,
     })
@@ -404,34 +432,68 @@ impl Globals for DcpGlobals {
     }
 }
 
-/// What [`parse`] takes from `state_dict_metadata` and `storage_data` as the pickle is read, so
-/// that their millions of objects never stand in the graph at once (see [`pickle::Consumer`]).
+/// The [`Sink`] of [`parse`]: everything, as a [`DcpMetadata`] holds it.
 #[derive(Default)]
-struct Taken {
+struct Collect {
     entries: Vec<DcpEntry>,
     /// Position in `entries` of each fqn: a repeated key keeps its first place and last value,
     /// as a Python dict does.
     positions: std::collections::HashMap<String, usize>,
+    /// Deduplicated at the end ([`dedup_storage`]).
     storage: Vec<(MetadataIndex, StorageInfo)>,
+}
+
+impl Sink for Collect {
+    fn entry(&mut self, e: DcpEntry) -> Result<()> {
+        match self.positions.get(e.fqn()) {
+            Some(&i) => self.entries[i] = e,
+            None => {
+                self.positions
+                    .insert(e.fqn().to_string(), self.entries.len());
+                self.entries.push(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn storage(&mut self, index: MetadataIndex, info: StorageInfo) -> Result<()> {
+        self.storage.push((index, info));
+        Ok(())
+    }
+}
+
+impl DcpEntry {
+    pub fn fqn(&self) -> &str {
+        match self {
+            DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn,
+        }
+    }
+}
+
+/// What [`parse_into`] takes from `state_dict_metadata` and `storage_data` as the pickle is read,
+/// handed to the sink, so that their millions of objects never stand in the graph at once (see
+/// [`pickle::Consumer`]).
+struct Taken<'s> {
+    sink: &'s mut dyn Sink,
+    /// The chunks taken from each `chunks` list of a tensor entry, by the list's node id, until
+    /// the entry is read.
+    lists: HashMap<u32, Vec<Chunk>>,
     error: Option<Error>,
 }
 
-impl Taken {
-    fn add_entry(&mut self, e: DcpEntry) {
-        let fqn = match &e {
-            DcpEntry::Tensor { fqn, .. } | DcpEntry::Bytes { fqn } => fqn.clone(),
-        };
-        match self.positions.get(&fqn) {
-            Some(&i) => self.entries[i] = e,
-            None => {
-                self.positions.insert(fqn, self.entries.len());
-                self.entries.push(e);
+impl Taken<'_> {
+    fn stop(&mut self, result: Result<()>) -> ControlFlow<()> {
+        match result {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                self.error = Some(e);
+                ControlFlow::Break(())
             }
         }
     }
 }
 
-impl pickle::Consumer for Taken {
+impl pickle::Consumer for Taken<'_> {
     fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
         let is_metadata =
             matches!(owner.class(), Some((m, "Metadata")) if m == META || m == OLD_META);
@@ -442,20 +504,36 @@ impl pickle::Consumer for Taken {
         let result = (|| -> Result<()> {
             for &(k, v) in pairs {
                 if key == "state_dict_metadata" {
-                    self.add_entry(entry(k, v)?);
+                    self.sink.entry(entry(k, v, &mut self.lists)?)?;
                 } else {
-                    self.storage.push((metadata_index(k)?, storage_info(k, v)?));
+                    self.sink.storage(metadata_index(k)?, storage_info(k, v)?)?;
                 }
             }
             Ok(())
         })();
-        match result {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(e) => {
-                self.error = Some(e);
-                ControlFlow::Break(())
-            }
+        if key == "state_dict_metadata" {
+            // Lists of entries this batch did not hold are not any later entry's either: the
+            // ids of their nodes are given to new nodes from here on.
+            self.lists.clear();
         }
+        self.stop(result)
+    }
+
+    fn claims_list(&mut self, owner: View<'_>, key: &str) -> bool {
+        let is_tensor = matches!(
+            owner.class(),
+            Some((m, "TensorStorageMetadata")) if m == META || m == OLD_META
+        );
+        is_tensor && key == "chunks"
+    }
+
+    fn consume_list(&mut self, list: View<'_>, items: &[View<'_>]) -> ControlFlow<()> {
+        let chunks = self.lists.entry(list.id()).or_default();
+        let result = items.iter().try_for_each(|&c| {
+            chunks.push(raw_chunk(c)?);
+            Ok(())
+        });
+        self.stop(result)
     }
 }
 
@@ -488,8 +566,8 @@ fn pickle_error(err: PickleError) -> Error {
     e
 }
 
-/// One `state_dict_metadata` item.
-fn entry(key: View<'_>, value: View<'_>) -> Result<DcpEntry> {
+/// One `state_dict_metadata` item; `lists` holds the chunks already taken from tensor entries.
+fn entry(key: View<'_>, value: View<'_>, lists: &mut HashMap<u32, Vec<Chunk>>) -> Result<DcpEntry> {
     let fqn = key
         .as_str()
         .ok_or_else(|| {
@@ -508,10 +586,10 @@ fn entry(key: View<'_>, value: View<'_>) -> Result<DcpEntry> {
             describe(value)
         );
     };
-    tensor(&fqn, state).map_err(|e| e.tensor(&fqn))
+    tensor(&fqn, state, lists).map_err(|e| e.tensor(&fqn))
 }
 
-fn tensor(fqn: &str, state: View<'_>) -> Result<DcpEntry> {
+fn tensor(fqn: &str, state: View<'_>, lists: &mut HashMap<u32, Vec<Chunk>>) -> Result<DcpEntry> {
     let properties = state
         .get("properties")
         .ok_or_else(|| Error::invalid("`properties` is missing"))?;
@@ -526,13 +604,20 @@ fn tensor(fqn: &str, state: View<'_>) -> Result<DcpEntry> {
     {
         bail_invalid!("size {size:?} has more bytes than fit in 64 bits");
     }
-    let chunk_values = state
+    let list = state
         .get("chunks")
-        .and_then(|c| c.as_seq())
         .ok_or_else(|| Error::invalid("`chunks` is not a list"))?;
-    let chunks = chunk_values
-        .map(|c| chunk(c, &size))
-        .collect::<Result<Vec<_>>>()?;
+    let chunk_values = list
+        .as_seq()
+        .ok_or_else(|| Error::invalid("`chunks` is not a list"))?;
+    // Chunks taken while the list was read come first, as they did in the file.
+    let mut chunks = lists.remove(&list.id()).unwrap_or_default();
+    for c in chunk_values {
+        chunks.push(raw_chunk(c)?);
+    }
+    for c in &chunks {
+        check_chunk(c, &size)?;
+    }
     Ok(DcpEntry::Tensor {
         fqn: fqn.to_string(),
         dtype,
@@ -605,7 +690,8 @@ fn tensor_dtype(properties: View<'_>) -> Result<DType> {
     Ok(dtype)
 }
 
-fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
+/// A `ChunkStorageMetadata`, not yet checked against its tensor's size ([`check_chunk`]).
+fn raw_chunk(value: View<'_>) -> Result<Chunk> {
     let state =
         object_state(value, &[META, OLD_META], "ChunkStorageMetadata").ok_or_else(|| {
             Error::invalid(format!(
@@ -620,11 +706,17 @@ fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
             "a chunk's `offsets` or `sizes` is not a `torch.Size` of non-negative integers"
         );
     };
+    Ok(Chunk { offsets, sizes })
+}
+
+/// A chunk must lie inside its tensor.
+fn check_chunk(chunk: &Chunk, size: &[u64]) -> Result<()> {
+    let Chunk { offsets, sizes } = chunk;
     let fits = offsets.len() == size.len()
         && sizes.len() == size.len()
         && offsets
             .iter()
-            .zip(&sizes)
+            .zip(sizes)
             .zip(size)
             .all(|((&o, &s), &d)| o.checked_add(s).is_some_and(|end| end <= d));
     if !fits {
@@ -632,7 +724,7 @@ fn chunk(value: View<'_>, size: &[u64]) -> Result<Chunk> {
             "chunk at offsets {offsets:?} with sizes {sizes:?} does not fit in size {size:?}"
         );
     }
-    Ok(Chunk { offsets, sizes })
+    Ok(())
 }
 
 fn metadata_index(value: View<'_>) -> Result<MetadataIndex> {

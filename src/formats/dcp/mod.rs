@@ -15,12 +15,11 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use rayon::prelude::*;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::model::{
-    Blob, Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Tensor,
-};
-use metadata::{DcpEntry, StorageInfo};
+use crate::model::{Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor};
+use metadata::DcpEntry;
 
 /// Name of the metadata file in a DCP directory.
 pub const METADATA: &str = ".metadata";
@@ -58,76 +57,46 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         // truncation caveat.
         Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&meta_path, e))?)
     };
-    let meta = metadata::parse(map.as_deref().unwrap_or(&[])).map_err(|e| e.file(&meta_path))?;
+    let mut built = Builder::default();
+    let rest = metadata::parse_into(map.as_deref().unwrap_or(&[]), &mut built)
+        .map_err(|e| e.file(&meta_path))?;
     drop(map);
-    // Entries are consumed as they become tensors, so each one's chunks are freed as its pieces
-    // are made rather than both being alive at the end.
-    let metadata::DcpMetadata {
-        entries,
-        storage: storage_data,
-        planner_data,
-        ..
-    } = meta;
-
-    let storage = StorageIndex::new(&storage_data);
-    let paths: HashMap<&str, &[KeyPart]> = planner_data
+    built.apply_pending();
+    let paths: HashMap<&str, &[KeyPart]> = rest
+        .planner_data
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_slice()))
         .collect();
-    let files = Files::map_all(dir, &storage_data)?;
+    let key_path = |fqn: &str| paths.get(fqn).map(|p| p.to_vec()).unwrap_or_default();
+    let slots = std::mem::take(&mut built.slots);
+    let files = Files::map_all(dir, &built)?;
+    let world_size = world_size(dir, &built.file_names);
     let mut tensors = Vec::new();
     let mut values = Vec::new();
-    for entry in entries {
-        match entry {
-            DcpEntry::Tensor {
-                fqn,
-                dtype,
-                size,
-                chunks,
-            } => {
-                // Each chunk's item is a small torch.save archive to open; at a million chunks
-                // that is most of the read, and the items are independent.
-                let pieces = chunks
-                    .into_par_iter()
-                    .map(|chunk| {
-                        let info = storage
-                            .get(&fqn, Some(chunk.offsets.as_slice()))
-                            .ok_or_else(|| {
-                                Error::invalid(format!(
-                                    "no storage entry for the chunk at offsets {:?}",
-                                    chunk.offsets
-                                ))
-                                .file(&meta_path)
-                                .tensor(&fqn)
-                            })?;
-                        files
-                            .tensor_piece(info, dtype, chunk)
-                            .map_err(|e| e.tensor(&fqn))
-                    })
-                    .collect::<Result<Vec<Piece>>>()?;
+    // Each entry's columns are freed as its pieces are made, so the two are never both whole.
+    for slot in slots {
+        match slot {
+            Slot::Tensor(t) => {
+                let pieces = files
+                    .pieces(&t)
+                    .map_err(|e| e.file(&meta_path).tensor(&t.fqn))?;
                 tensors.push(Tensor {
-                    key_path: paths
-                        .get(fqn.as_str())
-                        .map(|p| p.to_vec())
-                        .unwrap_or_default(),
-                    name: fqn,
-                    dtype,
-                    shape: size,
+                    key_path: key_path(&t.fqn),
+                    name: t.fqn,
+                    dtype: t.dtype,
+                    shape: t.size,
                     pieces,
                 });
             }
-            DcpEntry::Bytes { fqn } => {
-                let info = storage.get(&fqn, None).ok_or_else(|| {
+            Slot::Bytes { fqn, item } => {
+                let item = item.ok_or_else(|| {
                     Error::invalid("no storage entry for this value")
                         .file(&meta_path)
                         .tensor(&fqn)
                 })?;
-                let (blob, value) = files.value(info).map_err(|e| e.tensor(&fqn))?;
+                let (blob, value) = files.value(&item).map_err(|e| e.tensor(&fqn))?;
                 values.push(NonTensor {
-                    key_path: paths
-                        .get(fqn.as_str())
-                        .map(|p| p.to_vec())
-                        .unwrap_or_default(),
+                    key_path: key_path(&fqn),
                     name: fqn,
                     value,
                     raw: Some(blob),
@@ -138,53 +107,223 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     Ok(Checkpoint {
         root: dir.to_path_buf(),
         format: Format::Dcp,
-        world_size: world_size(dir, &storage_data),
+        world_size,
         tensors,
         values,
     })
 }
 
-/// Where each item's bytes are, by fqn and chunk offsets: per fqn, its storage entries sorted by
-/// offsets. Four bytes per entry, where a map keyed by (fqn, offsets) took about seventy, and a
-/// reshard to 1024 ranks has two million entries.
-struct StorageIndex<'m> {
-    storage: &'m [(metadata::MetadataIndex, StorageInfo)],
-    by_fqn: HashMap<&'m str, Vec<u32>>,
+/// Where an item's bytes are: `_StorageInfo`, with its file numbered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Item {
+    /// Index into [`Builder::file_names`].
+    file: u32,
+    /// Index into [`Builder::transforms`].
+    transform: u32,
+    offset: u64,
+    length: u64,
 }
 
-impl<'m> StorageIndex<'m> {
-    fn new(storage: &'m [(metadata::MetadataIndex, StorageInfo)]) -> StorageIndex<'m> {
-        let mut by_fqn: HashMap<&str, Vec<u32>> = HashMap::new();
-        for (k, (index, _)) in storage.iter().enumerate() {
-            by_fqn.entry(index.fqn.as_str()).or_default().push(k as u32);
-        }
-        for entries in by_fqn.values_mut() {
-            // Stable, so of equal offsets the later entry stays later (it wins, as in a dict).
-            entries.sort_by(|&a, &b| {
-                storage[a as usize]
-                    .0
-                    .offset
-                    .cmp(&storage[b as usize].0.offset)
-            });
-        }
-        StorageIndex { storage, by_fqn }
+/// One `state_dict_metadata` entry as it is read, with the items its storage records give.
+enum Slot {
+    Tensor(TensorSlot),
+    Bytes { fqn: String, item: Option<Item> },
+}
+
+/// A tensor entry's chunks as columns, about 60 bytes each, where the parsed records of a chunk
+/// and its storage took over 300: a `.metadata` of 2M pieces is read in about 120 MB.
+struct TensorSlot {
+    fqn: String,
+    dtype: DType,
+    size: Vec<u64>,
+    /// Per chunk, its offsets then its sizes.
+    boxes: Vec<u64>,
+    /// Chunk indices sorted by offsets, to find a storage record's chunks by binary search;
+    /// made when a record's index hint does not name its chunk.
+    order: Vec<u32>,
+    /// Two chunks have the same offsets (a replica listed twice), so a record is put on every
+    /// chunk at its offsets, never on the one its hint names alone.
+    repeated: bool,
+    /// Per chunk, its item once a storage record named it.
+    items: Vec<Option<Item>>,
+}
+
+impl TensorSlot {
+    fn offsets(&self, k: usize) -> &[u64] {
+        let n = self.size.len();
+        &self.boxes[2 * n * k..2 * n * k + n]
     }
 
-    /// The storage of the item of `fqn` at `offsets` (`None` for a non-tensor entry); the last
-    /// one when the metadata repeats a key.
-    fn get(&self, fqn: &str, offsets: Option<&[u64]>) -> Option<&'m StorageInfo> {
-        let entries = self.by_fqn.get(fqn)?;
-        let key = |k: &u32| self.storage[*k as usize].0.offset.as_deref();
-        let end = entries.partition_point(|k| key(k) <= offsets);
-        let last = *entries.get(end.checked_sub(1)?)?;
-        let (index, info) = &self.storage[last as usize];
-        (index.offset.as_deref() == offsets).then_some(info)
+    fn sizes(&self, k: usize) -> &[u64] {
+        let n = self.size.len();
+        &self.boxes[2 * n * k + n..2 * n * (k + 1)]
+    }
+
+    fn sort(&mut self) {
+        let mut order: Vec<u32> = (0..self.items.len() as u32).collect();
+        // Stable and nearly sorted already (chunks come in rank order), so this is cheap.
+        order.sort_by(|&a, &b| self.offsets(a as usize).cmp(self.offsets(b as usize)));
+        self.order = order;
+    }
+}
+
+/// The [`metadata::Sink`] of [`read`]: entries in pickled order (a repeated fqn keeps its first
+/// place and last value), each storage record put on the chunks it names as it comes.
+#[derive(Default)]
+struct Builder {
+    slots: Vec<Slot>,
+    by_fqn: HashMap<String, usize>,
+    /// Every `relative_path` the records name, once.
+    file_names: Vec<String>,
+    file_ids: HashMap<String, u32>,
+    /// Every list of `transform_descriptors`, once.
+    transforms: Vec<Vec<String>>,
+    transform_ids: HashMap<Vec<String>, u32>,
+    /// Records read before their entry (a pickle with `storage_data` first); applied at the end.
+    pending: Vec<(metadata::MetadataIndex, Item)>,
+}
+
+impl Builder {
+    fn file_id(&mut self, name: String) -> u32 {
+        if let Some(&id) = self.file_ids.get(&name) {
+            return id;
+        }
+        let id = self.file_names.len() as u32;
+        self.file_names.push(name.clone());
+        self.file_ids.insert(name, id);
+        id
+    }
+
+    /// Put `item` where `index` says; false when no entry of its fqn has been read yet.
+    fn place(&mut self, index: &metadata::MetadataIndex, item: Item) -> bool {
+        let Some(&at) = self.by_fqn.get(index.fqn.as_str()) else {
+            return false;
+        };
+        match (&mut self.slots[at], &index.offset) {
+            (Slot::Bytes { item: slot, .. }, None) => *slot = Some(item),
+            (Slot::Tensor(t), Some(offsets)) => {
+                // The hint torch and ckpt write: the chunk's place in the entry. Trusted only
+                // when it names a chunk at these offsets and no other chunk has them.
+                let hinted = index.index.and_then(|i| usize::try_from(i).ok());
+                if let Some(k) = hinted.filter(|&k| k < t.items.len() && !t.repeated) {
+                    if t.offsets(k) == offsets.as_slice() {
+                        t.items[k] = Some(item);
+                        return true;
+                    }
+                }
+                if t.order.is_empty() {
+                    t.sort();
+                }
+                // Python's dict keys records by (fqn, offsets): every chunk at those offsets (a
+                // replica listed twice) reads this item, and a later record replaces it.
+                let first = t
+                    .order
+                    .partition_point(|&k| t.offsets(k as usize) < offsets.as_slice());
+                let mut k = first;
+                while let Some(&chunk) = t.order.get(k) {
+                    if t.offsets(chunk as usize) != offsets.as_slice() {
+                        break;
+                    }
+                    t.items[chunk as usize] = Some(item);
+                    k += 1;
+                }
+            }
+            // A record no entry reads: torch ignores it too.
+            _ => {}
+        }
+        true
+    }
+
+    fn apply_pending(&mut self) {
+        for (index, item) in std::mem::take(&mut self.pending) {
+            self.place(&index, item);
+        }
+    }
+}
+
+impl metadata::Sink for Builder {
+    fn entry(&mut self, entry: DcpEntry) -> Result<()> {
+        let slot = match entry {
+            DcpEntry::Bytes { fqn } => Slot::Bytes { fqn, item: None },
+            DcpEntry::Tensor {
+                fqn,
+                dtype,
+                size,
+                chunks,
+            } => {
+                let mut boxes = Vec::with_capacity(chunks.len() * 2 * size.len());
+                for c in &chunks {
+                    boxes.extend_from_slice(&c.offsets);
+                    boxes.extend_from_slice(&c.sizes);
+                }
+                let count = u32::try_from(chunks.len())
+                    .map_err(|_| Error::invalid("more than 4 billion chunks").tensor(&fqn))?;
+                drop(chunks);
+                let mut t = TensorSlot {
+                    fqn,
+                    dtype,
+                    size,
+                    boxes,
+                    order: Vec::new(),
+                    repeated: false,
+                    items: vec![None; count as usize],
+                };
+                t.sort();
+                t.repeated = t
+                    .order
+                    .windows(2)
+                    .any(|w| t.offsets(w[0] as usize) == t.offsets(w[1] as usize));
+                if !t.repeated {
+                    // Records name their chunks by hint; the order is made again if one does not.
+                    t.order = Vec::new();
+                }
+                Slot::Tensor(t)
+            }
+        };
+        let fqn = match &slot {
+            Slot::Tensor(t) => &t.fqn,
+            Slot::Bytes { fqn, .. } => fqn,
+        };
+        match self.by_fqn.get(fqn) {
+            Some(&at) => self.slots[at] = slot,
+            None => {
+                self.by_fqn.insert(fqn.clone(), self.slots.len());
+                self.slots.push(slot);
+            }
+        }
+        Ok(())
+    }
+
+    fn storage(
+        &mut self,
+        index: metadata::MetadataIndex,
+        info: metadata::StorageInfo,
+    ) -> Result<()> {
+        let transform = match self.transform_ids.get(&info.transforms) {
+            Some(&id) => id,
+            None => {
+                let id = self.transforms.len() as u32;
+                self.transforms.push(info.transforms.clone());
+                self.transform_ids.insert(info.transforms, id);
+                id
+            }
+        };
+        let item = Item {
+            file: self.file_id(info.relative_path),
+            transform,
+            offset: info.offset,
+            length: info.length,
+        };
+        if !self.place(&index, item) {
+            self.pending.push((index, item));
+        }
+        Ok(())
     }
 }
 
 /// Ranks that wrote files: one more than the highest `__{rank}_` prefix in the directory or the
 /// metadata (a rank whose chunks were all deduplicated away still writes its file).
-fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) -> Option<usize> {
+fn world_size(dir: &Path, names: &[String]) -> Option<usize> {
     let rank = |name: &str| -> Option<usize> {
         name.strip_prefix("__")?
             .strip_suffix(".distcp")?
@@ -193,16 +332,7 @@ fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) ->
             .parse::<usize>()
             .ok()
     };
-    // Items of one file are adjacent in storage order, so this looks at each name about once.
-    let mut highest: Option<usize> = None;
-    let mut last: Option<&str> = None;
-    for (_, info) in storage {
-        let name = info.relative_path.as_str();
-        if last != Some(name) {
-            highest = highest.max(rank(name));
-            last = Some(name);
-        }
-    }
+    let mut highest: Option<usize> = names.iter().filter_map(|n| rank(n)).max();
     if let Ok(list) = std::fs::read_dir(dir) {
         for entry in list.flatten() {
             if let Some(name) = entry.file_name().to_str() {
@@ -213,74 +343,116 @@ fn world_size(dir: &Path, storage: &[(metadata::MetadataIndex, StorageInfo)]) ->
     highest.map(|r| r + 1)
 }
 
-/// The `.distcp` files of one checkpoint, each mapped once.
+/// The `.distcp` files of one checkpoint, each mapped once, and what their items are.
 struct Files<'a> {
     dir: &'a Path,
-    /// By `relative_path`: the file's name as pieces share it, and its bytes (`None` when empty).
-    maps: HashMap<&'a str, (Arc<Path>, Option<Mmap>)>,
+    /// By [`Item::file`]: the file's name as pieces share it, and its bytes (`None` when empty).
+    maps: Vec<(Arc<Path>, Option<Mmap>)>,
+    /// By [`Item::transform`].
+    transforms: &'a [Vec<String>],
 }
 
 impl<'a> Files<'a> {
-    /// Map every file the storage entries name, once each.
-    fn map_all(
-        dir: &'a Path,
-        storage: &'a [(metadata::MetadataIndex, StorageInfo)],
-    ) -> Result<Files<'a>> {
-        let mut maps = HashMap::new();
-        for (_, info) in storage {
-            let name = info.relative_path.as_str();
-            if !maps.contains_key(name) {
-                maps.insert(name, (Arc::from(Path::new(name)), map_file(dir, name)?));
-            }
+    /// Map every file the storage records name, once each.
+    fn map_all(dir: &'a Path, built: &'a Builder) -> Result<Files<'a>> {
+        let maps = built
+            .file_names
+            .iter()
+            .map(|name| Ok((Arc::from(Path::new(name)), map_file(dir, name)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Files {
+            dir,
+            maps,
+            transforms: &built.transforms,
+        })
+    }
+
+    fn path(&self, item: &Item) -> PathBuf {
+        match self.maps.get(item.file as usize) {
+            Some((name, _)) => self.dir.join(name),
+            None => self.dir.to_path_buf(),
         }
-        Ok(Files { dir, maps })
+    }
+
+    /// True when the item is zstd-compressed; an error for transforms ckpt does not know.
+    fn is_zstd(&self, item: &Item) -> Result<bool> {
+        let transforms = self
+            .transforms
+            .get(item.transform as usize)
+            .map_or(&[][..], Vec::as_slice);
+        match transforms {
+            [] => Ok(false),
+            [t] if t == ZSTD => Ok(true),
+            other => Err(
+                Error::invalid(format!("unsupported item transform {other:?}"))
+                    .file(self.path(item))
+                    .at(item.offset)
+                    .hint("ckpt reads items that are plain or `stream.zstd/1`"),
+            ),
+        }
     }
 
     /// The bytes of one item, checked against the file's length.
-    fn item(&self, info: &StorageInfo) -> Result<&[u8]> {
-        let path = self.dir.join(&info.relative_path);
-        let map = match self.maps.get(info.relative_path.as_str()) {
+    fn bytes(&self, item: &Item) -> Result<&[u8]> {
+        let map = match self.maps.get(item.file as usize) {
             Some((_, map)) => map.as_deref().unwrap_or(&[]),
             None => {
                 return Err(
-                    Error::invalid("internal: item in a file that was not mapped").file(&path),
+                    Error::invalid("internal: item in a file that was not mapped")
+                        .file(self.path(item)),
                 )
             }
         };
-        let end = info.offset.checked_add(info.length);
+        let end = item.offset.checked_add(item.length);
         match end {
-            Some(end) if end <= map.len() as u64 => Ok(&map[info.offset as usize..end as usize]),
+            Some(end) if end <= map.len() as u64 => Ok(&map[item.offset as usize..end as usize]),
             _ => Err(Error::invalid(format!(
                 "item of {} bytes at offset {} runs past the end of the file ({} bytes)",
-                info.length,
-                info.offset,
+                item.length,
+                item.offset,
                 map.len()
             ))
-            .file(&path)
-            .at(info.offset)
+            .file(self.path(item))
+            .at(item.offset)
             .hint("the file is truncated: copy it again from where the checkpoint was saved")),
         }
     }
 
-    /// The shared name of the file an item is in.
-    fn name(&self, info: &StorageInfo) -> Arc<Path> {
-        match self.maps.get(info.relative_path.as_str()) {
-            Some((name, _)) => Arc::clone(name),
-            None => Path::new(&info.relative_path).into(),
+    /// The pieces of a tensor: each chunk's item opened to find its elements. At a million
+    /// chunks that is most of the read, and the items are independent, so it runs in parallel.
+    fn pieces(&self, t: &TensorSlot) -> Result<Pieces> {
+        let located = (0..t.items.len())
+            .into_par_iter()
+            .map(|k| {
+                let item = t.items[k].ok_or_else(|| {
+                    Error::invalid(format!(
+                        "no storage entry for the chunk at offsets {:?}",
+                        t.offsets(k)
+                    ))
+                })?;
+                self.locate(&item, t.dtype, t.sizes(k))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut pieces = Pieces::new(t.size.len());
+        pieces.reserve(located.len());
+        for (k, (item, offset, strides, encoding)) in located.into_iter().enumerate() {
+            let file = Arc::clone(&self.maps[item.file as usize].0);
+            pieces.push_parts(t.offsets(k), t.sizes(k), file, offset, &strides, encoding)?;
         }
+        Ok(pieces)
     }
 
-    /// Locate the elements of one tensor chunk.
-    fn tensor_piece(
+    /// Where the elements of a chunk of `sizes` are in its item: their byte offset (in the file,
+    /// or in the decompressed item), strides and encoding.
+    fn locate(
         &self,
-        info: &StorageInfo,
-        dtype: crate::dtype::DType,
-        chunk: metadata::Chunk,
-    ) -> Result<Piece> {
-        let sizes = chunk.sizes.as_slice();
-        let path = self.dir.join(&info.relative_path);
-        let zstd = transforms_are_zstd(info).map_err(|e| e.file(&path))?;
-        let item = self.item(info)?;
+        item: &Item,
+        dtype: DType,
+        sizes: &[u64],
+    ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
+        let path = self.path(item);
+        let zstd = self.is_zstd(item)?;
+        let bytes = self.bytes(item)?;
         let decoded;
         let archive_bytes: &[u8] = if zstd {
             // A chunk's archive holds its storage plus a little framing; a storage much larger
@@ -289,10 +461,10 @@ impl<'a> Files<'a> {
                 .unwrap_or(u64::MAX)
                 .saturating_mul(dtype.size() as u64);
             let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
-            decoded = decompress(item, limit).map_err(|e| e.file(&path).at(info.offset))?;
+            decoded = decompress(bytes, limit).map_err(|e| e.file(&path).at(item.offset))?;
             &decoded
         } else {
-            item
+            bytes
         };
         // Offsets inside a plain item are file offsets once shifted; inside a compressed one they
         // mean nothing on disk, so the item's own offset is the useful position.
@@ -300,11 +472,11 @@ impl<'a> Files<'a> {
             let e = e.file(&path);
             if zstd {
                 Error {
-                    offset: Some(info.offset),
+                    offset: Some(item.offset),
                     ..e
                 }
             } else {
-                e.within(info.offset)
+                e.within(item.offset)
             }
         })?;
         let saved = match archive.leaves.as_slice() {
@@ -312,7 +484,7 @@ impl<'a> Files<'a> {
             _ => {
                 return Err(Error::invalid("item is not a single saved tensor")
                     .file(&path)
-                    .at(info.offset))
+                    .at(item.offset))
             }
         };
         if saved.dtype != dtype || saved.shape != sizes {
@@ -321,7 +493,7 @@ impl<'a> Files<'a> {
                 saved.dtype, saved.shape, dtype, sizes
             ))
             .file(&path)
-            .at(info.offset));
+            .at(item.offset));
         }
         let entry = archive.storage(&saved.storage_key).ok_or_else(|| {
             Error::invalid(format!(
@@ -329,42 +501,33 @@ impl<'a> Files<'a> {
                 saved.storage_key
             ))
             .file(&path)
-            .at(info.offset)
+            .at(item.offset)
         })?;
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
         let (offset, encoding) = if zstd {
             (
                 within,
                 Encoding::Zstd {
-                    item_offset: info.offset,
-                    item_length: info.length,
+                    item_offset: item.offset,
+                    item_length: item.length,
                 },
             )
         } else {
-            (info.offset + within, Encoding::Raw)
+            (item.offset + within, Encoding::Raw)
         };
-        Ok(Piece {
-            offsets: chunk.offsets,
-            sizes: chunk.sizes,
-            data: DataRef {
-                file: self.name(info),
-                offset,
-                strides: saved.strides.clone(),
-                encoding,
-            },
-        })
+        Ok((*item, offset, saved.strides.clone(), encoding))
     }
 
     /// A non-tensor item: its raw bytes, and its value when it is plain data.
-    fn value(&self, info: &StorageInfo) -> Result<(Blob, Option<crate::pickle::Value>)> {
-        let zstd = transforms_are_zstd(info)?;
-        let item = self.item(info)?;
+    fn value(&self, item: &Item) -> Result<(Blob, Option<crate::pickle::Value>)> {
+        let zstd = self.is_zstd(item)?;
+        let bytes = self.bytes(item)?;
         let decoded;
         let bytes: &[u8] = if zstd {
-            decoded = decompress(item, MAX_VALUE_BYTES)?;
+            decoded = decompress(bytes, MAX_VALUE_BYTES)?;
             &decoded
         } else {
-            item
+            bytes
         };
         // A value that is not plain data (a custom object) is still carried byte for byte.
         let value = torch_save::read(bytes)
@@ -374,9 +537,9 @@ impl<'a> Files<'a> {
                 _ => None,
             });
         let blob = Blob {
-            file: PathBuf::from(&info.relative_path),
-            offset: info.offset,
-            length: info.length,
+            file: self.maps[item.file as usize].0.to_path_buf(),
+            offset: item.offset,
+            length: item.length,
             zstd,
         };
         Ok((blob, value))
@@ -397,18 +560,6 @@ fn map_file(dir: &Path, name: &str) -> Result<Option<Mmap>> {
     // caveat.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
     Ok(Some(map))
-}
-
-fn transforms_are_zstd(info: &StorageInfo) -> Result<bool> {
-    match info.transforms.as_slice() {
-        [] => Ok(false),
-        [t] if t == ZSTD => Ok(true),
-        other => Err(
-            Error::invalid(format!("unsupported item transform {other:?}"))
-                .at(info.offset)
-                .hint("ckpt reads items that are plain or `stream.zstd/1`"),
-        ),
-    }
 }
 
 /// The first `len` bytes of a zstd item (fewer if it is shorter).
@@ -459,9 +610,9 @@ pub fn safe_relative_path(name: &str) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use metadata::MetadataIndex;
+    use metadata::{Chunk, MetadataIndex, Sink, StorageInfo};
 
-    fn entry(fqn: &str, offset: Option<&[u64]>, at: u64) -> (MetadataIndex, StorageInfo) {
+    fn record(fqn: &str, offset: Option<&[u64]>, at: u64) -> (MetadataIndex, StorageInfo) {
         (
             MetadataIndex {
                 fqn: fqn.into(),
@@ -469,7 +620,7 @@ mod tests {
                 index: None,
             },
             StorageInfo {
-                relative_path: "__0_0.distcp".into(),
+                relative_path: format!("__{}_0.distcp", at % 2),
                 offset: at,
                 length: 1,
                 transforms: Vec::new(),
@@ -477,27 +628,93 @@ mod tests {
         )
     }
 
+    fn tensor(fqn: &str, rows: &[u64]) -> DcpEntry {
+        DcpEntry::Tensor {
+            fqn: fqn.into(),
+            dtype: DType::F32,
+            size: vec![6, 2],
+            chunks: rows
+                .iter()
+                .map(|&r| Chunk {
+                    offsets: vec![r, 0],
+                    sizes: vec![2, 2],
+                })
+                .collect(),
+        }
+    }
+
+    /// Where the builder put the item of each chunk of `fqn` (its offsets), or of the value.
+    fn placed(b: &Builder, fqn: &str) -> Vec<Option<u64>> {
+        match &b.slots[b.by_fqn[fqn]] {
+            Slot::Tensor(t) => t.items.iter().map(|i| i.map(|i| i.offset)).collect(),
+            Slot::Bytes { item, .. } => vec![item.map(|i| i.offset)],
+        }
+    }
+
     #[test]
-    fn the_storage_index_finds_each_item_and_the_last_of_a_repeated_key() {
-        let storage = vec![
-            entry("w", Some(&[4, 0]), 10),
-            entry("w", Some(&[0, 0]), 20),
-            entry("v", None, 30),
-            entry("w", Some(&[2, 0]), 40),
-            entry("w", Some(&[0, 0]), 50),
-        ];
-        let index = StorageIndex::new(&storage);
-        let at = |fqn: &str, offsets: Option<&[u64]>| index.get(fqn, offsets).map(|i| i.offset);
-        assert_eq!(at("w", Some(&[4, 0])), Some(10));
-        assert_eq!(at("w", Some(&[2, 0])), Some(40));
+    fn the_builder_puts_each_record_on_its_chunks_and_the_last_of_a_repeated_key_wins() {
+        let mut b = Builder::default();
+        // Chunks out of order, one listed twice (a replica): both read the one record.
+        b.entry(tensor("w", &[4, 0, 2, 0])).unwrap();
+        b.entry(DcpEntry::Bytes { fqn: "v".into() }).unwrap();
+        for (index, info) in [
+            record("w", Some(&[4, 0]), 10),
+            record("w", Some(&[0, 0]), 21),
+            record("v", None, 30),
+            record("w", Some(&[0, 0]), 51),
+            // Records no entry reads are ignored, as torch ignores them.
+            record("w", Some(&[1, 0]), 60),
+            record("w", None, 70),
+            record("x", Some(&[0, 0]), 80),
+        ] {
+            b.storage(index, info).unwrap();
+        }
+        b.apply_pending();
         assert_eq!(
-            at("w", Some(&[0, 0])),
-            Some(50),
-            "the later entry wins, as in a dict"
+            placed(&b, "w"),
+            vec![Some(10), Some(51), None, Some(51)],
+            "the later record wins, as in a dict"
         );
-        assert_eq!(at("v", None), Some(30));
-        assert_eq!(at("w", Some(&[1, 0])), None);
-        assert_eq!(at("w", None), None);
-        assert_eq!(at("x", Some(&[0, 0])), None);
+        assert_eq!(placed(&b, "v"), vec![Some(30)]);
+        assert_eq!(b.file_names, ["__0_0.distcp", "__1_0.distcp"]);
+    }
+
+    #[test]
+    fn index_hints_are_used_only_when_they_name_a_chunk_at_the_records_offsets() {
+        let mut b = Builder::default();
+        b.entry(tensor("w", &[0, 2, 4])).unwrap();
+        b.entry(tensor("r", &[0, 2, 0])).unwrap();
+        let hinted = |fqn: &str, row: u64, hint: i64, at: u64| {
+            let (mut index, info) = record(fqn, Some(&[row, 0]), at);
+            index.index = Some(hint);
+            (index, info)
+        };
+        for (index, info) in [
+            hinted("w", 0, 0, 10),
+            // A wrong hint, and one past the end: found by offsets all the same.
+            hinted("w", 2, 0, 20),
+            hinted("w", 4, 9, 30),
+            // With a replica, a hint naming one chunk still reaches both.
+            hinted("r", 0, 0, 40),
+            hinted("r", 2, 1, 50),
+        ] {
+            b.storage(index, info).unwrap();
+        }
+        assert_eq!(placed(&b, "w"), vec![Some(10), Some(20), Some(30)]);
+        assert_eq!(placed(&b, "r"), vec![Some(40), Some(50), Some(40)]);
+    }
+
+    #[test]
+    fn records_before_their_entry_are_placed_at_the_end_and_a_repeated_entry_replaces() {
+        let mut b = Builder::default();
+        let (index, info) = record("w", Some(&[2, 0]), 40);
+        b.storage(index, info).unwrap();
+        b.entry(tensor("w", &[0])).unwrap();
+        b.entry(DcpEntry::Bytes { fqn: "v".into() }).unwrap();
+        // The same fqn again: first place, last value.
+        b.entry(tensor("w", &[0, 2, 4])).unwrap();
+        b.apply_pending();
+        assert_eq!(b.slots.len(), 2);
+        assert_eq!(placed(&b, "w"), vec![None, Some(40), None]);
     }
 }
