@@ -15,6 +15,8 @@ use crate::exec::{self, ExecOptions, IoMode};
 use crate::geometry::Placement;
 use crate::inspect::human_bytes;
 use crate::output::{OutputKind, Staging};
+use crate::part::PartSpec;
+use crate::part_output::{Finished, PartOutput};
 use crate::plan::{self, MeshSpec, PlanOptions, Target};
 use crate::select::Selection;
 use crate::verify::{self, VerifyOptions};
@@ -168,6 +170,14 @@ struct WriteArgs {
     /// No progress bar and no summary.
     #[arg(short, long)]
     quiet: bool,
+    /// Do part I of N (0-based, as `$SLURM_ARRAY_TASK_ID` or `$JOB_COMPLETION_INDEX`): a share of
+    /// the output's bytes, staged beside it; the part that finds all N done commits the output.
+    #[arg(long, value_name = "I/N", value_parser = parse_part)]
+    part: Option<PartSpec>,
+}
+
+fn parse_part(s: &str) -> std::result::Result<PartSpec, String> {
+    s.parse()
 }
 
 /// Write results to stdout through one buffer. A reader that goes away (`ckpt inspect X | head`)
@@ -264,7 +274,15 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 } else {
                     "NOT sound"
                 };
-                if report.format.is_none() {
+                if let Some(u) = &report.unfinished {
+                    writeln!(
+                        out,
+                        "{}: {verdict} (unfinished: {} of {} parts done)",
+                        path.display(),
+                        u.done.len(),
+                        u.parts
+                    )
+                } else if report.format.is_none() {
                     writeln!(out, "{}: {verdict} (it could not be read)", path.display())
                 } else {
                     writeln!(
@@ -460,10 +478,11 @@ fn convert_with(
     target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
     kind: OutputKind,
     select: &SelectArgs,
-    run: &RunArgs,
+    run_args: &RunArgs,
     write: &WriteArgs,
     cancel: &Arc<AtomicBool>,
 ) -> Result<i32> {
+    let run = run_args;
     let started = Instant::now();
     let ckpt = crate::detect::read(path)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
@@ -479,6 +498,26 @@ fn convert_with(
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, cast));
+    if let Some(part) = write.part {
+        // Everything that changes the output's bytes, and nothing that does not (threads, --io,
+        // --force, the part's own index).
+        let description = format!(
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}",
+            env!("CARGO_PKG_VERSION"),
+            select.include,
+            select.exclude,
+            select.strip_prefix,
+            part.count,
+        );
+        let run = PartRun {
+            path,
+            output,
+            kind,
+            part,
+            description,
+        };
+        return convert_part(&run, &ckpt, &plan, run_args, write, cancel, started);
+    }
     let staging = Staging::prepare(output, path, kind, write.force)?;
     let relative = plan.paths();
     let dest = staging.paths(&relative);
@@ -540,6 +579,132 @@ fn uncast_note(ckpt: &crate::model::Checkpoint, cast: Option<DType>) -> Option<S
         kept.len(),
         kept[..shown].join(", ")
     ))
+}
+
+/// What a partitioned run is, beyond its plan.
+struct PartRun<'a> {
+    path: &'a Path,
+    output: &'a Path,
+    kind: OutputKind,
+    part: PartSpec,
+    description: String,
+}
+
+/// One part of a partitioned run: its share of the bytes into the shared staging area, a marker,
+/// and the commit if it is the last part done.
+fn convert_part(
+    job: &PartRun,
+    ckpt: &crate::model::Checkpoint,
+    plan: &plan::Plan,
+    run: &RunArgs,
+    write: &WriteArgs,
+    cancel: &Arc<AtomicBool>,
+    started: Instant,
+) -> Result<i32> {
+    let part = job.part;
+    let mut description = job.description.clone();
+    let lens: Vec<u64> = (0..plan.file_count())
+        .map(|i| {
+            let len = if plan.is_streamed(i) {
+                0
+            } else {
+                plan.file_len(i)
+            };
+            description.push_str(&format!("\nfile {} {len}", plan.path(i).display()));
+            len
+        })
+        .collect();
+    let fingerprint = crate::part_output::fingerprint(&description, &plan.inputs, job.path)?;
+    let out = PartOutput::prepare(
+        job.output,
+        job.path,
+        job.kind,
+        write.force,
+        part,
+        &fingerprint,
+        &command_line(part.count),
+    )?;
+    let share = crate::part::share(&lens, part);
+    let dest = out.paths(&plan.paths());
+    let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
+    let opts = ExecOptions {
+        threads: run.threads,
+        io: run.io.into(),
+        progress: &bar,
+        cancel,
+        durable: true,
+    };
+    let outcome = exec::execute_share(plan, &dest, &share, &opts)?;
+    if cancel.load(Ordering::Relaxed) {
+        return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+    }
+    let staging = out.staging().to_path_buf();
+    let final_path = out.final_path().to_path_buf();
+    let finished = out.finish(share.len(), outcome, &dest, || {
+        exec::write_streamed_files(plan, &dest, true)
+    })?;
+    if !write.quiet {
+        for note in &plan.notes {
+            to_stderr(format_args!("note: {}", terminal_safe(note)));
+        }
+        let total: u64 = lens.iter().sum();
+        let files = share.ranges.len();
+        let status = match &finished {
+            Finished::Waiting { missing } => format!(
+                "{} of {} parts still missing: {}",
+                missing.len(),
+                part.count,
+                missing
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Finished::Committed => format!(
+                "all {} parts done: committed {} tensors to `{}`",
+                part.count,
+                ckpt.tensors.len(),
+                final_path.display()
+            ),
+            Finished::CommittedElsewhere { by } => {
+                format!("all {} parts done: {} commits", part.count, by.trim())
+            }
+        };
+        to_stderr(format_args!(
+            "part {part}: wrote {} of {} ({} file{}) into `{}` in {:.2} s; {}",
+            human_bytes(share.len()),
+            human_bytes(total),
+            files,
+            if files == 1 { "" } else { "s" },
+            terminal_safe(&staging.display().to_string()),
+            started.elapsed().as_secs_f64(),
+            terminal_safe(&status)
+        ));
+    }
+    Ok(0)
+}
+
+/// This process's command line with the `--part` value shown as `I/N`: the same command for
+/// every part, for hints.
+fn command_line(count: usize) -> String {
+    let mut out = Vec::new();
+    // Lossy: this is for a hint, and `args()` would panic on an argument that is not UTF-8.
+    let mut args = std::env::args_os().map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = args.next() {
+        if a == "--part" {
+            args.next();
+            out.push(format!("--part I/{count}"));
+        } else if a.starts_with("--part=") {
+            out.push(format!("--part I/{count}"));
+        } else if a.is_empty()
+            || a.contains(|c: char| !(c.is_ascii_alphanumeric() || "-_./=:,@+".contains(c)))
+        {
+            out.push(format!("'{}'", a.replace('\'', "'\\''")));
+        } else {
+            out.push(a);
+        }
+    }
+    out.join(" ")
 }
 
 /// An indicatif bar on stderr, or nothing.

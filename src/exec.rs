@@ -8,16 +8,19 @@
 
 use std::cell::RefCell;
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::Mmap;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use crate::cast;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{contiguous_strides, Encoding};
+use crate::part::Share;
 use crate::plan::{FilePlan, Fill, Plan, Region};
 
 /// Largest destination run one work unit gathers.
@@ -153,39 +156,169 @@ pub struct RegionDigest {
 
 /// Write every file of `plan` at `dest[i]` (one path per file, in [`Plan::paths`] order).
 pub fn execute(plan: &Plan, dest: &[PathBuf], opts: &ExecOptions) -> Result<()> {
-    run(plan, Some(dest), opts).map(|_| ())
+    run(plan, Some(dest), None, opts).map(|_| ())
 }
 
 /// Read everything `plan` would write without writing it: one digest per region, file by file.
 pub fn digest(plan: &Plan, opts: &ExecOptions) -> Result<Vec<RegionDigest>> {
-    run(plan, None, opts)
+    run(plan, None, None, opts).map(|(digests, _)| digests)
 }
 
-fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<RegionDigest>> {
+/// The CRC-32 of a region's bytes within one part's share, for a ZIP record whose CRC slot the
+/// part could not fill itself (the region or its slot lies partly in another part's share).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartialCrc {
+    /// Destination file index, in [`Plan::paths`] order.
+    pub file: usize,
+    /// The region's byte offset in the file: what names it.
+    pub region: u64,
+    /// Where in the region this part's bytes start, and how many there are.
+    pub at: u64,
+    pub len: u64,
+    pub crc: u32,
+}
+
+/// A CRC slot inside a part's share that the part left for the committer: the CRC-32 of the
+/// region at `region` (of `region_len` bytes) goes at byte `slot` of file `file`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenSlot {
+    pub file: usize,
+    pub slot: u64,
+    pub region: u64,
+    pub region_len: u64,
+}
+
+/// What a part of a partitioned run leaves for the part that commits.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShareOutcome {
+    pub crcs: Vec<PartialCrc>,
+    pub open_slots: Vec<OpenSlot>,
+}
+
+/// Write the bytes of `share` (one part of a partitioned run) into the files at `dest`, which
+/// every part of the run shares: files are created at full length by whichever part gets there
+/// first, and each part writes its byte ranges only. Streamed files are left to
+/// [`write_streamed_files`]; CRC slots whose value depends on bytes of another part are left for
+/// [`patch_crcs`] and reported.
+pub fn execute_share(
+    plan: &Plan,
+    dest: &[PathBuf],
+    share: &Share,
+    opts: &ExecOptions,
+) -> Result<ShareOutcome> {
+    run(plan, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
+}
+
+/// Write the streamed files of `plan` (a DCP `.metadata`) at `dest`.
+pub fn write_streamed_files(plan: &Plan, dest: &[PathBuf], durable: bool) -> Result<()> {
+    for i in (0..plan.file_count()).filter(|&i| plan.is_streamed(i)) {
+        if let Some(path) = dest.get(i) {
+            // Left by a commit that failed after writing it.
+            let _ = std::fs::remove_file(path);
+            write_streamed(plan, i, path, durable)?;
+        }
+    }
+    Ok(())
+}
+
+/// Fill the CRC slots the parts of a run left open, from the partial CRCs they reported: each
+/// region's CRC is its parts' combined in byte order, which must cover the region exactly.
+pub fn patch_crcs(
+    dest: &[PathBuf],
+    crcs: &[PartialCrc],
+    slots: &[OpenSlot],
+    durable: bool,
+) -> Result<()> {
+    use std::collections::BTreeMap;
+    let mut by_region: BTreeMap<(usize, u64), Vec<&PartialCrc>> = BTreeMap::new();
+    for c in crcs {
+        by_region.entry((c.file, c.region)).or_default().push(c);
+    }
+    let mut by_file: BTreeMap<usize, Vec<(u64, [u8; 4])>> = BTreeMap::new();
+    for s in slots {
+        let mut parts = by_region.remove(&(s.file, s.region)).unwrap_or_default();
+        parts.sort_by_key(|c| c.at);
+        parts.dedup_by_key(|c| c.at);
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = 0;
+        for c in &parts {
+            if c.at != at {
+                break;
+            }
+            crc.combine(&crc32fast::Hasher::new_with_initial_len(c.crc, c.len));
+            at += c.len;
+        }
+        if at != s.region_len {
+            return Err(Error::invalid(format!(
+                "the parts' checksums cover {at} of the {} bytes of the region at byte {}",
+                s.region_len, s.region
+            ))
+            .file(
+                dest.get(s.file)
+                    .map(PathBuf::as_path)
+                    .unwrap_or(Path::new("?")),
+            )
+            .hint("rerun every part"));
+        }
+        // Put the pieces back: several slots (local header, central directory) share a region.
+        by_region.insert((s.file, s.region), parts);
+        by_file
+            .entry(s.file)
+            .or_default()
+            .push((s.slot, crc.finalize().to_le_bytes()));
+    }
+    for (file, patches) in by_file {
+        let path = dest
+            .get(file)
+            .ok_or_else(|| Error::invalid("internal: a CRC slot of no file"))?;
+        let out = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(path, e))?;
+        for (slot, crc) in patches {
+            out.write_all_at(&crc, slot)
+                .map_err(|e| Error::io(path, e).at(slot))?;
+        }
+        if durable {
+            out.sync_all().map_err(|e| Error::io(path, e))?;
+        }
+    }
+    Ok(())
+}
+
+fn run(
+    plan: &Plan,
+    dest: Option<&[PathBuf]>,
+    share: Option<&Share>,
+    opts: &ExecOptions,
+) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
     let sources = plan
         .inputs
         .iter()
         .map(|p| Source::open(p, opts.io))
         .collect::<Result<Vec<_>>>()?;
     let dest = dest.unwrap_or(&[]);
-    opts.progress.start(plan.data_bytes());
+    opts.progress
+        .start(share.map_or_else(|| plan.data_bytes(), Share::len));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.threads)
         .build()
         .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
     // A streamed file (a DCP `.metadata`, hundreds of megabytes at millions of pieces) depends on
     // no data, so it is written on its own thread while the data files are copied.
+    // A part writes no streamed file (the committer does) and only the files its share meets.
     let streamed: Vec<usize> = (0..plan.file_count())
-        .filter(|&i| plan.is_streamed(i) && dest.get(i).is_some())
+        .filter(|&i| share.is_none() && plan.is_streamed(i) && dest.get(i).is_some())
         .collect();
     let data_files: Vec<usize> = (0..plan.file_count())
-        .filter(|&i| !plan.is_streamed(i))
+        .filter(|&i| !plan.is_streamed(i) && share.is_none_or(|s| s.range_of(i).is_some()))
         .collect();
     // Files are planned and written a few at a time: enough for every thread to have work and
     // for one file's writeback to overlap the next one's copying, while a plan of thousands of
     // rank files never has all their regions in memory.
     let window = (2 * pool.current_num_threads()).max(4);
     let mut digests = Vec::new();
+    let mut outcome = ShareOutcome::default();
     std::thread::scope(|scope| -> Result<()> {
         let writer = scope.spawn(|| -> Result<()> {
             for &i in &streamed {
@@ -197,15 +330,38 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
             for group in data_files.chunks(window) {
                 let mut files = Vec::with_capacity(group.len());
                 for &i in group {
-                    files.push((i, plan.file(i)?));
+                    let f = plan.file(i)?;
+                    if share.is_some() && f.len != plan.file_len(i) {
+                        return Err(Error::invalid(format!(
+                            "internal: `{}` is planned at {} bytes but laid out at {}",
+                            f.path.display(),
+                            f.len,
+                            plan.file_len(i)
+                        )));
+                    }
+                    files.push((i, f));
                 }
                 let outputs = files
                     .iter()
-                    .map(|(i, f)| dest.get(*i).map(|p| create_output(p, f.len)).transpose())
+                    .map(|(i, f)| {
+                        let Some(p) = dest.get(*i) else {
+                            return Ok(None);
+                        };
+                        match share {
+                            None => create_output(p, f.len).map(Some),
+                            Some(_) => open_shared_output(p, f.len).map(Some),
+                        }
+                    })
                     .collect::<Result<Vec<_>>>()?;
-                let batch =
-                    pool.install(|| run_files(plan, &files, &outputs, dest, &sources, opts))?;
+                let clips: Vec<Option<Range<u64>>> = files
+                    .iter()
+                    .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
+                    .collect();
+                let (batch, part) = pool
+                    .install(|| run_files(plan, &files, &outputs, &clips, dest, &sources, opts))?;
                 digests.extend(batch);
+                outcome.crcs.extend(part.crcs);
+                outcome.open_slots.extend(part.open_slots);
                 if opts.durable {
                     for ((i, _), out) in files.iter().zip(&outputs) {
                         if let (Some(out), Some(path)) = (out, dest.get(*i)) {
@@ -235,7 +391,7 @@ fn run(plan: &Plan, dest: Option<&[PathBuf]>, opts: &ExecOptions) -> Result<Vec<
         }
     }
     opts.progress.finish();
-    Ok(digests)
+    Ok((digests, outcome))
 }
 
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
@@ -310,21 +466,30 @@ fn write_streamed(plan: &Plan, i: usize, path: &Path, durable: bool) -> Result<(
 
 /// Copy every region of `files` (in parallel, on the current pool) into `outputs`, then write
 /// their literals with the CRCs the copies produced. Returns one digest per region.
+///
+/// `clips[k]`, when set, is the byte range of file `k` this part of a partitioned run writes:
+/// only those bytes are written, and CRCs that need bytes outside it are reported, not written.
 fn run_files(
     plan: &Plan,
     files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
     outputs: &[Option<File>],
+    clips: &[Option<Range<u64>>],
     dest: &[PathBuf],
     sources: &[Source],
     opts: &ExecOptions,
-) -> Result<Vec<RegionDigest>> {
+) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
+    let clip_of = |fi: usize| clips.get(fi).cloned().flatten();
     // Small files with an output are built in memory and written with one write: a DCP rank
     // file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
     // otherwise cost a copy and a framing write each.
     let assembled: Vec<bool> = files
         .iter()
         .zip(outputs)
-        .map(|((_, f), out)| out.is_some() && f.len <= ASSEMBLE_BYTES && f.regions.len() > 1)
+        .enumerate()
+        .map(|(fi, ((_, f), out))| {
+            let whole = clip_of(fi).is_none_or(|c| c.start == 0 && c.end >= f.len);
+            whole && out.is_some() && f.len <= ASSEMBLE_BYTES && f.regions.len() > 1
+        })
         .collect();
     let small: Vec<usize> = (0..files.len()).filter(|&fi| assembled[fi]).collect();
     small.par_iter().try_for_each(|&fi| {
@@ -347,14 +512,29 @@ fn run_files(
         if assembled[fi] {
             continue;
         }
+        let clip = clip_of(fi);
         for (ri, r) in f.regions.iter().enumerate() {
+            if let Some(c) = &clip {
+                if r.offset >= c.end || r.offset + r.nbytes() <= c.start {
+                    continue;
+                }
+            }
+            let rstrides = contiguous_strides(&r.shape);
             for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
-                units.push(Unit {
+                let u = Unit {
                     file: fi,
                     region: ri,
                     start,
                     sizes,
-                });
+                };
+                if let Some(c) = &clip {
+                    let (at, len) = u.bytes_in(r, &rstrides);
+                    let (a, b) = (r.offset + at, r.offset + at + len);
+                    if a >= c.end || b <= c.start {
+                        continue;
+                    }
+                }
+                units.push(u);
             }
         }
     }
@@ -372,7 +552,7 @@ fn run_files(
                 .get(u.file)
                 .and_then(Option::as_ref)
                 .zip(dest.get(*i));
-            let result = run_unit(plan, u, region, sources, out)?;
+            let result = run_unit(plan, u, region, sources, out, clip_of(u.file))?;
             if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file))
             {
                 // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
@@ -386,8 +566,10 @@ fn run_files(
         })
         .collect::<Result<Vec<_>>>()?;
 
-    // Units were listed region by region in order, so each region's CRC is its units' combined.
+    // Units were listed region by region in order, so each region's CRC is its units' combined
+    // (within a clip: the CRC of the region's bytes inside it, which are contiguous).
     let mut digests = Vec::new();
+    let mut outcome = ShareOutcome::default();
     let mut k = 0;
     for (fi, (i, f)) in files.iter().enumerate() {
         if assembled[fi] {
@@ -395,6 +577,7 @@ fn run_files(
             digests.extend(f.regions.iter().map(|_| RegionDigest::default()));
             continue;
         }
+        let clip = clip_of(fi);
         let mut crc_patches = Vec::new();
         for ri in 0..f.regions.len() {
             let mut crc = crc32fast::Hasher::new();
@@ -414,14 +597,70 @@ fn run_files(
                 _ => xxhash_rust::xxh3::xxh3_64(&parts),
             };
             digests.push(digest);
-            let crc = crc.finalize().to_le_bytes();
-            crc_patches.extend(f.regions[ri].crc_slots.iter().map(|&slot| (slot, crc)));
+            let r = &f.regions[ri];
+            let crc = crc.finalize();
+            let Some(c) = &clip else {
+                crc_patches.extend(r.crc_slots.iter().map(|&slot| (slot, crc.to_le_bytes())));
+                continue;
+            };
+            if r.crc_slots.is_empty() {
+                continue;
+            }
+            // A region this part holds whole gets its CRC written into the slots in this share;
+            // the committer fills every other slot from the parts' partial CRCs.
+            let (lo, hi) = (r.offset, r.offset + r.nbytes());
+            let whole = lo == hi || (c.start <= lo && hi <= c.end);
+            let slot_in = |s: u64| c.start <= s && s + 4 <= c.end;
+            for &slot in &r.crc_slots {
+                if slot_in(slot) && whole {
+                    crc_patches.push((slot, crc.to_le_bytes()));
+                } else if slot < c.end && c.start < slot + 4 {
+                    outcome.open_slots.push(OpenSlot {
+                        file: *i,
+                        slot,
+                        region: lo,
+                        region_len: hi - lo,
+                    });
+                }
+            }
+            let all_slots_in = r.crc_slots.iter().all(|&s| slot_in(s));
+            if lo.max(c.start) < hi.min(c.end) && !(whole && all_slots_in) {
+                outcome.crcs.push(PartialCrc {
+                    file: *i,
+                    region: lo,
+                    at: lo.max(c.start) - lo,
+                    len: hi.min(c.end) - lo.max(c.start),
+                    crc,
+                });
+            }
         }
         if let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) {
-            write_literals(out, path, f, &crc_patches)?;
+            write_literals(out, path, f, &crc_patches, clip)?;
         }
     }
-    Ok(digests)
+    Ok((digests, outcome))
+}
+
+/// Open (creating it if no other part has yet) a file that several parts of a run write, at its
+/// full length. Setting the length it already has changes nothing another part wrote.
+fn open_shared_output(path: &Path, len: u64) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    let have = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    if have != len {
+        file.set_len(len).map_err(|e| Error::io(path, e))?;
+    }
+    Ok(file)
 }
 
 fn create_output(path: &Path, len: u64) -> Result<File> {
@@ -560,36 +799,56 @@ struct UnitResult {
 
 /// Gather one unit into a buffer, then write it to `out` or, without `out`, count its non-finite
 /// floats.
+///
+/// With `clip` (a byte range of the destination file: one part's share), only the unit's bytes
+/// inside it are written, and the result's length and CRC are those of these bytes.
 fn run_unit(
     plan: &Plan,
     u: &Unit,
     r: &Region,
     sources: &[Source],
     out: Option<(&File, &PathBuf)>,
+    clip: Option<Range<u64>>,
 ) -> Result<UnitResult> {
     let rstrides = contiguous_strides(&r.shape);
     let (at, len) = u.bytes_in(r, &rstrides);
     let dest_offset = r.offset + at;
+    // The unit's bytes to write, relative to its start.
+    let keep = match &clip {
+        Some(c) => {
+            c.start.saturating_sub(dest_offset).min(len)
+                ..(c.end.saturating_sub(dest_offset)).min(len)
+        }
+        None => 0..len,
+    };
     let fills = checked_fills(plan, r, Some((&u.start, &u.sizes)), sources)?;
     let direct = direct_runs(u, r, &fills, &rstrides, sources);
     if let (Some((file, path)), Some(runs)) = (out, direct) {
         let want_crc = !r.crc_slots.is_empty();
         let mut crc = crc32fast::Hasher::new();
         let mut copied = 0;
+        let mut covered = 0;
         for (src, src_offset, at, n) in runs {
-            let part = copy_direct(src, src_offset, file, path, dest_offset + at, n, want_crc)
+            covered += n;
+            let (a, b) = (at.max(keep.start), (at + n).min(keep.end));
+            if a >= b {
+                continue;
+            }
+            let n = b - a;
+            let src_offset = src_offset + (a - at);
+            let part = copy_direct(src, src_offset, file, path, dest_offset + a, n, want_crc)
                 .map_err(|e| e.tensor(&r.name))?;
             crc.combine(&crc32fast::Hasher::new_with_initial_len(part, n));
             copied += n;
         }
-        if copied != len {
+        if covered != len || copied != keep.end - keep.start {
             return Err(Error::invalid(format!(
                 "internal: {copied} of {len} bytes of a block were filled"
             ))
             .tensor(&r.name));
         }
         return Ok(UnitResult {
-            len,
+            len: copied,
             crc: crc.finalize(),
             xxh3: 0,
             nan: 0,
@@ -623,10 +882,13 @@ fn run_unit(
         };
         match out {
             Some((file, path)) => {
-                file.write_all_at(buf, dest_offset)
-                    .map_err(|e| Error::io(path, e).tensor(&r.name).at(dest_offset))?;
+                let kept = &buf[keep.start as usize..keep.end as usize];
+                let at = dest_offset + keep.start;
+                file.write_all_at(kept, at)
+                    .map_err(|e| Error::io(path, e).tensor(&r.name).at(at))?;
+                result.len = kept.len() as u64;
                 if !r.crc_slots.is_empty() {
-                    result.crc = crc32fast::hash(buf);
+                    result.crc = crc32fast::hash(kept);
                 }
             }
             None => {
@@ -828,11 +1090,15 @@ fn copy_direct(
 /// filled in memory, instead of one small write per header and per slot. They arrive in offset
 /// order from [`FilePlan::for_each_literal`], which renders DCP items one at a time, so memory is
 /// one run of adjacent literals.
+///
+/// With `clip` (one part's share of the file), only the bytes inside it are written; the caller
+/// patches only slots that lie wholly inside it.
 fn write_literals(
     out: &File,
     path: &Path,
     file: &FilePlan,
     crc_patches: &[(u64, [u8; 4])],
+    clip: Option<Range<u64>>,
 ) -> Result<()> {
     let mut patches = crc_patches.to_vec();
     patches.sort_by_key(|(slot, _)| *slot);
@@ -843,6 +1109,7 @@ fn write_literals(
         patches,
         run: Vec::new(),
         run_start: 0,
+        clip: clip.unwrap_or(0..u64::MAX),
     };
     file.for_each_literal(|offset, bytes| w.push(offset, bytes))?;
     w.flush()?;
@@ -867,10 +1134,16 @@ struct LiteralWriter<'a> {
     patched: Vec<bool>,
     run: Vec<u8>,
     run_start: u64,
+    /// The bytes of the file this writer may write (a part's share; everything otherwise).
+    clip: Range<u64>,
 }
 
 impl LiteralWriter<'_> {
     fn push(&mut self, offset: u64, bytes: &[u8]) -> Result<()> {
+        let end = offset + bytes.len() as u64;
+        if end <= self.clip.start || offset >= self.clip.end {
+            return Ok(());
+        }
         if !self.run.is_empty() && self.run_start + self.run.len() as u64 != offset {
             self.flush()?;
         }
@@ -895,9 +1168,11 @@ impl LiteralWriter<'_> {
             self.run[at..at + 4].copy_from_slice(crc);
             self.patched[k] = true;
         }
+        let (a, b) = (start.max(self.clip.start), end.min(self.clip.end));
+        let bytes = &self.run[(a - start) as usize..(b - start) as usize];
         self.out
-            .write_all_at(&self.run, start)
-            .map_err(|e| Error::io(self.path, e).at(start))?;
+            .write_all_at(bytes, a)
+            .map_err(|e| Error::io(self.path, e).at(a))?;
         self.run.clear();
         Ok(())
     }
@@ -1073,7 +1348,7 @@ mod tests {
         // A slot inside the merged run, one among data bytes, one running past the lone literal
         // (written on its own, after the literal, so the literal does not overwrite it).
         let patches = [(2, *b"1234"), (16, *b"5678"), (10, *b"9999")];
-        write_literals(&file, &path, &plan, &patches).unwrap();
+        write_literals(&file, &path, &plan, &patches, None).unwrap();
         let got = std::fs::read(&path).unwrap();
         assert_eq!(&got, b"ab1234gh\x00\x009999\x00\x005678");
     }

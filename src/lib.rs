@@ -23,6 +23,8 @@ pub mod geometry;
 pub mod inspect;
 pub mod model;
 pub mod output;
+pub mod part;
+pub mod part_output;
 pub mod pickle;
 pub mod plan;
 pub mod select;

@@ -37,32 +37,8 @@ impl Staging {
     /// Check `out` against the input and existing files, clean stale temporaries, and pick the
     /// temporary name.
     pub fn prepare(out: &Path, input: &Path, kind: OutputKind, force: bool) -> Result<Staging> {
-        let name = out
-            .file_name()
-            .and_then(|n| n.to_str())
-            .filter(|n| !n.is_empty() && *n != "." && *n != "..")
-            .ok_or_else(|| {
-                Error::usage(format!("`{}` is not a usable output name", out.display()))
-            })?;
-        let parent = match out.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let (parent, missing) = resolve_dir(&parent)?;
-        let final_path = parent.join(name);
-        let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
-        if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
-            return Err(Error::usage(format!(
-                "the output `{}` is, contains or lies inside the input `{}`",
-                out.display(),
-                input.display()
-            ))
-            .hint("write the output somewhere else: ckpt never modifies its input"));
-        }
-        if final_path.symlink_metadata().is_ok() && !force {
-            return Err(Error::usage(format!("`{}` already exists", out.display()))
-                .hint("pass --force to replace it"));
-        }
+        let (parent, name, final_path, missing) = resolve(out, input, force)?;
+        let name = name.as_str();
         let temp_path = parent.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
         // From here on, dropping the staging undoes what was made.
         let mut staging = Staging {
@@ -104,35 +80,73 @@ impl Staging {
 
     /// Move the finished output into place (replacing an old one under `--force`).
     pub fn commit(mut self) -> Result<()> {
-        let parent = self
-            .final_path
-            .parent()
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
         if self.kind == OutputKind::Dir {
             sync_dir(&self.temp_path)?;
         }
-        let mut old = None;
-        if self.force && self.final_path.symlink_metadata().is_ok() {
-            let name = self
-                .final_path
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy();
-            let aside = parent.join(format!(".{name}{OLD_MARK}{}", std::process::id()));
-            std::fs::rename(&self.final_path, &aside)
-                .map_err(|e| Error::io(&self.final_path, e))?;
-            old = Some(aside);
-        }
-        std::fs::rename(&self.temp_path, &self.final_path)
-            .map_err(|e| Error::io(&self.final_path, e))?;
-        self.committed = true;
-        sync_dir(&parent)?;
-        if let Some(old) = old {
-            remove_path(&old);
-        }
-        Ok(())
+        move_into_place(&self.temp_path, &self.final_path, self.force, || {
+            self.committed = true
+        })
     }
+}
+
+/// Check `out` against the input and an existing output: its directory (absolute, through its
+/// deepest existing ancestor), its name, its final path, and the directories to create for it
+/// (outermost first; see [`resolve_dir`]).
+pub(crate) fn resolve(
+    out: &Path,
+    input: &Path,
+    force: bool,
+) -> Result<(PathBuf, String, PathBuf, Vec<PathBuf>)> {
+    let name = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| !n.is_empty() && *n != "." && *n != "..")
+        .ok_or_else(|| Error::usage(format!("`{}` is not a usable output name", out.display())))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (parent, missing) = resolve_dir(&parent)?;
+    let final_path = parent.join(name);
+    let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
+    if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
+        return Err(Error::usage(format!(
+            "the output `{}` is, contains or lies inside the input `{}`",
+            out.display(),
+            input.display()
+        ))
+        .hint("write the output somewhere else: ckpt never modifies its input"));
+    }
+    if final_path.symlink_metadata().is_ok() && !force {
+        return Err(Error::usage(format!("`{}` already exists", out.display()))
+            .hint("pass --force to replace it"));
+    }
+    Ok((parent, name.to_string(), final_path, missing))
+}
+
+/// Rename `temp` to `final_path`, first moving an existing output aside when `force` (and
+/// removing it after). `renamed` runs right after the rename that makes the output visible.
+pub(crate) fn move_into_place(
+    temp: &Path,
+    final_path: &Path,
+    force: bool,
+    renamed: impl FnOnce(),
+) -> Result<()> {
+    let parent = final_path.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let mut old = None;
+    if force && final_path.symlink_metadata().is_ok() {
+        let name = final_path.file_name().unwrap_or_default().to_string_lossy();
+        let aside = parent.join(format!(".{name}{OLD_MARK}{}", std::process::id()));
+        std::fs::rename(final_path, &aside).map_err(|e| Error::io(final_path, e))?;
+        old = Some(aside);
+    }
+    std::fs::rename(temp, final_path).map_err(|e| Error::io(final_path, e))?;
+    renamed();
+    sync_dir(&parent)?;
+    if let Some(old) = old {
+        remove_path(&old);
+    }
+    Ok(())
 }
 
 impl Drop for Staging {
@@ -188,13 +202,13 @@ fn resolve_dir(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     Ok((path, missing))
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::io(dir, e))
 }
 
-fn remove_path(path: &Path) {
+pub(crate) fn remove_path(path: &Path) {
     let _ = if path.is_dir() {
         std::fs::remove_dir_all(path)
     } else {

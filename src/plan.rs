@@ -201,6 +201,20 @@ impl Plan<'_> {
         }
     }
 
+    /// Length of destination file `i` without planning its regions (0 for a streamed file, whose
+    /// length is known only once it is written): what a partitioned run lays out its shares by.
+    pub fn file_len(&self, i: usize) -> u64 {
+        if let Some(f) = self.files.get(i) {
+            return f.len;
+        }
+        match &self.dcp {
+            Some(dcp) if i - self.files.len() < dcp.names.len() => {
+                dcp.rank_file_len(i - self.files.len())
+            }
+            _ => 0,
+        }
+    }
+
     /// True when file `i` is written by [`Plan::write_streamed`] rather than from regions.
     pub fn is_streamed(&self, i: usize) -> bool {
         self.dcp
@@ -930,6 +944,26 @@ impl<'a> DcpFiles<'a> {
             Some(f) => Arc::clone(f),
             None => Arc::new(ItemFraming::new(dtype, sizes)),
         }
+    }
+
+    /// The length [`DcpFiles::rank_file`] gives `__{rank}_0.distcp`, from the item framings alone.
+    fn rank_file_len(&self, rank: usize) -> u64 {
+        let ckpt = self.src.ckpt;
+        let items: u64 = self.per_rank[rank]
+            .iter()
+            .map(|&ti| {
+                let ti = ti as usize;
+                let b = box_of(ckpt, &self.mesh, ti, rank);
+                let dtype = self.src.out_dtype(&ckpt.tensors[ti]);
+                self.framing(dtype, &b.sizes).layout.len
+            })
+            .sum();
+        let values: u64 = if rank == 0 {
+            self.value_lens.iter().sum()
+        } else {
+            0
+        };
+        items + values
     }
 
     /// `__{rank}_0.distcp`: one torch.save item per box the rank stores, then (on rank 0) the

@@ -111,6 +111,9 @@ pub struct VerifyReport {
     /// xxh3 digest of each tensor's logical bytes (with `--deep`), by name.
     pub checksums: BTreeMap<String, String>,
     pub problems: Vec<Problem>,
+    /// The partitioned run (`--part I/N`) staged for this output and not committed yet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unfinished: Option<crate::part_output::Unfinished>,
 }
 
 impl VerifyReport {
@@ -125,6 +128,51 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
         path: path.display().to_string(),
         ..VerifyReport::default()
     };
+    if let Some(u) = crate::part_output::unfinished(path) {
+        let missing = u
+            .missing
+            .iter()
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let state = match &u.committing {
+            Some(by) => format!("all {} parts done, {by} is committing it", u.parts),
+            None if u.missing.is_empty() => format!("all {} parts done, not committed", u.parts),
+            None => format!(
+                "{} of {} parts missing: {missing}",
+                u.missing.len(),
+                u.parts
+            ),
+        };
+        let staging = Path::new(&u.staging);
+        let inside = std::path::absolute(path).is_ok_and(|p| p.starts_with(staging));
+        if u.output_exists && !inside {
+            // A `--force` run staged beside a finished output: the output itself is checked.
+            report.problems.push(Problem {
+                severity: Severity::Warning,
+                hint: Some(format!("finish it or remove `{}`", staging.display())),
+                ..Problem::error(format!(
+                    "a partitioned run into this output is staged beside it ({state})"
+                ))
+                .file(staging)
+            });
+        } else {
+            let hint = if u.committing.is_some() || u.missing.is_empty() {
+                format!("if no part is running, run any part again: `{}`", u.command)
+            } else {
+                format!(
+                    "run the missing parts (`{}` with I = {missing}); the last one done commits `{}`",
+                    u.command, u.output
+                )
+            };
+            report.problems.push(Problem {
+                hint: Some(hint),
+                ..Problem::error(format!("unfinished partitioned run: {state}")).file(staging)
+            });
+            report.unfinished = Some(u);
+            return Ok(report);
+        }
+    }
     let ckpt = match crate::detect::read(path) {
         Ok(c) => c,
         Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),

@@ -176,6 +176,10 @@ proptest! {
         let opts = PlanOptions { cast: cast.then_some(DType::BF16) };
         for target in targets(mesh.clone()) {
             let plan = plan::plan(&model, &target, &opts).unwrap();
+            for i in (0..plan.file_count()).filter(|&i| !plan.is_streamed(i)) {
+                // What partitioned runs lay their shares out by, without planning regions.
+                prop_assert_eq!(plan.file_len(i), plan.file(i).unwrap().len, "{:?} file {}", target, i);
+            }
             for (f, counts) in files(&plan).iter().zip(write_counts(&plan)) {
                 // A CRC is patched into framing bytes (a literal) after its region is written.
                 let mut literals = Vec::new();
@@ -248,5 +252,86 @@ proptest! {
         let back = ckpt::detect::read(&full.join("out.safetensors")).unwrap();
         let shapes: Vec<(DType, Vec<u64>)> = back.tensors.iter().map(|t| (t.dtype, t.shape.clone())).collect();
         prop_assert_eq!(shapes, specs);
+    }
+}
+
+/// Every file under `dir`, relative, with its bytes.
+fn tree(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(
+                    p.strip_prefix(dir).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                );
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(60))]
+
+    /// A plan executed as N shares (cut every `align` bytes: inside headers, CRC slots and
+    /// regions alike), in reverse order into shared files, then finished as a committer does
+    /// (streamed files, CRCs that span parts), gives the bytes of one run, for every target.
+    #[test]
+    fn parts_of_a_plan_write_the_bytes_of_one_run(
+        specs in safetensors_tensors(),
+        mesh in mesh(),
+        count in 1usize..7,
+        align in prop::sample::select(vec![1u64, 3, 64]),
+        seed in any::<u64>(),
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let entries: Vec<(String, DType, Vec<u64>)> =
+            specs.iter().enumerate().map(|(i, (d, s))| (format!("t{i}"), *d, s.clone())).collect();
+        let (header, ranges) = ckpt::formats::safetensors::header_bytes(&entries, &[]);
+        let data_len = ranges.last().map_or(0, |r| r.1) as usize;
+        let mut state = seed | 1;
+        let data: Vec<u8> = (0..data_len).map(|_| { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state as u8 }).collect();
+        let input = tmp.path().join("in.safetensors");
+        std::fs::write(&input, [header, data].concat()).unwrap();
+        let ckpt = ckpt::detect::read(&input).unwrap();
+        let cancel = AtomicBool::new(false);
+        let opts = ExecOptions {
+            threads: 2,
+            io: IoMode::Mmap,
+            progress: &NoProgress,
+            cancel: &cancel,
+            durable: false,
+        };
+        for (t, target) in targets(mesh).into_iter().enumerate() {
+            let plan = plan::plan(&ckpt, &target, &PlanOptions::default()).unwrap();
+            let (one, parts) = (tmp.path().join(format!("one{t}")), tmp.path().join(format!("parts{t}")));
+            let dest_one: Vec<PathBuf> = plan.paths().iter().map(|p| one.join(p)).collect();
+            exec::execute(&plan, &dest_one, &opts).unwrap();
+
+            let lens: Vec<u64> = (0..plan.file_count())
+                .map(|i| if plan.is_streamed(i) { 0 } else { plan.file_len(i) })
+                .collect();
+            let dest: Vec<PathBuf> = plan.paths().iter().map(|p| parts.join(p)).collect();
+            std::fs::create_dir_all(&parts).unwrap();
+            let (mut crcs, mut slots) = (Vec::new(), Vec::new());
+            for index in (0..count).rev() {
+                let share = ckpt::part::share_aligned(&lens, ckpt::part::PartSpec { index, count }, align);
+                let outcome = exec::execute_share(&plan, &dest, &share, &opts).unwrap();
+                crcs.extend(outcome.crcs);
+                slots.extend(outcome.open_slots);
+            }
+            exec::write_streamed_files(&plan, &dest, false).unwrap();
+            exec::patch_crcs(&dest, &crcs, &slots, false).unwrap();
+            let (a, b) = (tree(&one), tree(&parts));
+            prop_assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{:?}", target);
+            for (path, bytes) in &a {
+                prop_assert!(bytes == &b[path], "{:?} in {} parts every {} bytes: `{}` differs", target, count, align, path.display());
+            }
+        }
     }
 }

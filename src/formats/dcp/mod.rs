@@ -591,12 +591,12 @@ fn map_file(dir: &Path, name: &str, items: u64) -> Result<Option<Mmap>> {
     if len == 0 {
         return Ok(None);
     }
-    // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
-    // caveat.
     let mut options = memmap2::MmapOptions::new();
     if len <= items.saturating_mul(POPULATE_ITEM_BYTES) {
         options.populate();
     }
+    // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
+    // caveat.
     let map = unsafe { options.map(&file) }.map_err(|e| Error::io(&path, e))?;
     Ok(Some(map))
 }
