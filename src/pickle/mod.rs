@@ -73,6 +73,12 @@ pub struct Global {
 /// Which globals a pickle may name. Anything else is refused with an error naming it.
 pub trait Globals {
     fn allows(&self, module: &str, name: &str) -> bool;
+    /// Whether the pickle may hold persistent ids (`BINPERSID`): torch.save's storages are
+    /// persistent ids, but a plain `pickle.load` (DCP's `.metadata`) has no `persistent_load` and
+    /// refuses any.
+    fn allows_persistent_ids(&self) -> bool {
+        true
+    }
 }
 
 /// A fixed list of `(module, name)` pairs.

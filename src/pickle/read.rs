@@ -18,7 +18,8 @@
 //!   the first position and the last value, as Python's dict does; other keys are kept as pickled.
 //! - Bytes after `STOP` are ignored, as `pickle.loads` ignores them; nothing torch writes has any,
 //!   but a reader that refuses them gains nothing.
-//! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it.
+//! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it, but
+//!   refuses one that runs past the end of the input, as Python's unpickler does.
 //! - Pickles of 4 GiB or more are refused: graph nodes address the input with 32-bit offsets.
 
 use std::collections::HashMap;
@@ -443,7 +444,16 @@ impl<'a> Machine<'a, '_> {
                     self.proto = proto;
                 }
                 FRAME => {
-                    self.input.u64()?;
+                    // Python's unpickler reads the whole frame ahead and refuses one that runs
+                    // past the data ("pickle data was truncated"); a shorter one is harmless.
+                    let len = self.input.u64()?;
+                    let left = self.input.bytes.len() - self.input.pos;
+                    if len > left as u64 {
+                        return Err(malformed(
+                            at,
+                            format!("`FRAME` announces {len} bytes but only {left} follow (the pickle is truncated or the length is corrupt)"),
+                        ));
+                    }
                 }
                 STOP => return self.pop(at),
                 MARK => {
@@ -667,6 +677,12 @@ impl<'a> Machine<'a, '_> {
                     }
                 }
                 BINPERSID => {
+                    if !self.globals.allows_persistent_ids() {
+                        return Err(malformed(
+                            at,
+                            "a persistent id (`BINPERSID`), which this pickle may not hold",
+                        ));
+                    }
                     let pid = self.pop(at)?;
                     self.node(at, Node::PersistentId(pid, origin(at)))?;
                 }
@@ -1729,9 +1745,14 @@ mod tests {
             }
         }
         assert_eq!(
-            read_with(&PLAIN_P4[..20], NOTHING),
+            read_with(&PLAIN_P2[..20], NOTHING),
             Err(PickleError::Truncated { offset: 20 })
         );
+        // With a frame, its length already says the data is short.
+        assert!(matches!(
+            read_with(&PLAIN_P4[..20], NOTHING),
+            Err(PickleError::Malformed { offset: 2, .. })
+        ));
         // A length prefix far past the end is truncation, not an allocation.
         let huge = b"\x80\x04\x8e\xff\xff\xff\xff\xff\xff\xff\x7f";
         assert_eq!(
@@ -1966,5 +1987,48 @@ mod tests {
                 .collect();
             let _ = read(&bytes, &NOTHING, Limits::default());
         }
+    }
+    #[test]
+    fn a_frame_may_not_run_past_the_data() {
+        // PLAIN_P4's one frame covers everything after its length; as `pickle.loads` does, a
+        // frame that announces more is refused, and one that announces less (or nothing) is not.
+        let announced = u64::from_le_bytes(PLAIN_P4[3..11].try_into().unwrap());
+        assert_eq!(announced as usize, PLAIN_P4.len() - 11);
+        let with_frame = |n: u64| {
+            let mut p = PLAIN_P4.to_vec();
+            p[3..11].copy_from_slice(&n.to_le_bytes());
+            read(&p, &NOTHING, Limits::default())
+        };
+        for n in [0, 1, announced - 1, announced] {
+            assert!(with_frame(n).is_ok(), "frame of {n}");
+        }
+        for n in [announced + 1, 1 << 63, u64::MAX] {
+            match with_frame(n) {
+                Err(PickleError::Malformed { offset: 2, reason }) => {
+                    assert!(reason.contains("`FRAME` announces"), "{reason}")
+                }
+                other => panic!("frame of {n}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn persistent_ids_are_refused_where_the_policy_says() {
+        struct NoPids;
+        impl Globals for NoPids {
+            fn allows(&self, _: &str, _: &str) -> bool {
+                false
+            }
+            fn allows_persistent_ids(&self) -> bool {
+                false
+            }
+        }
+        // `N Q .`: a persistent id of None.
+        let p = [0x80, 4, b'N', b'Q', b'.'];
+        assert!(read(&p, &NOTHING, Limits::default()).is_ok());
+        assert!(matches!(
+            read(&p, &NoPids, Limits::default()),
+            Err(PickleError::Malformed { offset: 3, .. })
+        ));
     }
 }

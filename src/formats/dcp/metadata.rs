@@ -435,6 +435,11 @@ impl Globals for DcpGlobals {
             _ => false,
         }
     }
+
+    /// `FileSystemReader.read_metadata` is a plain `pickle.load`, which refuses persistent ids.
+    fn allows_persistent_ids(&self) -> bool {
+        false
+    }
 }
 
 /// The [`Sink`] of [`parse`]: everything, as a [`DcpMetadata`] holds it.
@@ -1699,8 +1704,14 @@ mod tests {
             .unwrap_err()
             .message
             .contains("not a DCP `Metadata`"));
+        // The frame at byte 2 announces the whole pickle, so it is what finds it cut short.
         let truncated = parse(&SINGLE[..100]).unwrap_err();
-        assert_eq!(truncated.offset, Some(100));
+        assert_eq!(truncated.offset, Some(2));
+        assert!(
+            truncated.message.contains("truncated"),
+            "{}",
+            truncated.message
+        );
     }
 
     #[test]

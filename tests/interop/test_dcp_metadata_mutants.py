@@ -1,0 +1,106 @@
+"""`.metadata` mutants of a DCP fixture: whatever PyTorch's `FileSystemReader.read_metadata` refuses,
+`ckpt verify` must call unsound (exit 1); the near misses torch still reads, ckpt must read too."""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ckpt
+
+FIXTURE = "fsdp2_adamw"
+
+
+def _ops(data: bytes):
+    return list(pickletools.genops(data))
+
+
+def _refit_frame(data: bytes) -> bytes:
+    """The one frame at byte 2 re-announced to cover everything after its length."""
+    return data[:3] + struct.pack("<Q", len(data) - 11) + data[11:]
+
+
+def _with_frame(n: int):
+    return lambda data: data[:3] + struct.pack("<Q", n) + data[11:]
+
+
+def _frame_grown(by: int):
+    return lambda data: _with_frame(len(data) - 11 + by)(data)
+
+
+def _frame_before_stop(n: int):
+    # A second frame just before STOP announcing n bytes: only STOP's one byte follows.
+    return lambda data: data[:-1] + b"\x95" + struct.pack("<Q", n) + b"."
+
+
+def _persid_for_requires_grad(data: bytes) -> bytes:
+    # The first NEWFALSE is the first `TensorProperties.requires_grad`: it becomes a persistent id of None.
+    pos = next(pos for op, _, pos in _ops(data) if op.name == "NEWFALSE")
+    return _refit_frame(data[:pos] + b"NQ" + data[pos + 1 :])
+
+
+def _memory_format(value: int):
+    def mutate(data: bytes) -> bytes:
+        # The first `_MEM_FORMAT_ENCODING(0)`: STACK_GLOBAL, MEMOIZE, BININT1 0.
+        ops = _ops(data)
+        for i, (op, arg, _) in enumerate(ops):
+            if op.name == "SHORT_BINUNICODE" and arg == "_MEM_FORMAT_ENCODING":
+                for op2, arg2, pos in ops[i:]:
+                    if op2.name == "BININT1":
+                        assert arg2 == 0
+                        return data[: pos + 1] + bytes([value]) + data[pos + 2 :]
+        raise AssertionError("no memory format in the fixture")
+
+    return mutate
+
+
+# name -> (mutation, whether torch reads the result)
+MUTANTS = {
+    "frame-exact": (lambda d: d, True),
+    "frame-short-by-1": (_frame_grown(-1), True),
+    "frame-of-0": (_with_frame(0), True),
+    "frame-long-by-1": (_frame_grown(1), False),
+    "frame-long-by-100": (_frame_grown(100), False),
+    "frame-2^63-1": (_with_frame(2**63 - 1), False),
+    "frame-2^63": (_with_frame(2**63), False),
+    "frame-u64-max": (_with_frame(2**64 - 1), False),
+    "second-frame-of-1": (_frame_before_stop(1), True),
+    "second-frame-of-2": (_frame_before_stop(2), False),
+    "persid-in-tensor-properties": (_persid_for_requires_grad, False),
+    "persid-at-root": (lambda d: _refit_frame(d[:-1] + b"Q."), False),
+}
+
+
+def _torch_reads(d: Path) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.FileSystemReader(str(d)).read_metadata()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_verify_refuses_what_read_metadata_refuses(name, fixtures_dir, tmp_path):
+    mutate, torch_reads = MUTANTS[name]
+    src = fixtures_dir / FIXTURE
+    d = tmp_path / FIXTURE
+    d.mkdir()
+    for f in os.listdir(src):
+        if f != ".metadata":
+            os.symlink(src / f, d / f)
+    (d / ".metadata").write_bytes(mutate((src / ".metadata").read_bytes()))
+
+    assert _torch_reads(d) == torch_reads, "torch's verdict on the mutant changed"
+    r = run_ckpt("verify", d)
+    out = r.stdout + r.stderr
+    if torch_reads:
+        assert r.returncode == 0, out
+    else:
+        assert r.returncode == 1, out
+        assert ".metadata`, at byte" in out, out
