@@ -72,6 +72,10 @@ MUTANTS = {
     "second-frame-of-2": (_frame_before_stop(2), False),
     "persid-in-tensor-properties": (_persid_for_requires_grad, False),
     "persid-at-root": (lambda d: _refit_frame(d[:-1] + b"Q."), False),
+    "memory-format-1": (_memory_format(1), True),
+    "memory-format-2": (_memory_format(2), True),
+    "memory-format-3": (_memory_format(3), False),
+    "memory-format-255": (_memory_format(255), False),
 }
 
 
@@ -103,4 +107,4 @@ def test_verify_refuses_what_read_metadata_refuses(name, fixtures_dir, tmp_path)
         assert r.returncode == 0, out
     else:
         assert r.returncode == 1, out
-        assert ".metadata`, at byte" in out, out
+        assert ".metadata`," in out and "at byte" in out, out
