@@ -596,6 +596,7 @@ impl<'a> Machine<'a, '_> {
                 }
                 SETITEM => {
                     let start = self.last(at, 2)?;
+                    self.check_hashable(at, start, 2)?;
                     self.extend(at, start, "SETITEM")?;
                 }
                 SETITEMS => {
@@ -610,10 +611,12 @@ impl<'a> Machine<'a, '_> {
                 EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
                 ADDITEMS => {
                     let mark = self.pop_mark(at)?;
+                    self.check_hashable(at, mark, 1)?;
                     self.extend(at, mark, "ADDITEMS")?;
                 }
                 FROZENSET => {
                     let mark = self.pop_mark(at)?;
+                    self.check_hashable(at, mark, 1)?;
                     let chain = self.new_chain(at, mark)?;
                     self.node(at, Node::Set(chain, origin(at)))?;
                 }
@@ -1083,6 +1086,45 @@ impl<'a> Machine<'a, '_> {
     fn check_pairs(&self, at: usize, start: usize) -> Result<(), PickleError> {
         if self.stack.len().saturating_sub(start) % 2 != 0 {
             return Err(malformed(at, "odd number of items for a dict"));
+        }
+        self.check_hashable(at, start, 2)
+    }
+
+    /// Python hashes every dict key and set item as it inserts it, so a list or dict there (or
+    /// a tuple holding one) is refused ("unhashable type"). Sets are not told apart from
+    /// frozensets in the graph and an object's hashability depends on its class, so both pass;
+    /// a tuple is looked into up to a small budget of items, past which it passes too.
+    fn check_hashable(&self, at: usize, start: usize, step: usize) -> Result<(), PickleError> {
+        for &key in self
+            .stack
+            .get(start..)
+            .unwrap_or_default()
+            .iter()
+            .step_by(step)
+        {
+            let mut todo = vec![key];
+            let mut budget = 64usize;
+            while let Some(id) = todo.pop() {
+                match self.graph.node(id) {
+                    Node::List(..) | Node::Dict(..) => {
+                        let kind = self.kind(id);
+                        return Err(malformed(
+                            at,
+                            format!("a dict key or set item is a {kind}, which Python cannot hash"),
+                        ));
+                    }
+                    Node::Tuple(..) => {
+                        for item in self.graph.view(id).as_seq().into_iter().flatten() {
+                            if budget == 0 {
+                                break;
+                            }
+                            budget -= 1;
+                            todo.push(item.id());
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(())
     }
@@ -2030,5 +2072,36 @@ mod tests {
             read(&p, &NoPids, Limits::default()),
             Err(PickleError::Malformed { offset: 3, .. })
         ));
+    }
+    #[test]
+    fn unhashable_keys_are_refused_as_python_refuses_them() {
+        // `{KEY: 1}` by SETITEM, SETITEMS and DICT, and `{KEY}` by ADDITEMS and FROZENSET.
+        let shapes: [(&[u8], &[u8]); 5] = [
+            (b"}", b"K\x01s."),
+            (b"}(", b"K\x01u."),
+            (b"(", b"K\x01d."),
+            (b"\x8f(", b"\x90."),
+            (b"(", b"\x91."),
+        ];
+        let keys: [(&[u8], bool); 6] = [
+            (b"]", false),
+            (b"}", false),
+            (b"]\x85", false),
+            (b"K\x01]\x86\x85", false),
+            (b"K\x01\x85", true),
+            (b"\x8c\x01a", true),
+        ];
+        for (before, after) in shapes {
+            for (key, hashable) in keys {
+                let p = [&[0x80, 4][..], before, key, after].concat();
+                let got = read(&p, &NOTHING, Limits::default());
+                match (hashable, got) {
+                    (true, Ok(_)) => {}
+                    (false, Err(PickleError::Malformed { reason, .. }))
+                        if reason.contains("cannot hash") => {}
+                    (_, other) => panic!("{p:?}: {other:?}"),
+                }
+            }
+        }
     }
 }

@@ -58,6 +58,18 @@ def _memory_format(value: int):
     return mutate
 
 
+def _key_replaced(key: str, opcode: bytes):
+    # The first string `key` (a dict key in the fixture) becomes an empty list or dict.
+    def mutate(data: bytes) -> bytes:
+        ops = _ops(data)
+        for (op, arg, pos), (_, _, end) in zip(ops, ops[1:]):
+            if op.name == "SHORT_BINUNICODE" and arg == key:
+                return _refit_frame(data[:pos] + opcode + data[end:])
+        raise AssertionError(f"no {key!r} in the fixture")
+
+    return mutate
+
+
 # name -> (mutation, whether torch reads the result)
 MUTANTS = {
     "frame-exact": (lambda d: d, True),
@@ -76,6 +88,12 @@ MUTANTS = {
     "memory-format-2": (_memory_format(2), True),
     "memory-format-3": (_memory_format(3), False),
     "memory-format-255": (_memory_format(255), False),
+    # Keys ckpt does not look up: the metadata index's `index`, `version`, `storage_meta`.
+    "list-as-index-key": (_key_replaced("index", b"]"), False),
+    "dict-as-index-key": (_key_replaced("index", b"}"), False),
+    "list-as-version-key": (_key_replaced("version", b"]"), False),
+    "dict-as-storage-meta-key": (_key_replaced("storage_meta", b"}"), False),
+    "list-as-save-id-key": (_key_replaced("save_id", b"]"), False),
 }
 
 
