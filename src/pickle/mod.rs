@@ -79,6 +79,12 @@ pub trait Globals {
     fn allows_persistent_ids(&self) -> bool {
         true
     }
+    /// Whether what `module.name` makes (an instance of the class, or what the callable returns)
+    /// is unhashable in Python, e.g. a dataclass with `eq` and without `frozen`: such an object
+    /// as a dict key or set item is refused as Python refuses it.
+    fn unhashable(&self, _module: &str, _name: &str) -> bool {
+        false
+    }
 }
 
 /// A fixed list of `(module, name)` pairs.

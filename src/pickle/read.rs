@@ -1091,9 +1091,9 @@ impl<'a> Machine<'a, '_> {
     }
 
     /// Python hashes every dict key and set item as it inserts it, so a list or dict there (or
-    /// a tuple holding one) is refused ("unhashable type"). Sets are not told apart from
-    /// frozensets in the graph and an object's hashability depends on its class, so both pass;
-    /// a tuple is looked into up to a small budget of items, past which it passes too.
+    /// a tuple holding one, or an object [`Globals::unhashable`] names) is refused ("unhashable
+    /// type"). Sets are not told apart from frozensets in the graph, so they pass; a tuple is
+    /// looked into up to a small budget of items, past which it passes too.
     fn check_hashable(&self, at: usize, start: usize, step: usize) -> Result<(), PickleError> {
         for &key in self
             .stack
@@ -1112,6 +1112,16 @@ impl<'a> Machine<'a, '_> {
                             at,
                             format!("a dict key or set item is a {kind}, which Python cannot hash"),
                         ));
+                    }
+                    Node::Object(..) => {
+                        if let Some((module, name)) = self.graph.view(id).class() {
+                            if self.globals.unhashable(module, name) {
+                                return Err(malformed(
+                                    at,
+                                    format!("a dict key or set item is a `{module}.{name}`, which Python cannot hash"),
+                                ));
+                            }
+                        }
                     }
                     Node::Tuple(..) => {
                         for item in self.graph.view(id).as_seq().into_iter().flatten() {

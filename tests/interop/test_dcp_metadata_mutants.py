@@ -70,6 +70,29 @@ def _key_replaced(key: str, opcode: bytes):
     return mutate
 
 
+def _key_fetches(key: str, cls: str):
+    # The first string `key` becomes a LONG_BINGET of the first `cls` object (memoized before it).
+    def mutate(data: bytes) -> bytes:
+        ops = _ops(data)
+        memo, last_global, found = 0, None, None
+        names = []
+        for i, (op, arg, pos) in enumerate(ops):
+            if op.name == "SHORT_BINUNICODE":
+                names.append(arg)
+            if op.name == "STACK_GLOBAL":
+                last_global = names[-1]
+            if op.name == "MEMOIZE":
+                if found is None and ops[i - 1][0].name in ("NEWOBJ", "REDUCE") and last_global == cls:
+                    found = memo
+                memo += 1
+            if op.name == "SHORT_BINUNICODE" and arg == key and found is not None:
+                end = ops[i + 1][2]
+                return _refit_frame(data[:pos] + b"j" + struct.pack("<I", found) + data[end:])
+        raise AssertionError(f"no {key!r} after a {cls}")
+
+    return mutate
+
+
 # name -> (mutation, whether torch reads the result)
 MUTANTS = {
     "frame-exact": (lambda d: d, True),
@@ -94,6 +117,9 @@ MUTANTS = {
     "list-as-version-key": (_key_replaced("version", b"]"), False),
     "dict-as-storage-meta-key": (_key_replaced("storage_meta", b"}"), False),
     "list-as-save-id-key": (_key_replaced("save_id", b"]"), False),
+    "chunk-as-index-key": (_key_fetches("index", "ChunkStorageMetadata"), False),
+    "storage-info-as-save-id-key": (_key_fetches("save_id", "_StorageInfo"), False),
+    "metadata-index-as-save-id-key": (_key_fetches("save_id", "MetadataIndex"), True),
 }
 
 

@@ -440,6 +440,25 @@ impl Globals for DcpGlobals {
     fn allows_persistent_ids(&self) -> bool {
         false
     }
+
+    /// DCP's dataclasses other than the frozen `MetadataIndex`, and `OrderedDict`.
+    fn unhashable(&self, module: &str, name: &str) -> bool {
+        match module {
+            META | OLD_META => matches!(
+                name,
+                "Metadata"
+                    | "TensorStorageMetadata"
+                    | "BytesStorageMetadata"
+                    | "ChunkStorageMetadata"
+                    | "TensorProperties"
+                    | "StorageMeta"
+            ),
+            SHARDED_TENSOR_META => name == "TensorProperties",
+            FS | OLD_FS => name == "_StorageInfo",
+            "collections" => name == "OrderedDict",
+            _ => false,
+        }
+    }
 }
 
 /// The [`Sink`] of [`parse`]: everything, as a [`DcpMetadata`] holds it.
