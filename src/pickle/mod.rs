@@ -73,6 +73,18 @@ pub struct Global {
 /// Which globals a pickle may name. Anything else is refused with an error naming it.
 pub trait Globals {
     fn allows(&self, module: &str, name: &str) -> bool;
+    /// Whether the pickle may hold persistent ids (`BINPERSID`): torch.save's storages are
+    /// persistent ids, but a plain `pickle.load` (DCP's `.metadata`) has no `persistent_load` and
+    /// refuses any.
+    fn allows_persistent_ids(&self) -> bool {
+        true
+    }
+    /// Whether what `module.name` makes (an instance of the class, or what the callable returns)
+    /// is unhashable in Python, e.g. a dataclass with `eq` and without `frozen`: such an object
+    /// as a dict key or set item is refused as Python refuses it.
+    fn unhashable(&self, _module: &str, _name: &str) -> bool {
+        false
+    }
 }
 
 /// A fixed list of `(module, name)` pairs.

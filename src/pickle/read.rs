@@ -18,7 +18,8 @@
 //!   the first position and the last value, as Python's dict does; other keys are kept as pickled.
 //! - Bytes after `STOP` are ignored, as `pickle.loads` ignores them; nothing torch writes has any,
 //!   but a reader that refuses them gains nothing.
-//! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it.
+//! - `FRAME` only announces how many bytes follow; the reader does not need it and skips it, but
+//!   refuses one that runs past the end of the input, as Python's unpickler does.
 //! - Pickles of 4 GiB or more are refused: graph nodes address the input with 32-bit offsets.
 
 use std::collections::HashMap;
@@ -443,7 +444,16 @@ impl<'a> Machine<'a, '_> {
                     self.proto = proto;
                 }
                 FRAME => {
-                    self.input.u64()?;
+                    // Python's unpickler reads the whole frame ahead and refuses one that runs
+                    // past the data ("pickle data was truncated"); a shorter one is harmless.
+                    let len = self.input.u64()?;
+                    let left = self.input.bytes.len() - self.input.pos;
+                    if len > left as u64 {
+                        return Err(malformed(
+                            at,
+                            format!("`FRAME` announces {len} bytes but only {left} follow (the pickle is truncated or the length is corrupt)"),
+                        ));
+                    }
                 }
                 STOP => return self.pop(at),
                 MARK => {
@@ -586,6 +596,7 @@ impl<'a> Machine<'a, '_> {
                 }
                 SETITEM => {
                     let start = self.last(at, 2)?;
+                    self.check_hashable(at, start, 2)?;
                     self.extend(at, start, "SETITEM")?;
                 }
                 SETITEMS => {
@@ -600,10 +611,12 @@ impl<'a> Machine<'a, '_> {
                 EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
                 ADDITEMS => {
                     let mark = self.pop_mark(at)?;
+                    self.check_hashable(at, mark, 1)?;
                     self.extend(at, mark, "ADDITEMS")?;
                 }
                 FROZENSET => {
                     let mark = self.pop_mark(at)?;
+                    self.check_hashable(at, mark, 1)?;
                     let chain = self.new_chain(at, mark)?;
                     self.node(at, Node::Set(chain, origin(at)))?;
                 }
@@ -667,6 +680,12 @@ impl<'a> Machine<'a, '_> {
                     }
                 }
                 BINPERSID => {
+                    if !self.globals.allows_persistent_ids() {
+                        return Err(malformed(
+                            at,
+                            "a persistent id (`BINPERSID`), which this pickle may not hold",
+                        ));
+                    }
                     let pid = self.pop(at)?;
                     self.node(at, Node::PersistentId(pid, origin(at)))?;
                 }
@@ -1067,6 +1086,55 @@ impl<'a> Machine<'a, '_> {
     fn check_pairs(&self, at: usize, start: usize) -> Result<(), PickleError> {
         if self.stack.len().saturating_sub(start) % 2 != 0 {
             return Err(malformed(at, "odd number of items for a dict"));
+        }
+        self.check_hashable(at, start, 2)
+    }
+
+    /// Python hashes every dict key and set item as it inserts it, so a list or dict there (or
+    /// a tuple holding one, or an object [`Globals::unhashable`] names) is refused ("unhashable
+    /// type"). Sets are not told apart from frozensets in the graph, so they pass; a tuple is
+    /// looked into up to a small budget of items, past which it passes too.
+    fn check_hashable(&self, at: usize, start: usize, step: usize) -> Result<(), PickleError> {
+        for &key in self
+            .stack
+            .get(start..)
+            .unwrap_or_default()
+            .iter()
+            .step_by(step)
+        {
+            let mut todo = vec![key];
+            let mut budget = 64usize;
+            while let Some(id) = todo.pop() {
+                match self.graph.node(id) {
+                    Node::List(..) | Node::Dict(..) => {
+                        let kind = self.kind(id);
+                        return Err(malformed(
+                            at,
+                            format!("a dict key or set item is a {kind}, which Python cannot hash"),
+                        ));
+                    }
+                    Node::Object(..) => {
+                        if let Some((module, name)) = self.graph.view(id).class() {
+                            if self.globals.unhashable(module, name) {
+                                return Err(malformed(
+                                    at,
+                                    format!("a dict key or set item is a `{module}.{name}`, which Python cannot hash"),
+                                ));
+                            }
+                        }
+                    }
+                    Node::Tuple(..) => {
+                        for item in self.graph.view(id).as_seq().into_iter().flatten() {
+                            if budget == 0 {
+                                break;
+                            }
+                            budget -= 1;
+                            todo.push(item.id());
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(())
     }
@@ -1729,9 +1797,14 @@ mod tests {
             }
         }
         assert_eq!(
-            read_with(&PLAIN_P4[..20], NOTHING),
+            read_with(&PLAIN_P2[..20], NOTHING),
             Err(PickleError::Truncated { offset: 20 })
         );
+        // With a frame, its length already says the data is short.
+        assert!(matches!(
+            read_with(&PLAIN_P4[..20], NOTHING),
+            Err(PickleError::Malformed { offset: 2, .. })
+        ));
         // A length prefix far past the end is truncation, not an allocation.
         let huge = b"\x80\x04\x8e\xff\xff\xff\xff\xff\xff\xff\x7f";
         assert_eq!(
@@ -1965,6 +2038,80 @@ mod tests {
                 .map(|i| (x >> ((i % 8) * 8)) as u8 ^ (i as u8))
                 .collect();
             let _ = read(&bytes, &NOTHING, Limits::default());
+        }
+    }
+    #[test]
+    fn a_frame_may_not_run_past_the_data() {
+        // PLAIN_P4's one frame covers everything after its length; as `pickle.loads` does, a
+        // frame that announces more is refused, and one that announces less (or nothing) is not.
+        let announced = u64::from_le_bytes(PLAIN_P4[3..11].try_into().unwrap());
+        assert_eq!(announced as usize, PLAIN_P4.len() - 11);
+        let with_frame = |n: u64| {
+            let mut p = PLAIN_P4.to_vec();
+            p[3..11].copy_from_slice(&n.to_le_bytes());
+            read(&p, &NOTHING, Limits::default())
+        };
+        for n in [0, 1, announced - 1, announced] {
+            assert!(with_frame(n).is_ok(), "frame of {n}");
+        }
+        for n in [announced + 1, 1 << 63, u64::MAX] {
+            match with_frame(n) {
+                Err(PickleError::Malformed { offset: 2, reason }) => {
+                    assert!(reason.contains("`FRAME` announces"), "{reason}")
+                }
+                other => panic!("frame of {n}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn persistent_ids_are_refused_where_the_policy_says() {
+        struct NoPids;
+        impl Globals for NoPids {
+            fn allows(&self, _: &str, _: &str) -> bool {
+                false
+            }
+            fn allows_persistent_ids(&self) -> bool {
+                false
+            }
+        }
+        // `N Q .`: a persistent id of None.
+        let p = [0x80, 4, b'N', b'Q', b'.'];
+        assert!(read(&p, &NOTHING, Limits::default()).is_ok());
+        assert!(matches!(
+            read(&p, &NoPids, Limits::default()),
+            Err(PickleError::Malformed { offset: 3, .. })
+        ));
+    }
+    #[test]
+    fn unhashable_keys_are_refused_as_python_refuses_them() {
+        // `{KEY: 1}` by SETITEM, SETITEMS and DICT, and `{KEY}` by ADDITEMS and FROZENSET.
+        let shapes: [(&[u8], &[u8]); 5] = [
+            (b"}", b"K\x01s."),
+            (b"}(", b"K\x01u."),
+            (b"(", b"K\x01d."),
+            (b"\x8f(", b"\x90."),
+            (b"(", b"\x91."),
+        ];
+        let keys: [(&[u8], bool); 6] = [
+            (b"]", false),
+            (b"}", false),
+            (b"]\x85", false),
+            (b"K\x01]\x86\x85", false),
+            (b"K\x01\x85", true),
+            (b"\x8c\x01a", true),
+        ];
+        for (before, after) in shapes {
+            for (key, hashable) in keys {
+                let p = [&[0x80, 4][..], before, key, after].concat();
+                let got = read(&p, &NOTHING, Limits::default());
+                match (hashable, got) {
+                    (true, Ok(_)) => {}
+                    (false, Err(PickleError::Malformed { reason, .. }))
+                        if reason.contains("cannot hash") => {}
+                    (_, other) => panic!("{p:?}: {other:?}"),
+                }
+            }
         }
     }
 }

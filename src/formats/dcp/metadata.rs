@@ -435,6 +435,30 @@ impl Globals for DcpGlobals {
             _ => false,
         }
     }
+
+    /// `FileSystemReader.read_metadata` is a plain `pickle.load`, which refuses persistent ids.
+    fn allows_persistent_ids(&self) -> bool {
+        false
+    }
+
+    /// DCP's dataclasses other than the frozen `MetadataIndex`, and `OrderedDict`.
+    fn unhashable(&self, module: &str, name: &str) -> bool {
+        match module {
+            META | OLD_META => matches!(
+                name,
+                "Metadata"
+                    | "TensorStorageMetadata"
+                    | "BytesStorageMetadata"
+                    | "ChunkStorageMetadata"
+                    | "TensorProperties"
+                    | "StorageMeta"
+            ),
+            SHARDED_TENSOR_META => name == "TensorProperties",
+            FS | OLD_FS => name == "_StorageInfo",
+            "collections" => name == "OrderedDict",
+            _ => false,
+        }
+    }
 }
 
 /// The [`Sink`] of [`parse`]: everything, as a [`DcpMetadata`] holds it.
@@ -664,6 +688,9 @@ fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<DType, Strin
                     describe(state)
                 );
             }
+            if let Some(&encoding) = items.get(3) {
+                check_memory_format(encoding)?;
+            }
             (items.first().copied(), items.get(1).copied())
         }
         Kind::Dict => (state.get("dtype"), state.get("layout")),
@@ -702,6 +729,54 @@ fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<DType, Strin
         }
     }
     Ok(dtype)
+}
+
+/// The memory format of a `TensorProperties` state: torch builds `_MEM_FORMAT_ENCODING(value)` and
+/// `__setstate__` maps it to a memory format, so anything but the enum with one of its three
+/// values (0, 1, 2, compared as Python does: `False`, `2.0` and a member itself are fine) is
+/// refused when torch loads. Which module's enum names it is not checked.
+fn check_memory_format(encoding: View<'_>) -> Result<()> {
+    let mut value = encoding;
+    // `_MEM_FORMAT_ENCODING(_MEM_FORMAT_ENCODING(0))` is the member itself.
+    loop {
+        let enum_arg = match (value.class(), value.args().map(|a| a.collect::<Vec<_>>())) {
+            (
+                Some((META | OLD_META, "_MEM_FORMAT_ENCODING"))
+                | Some((SHARDED_TENSOR_META, "MEM_FORMAT_ENCODING")),
+                Some(args),
+            ) => match args.as_slice() {
+                [arg] => Some(*arg),
+                _ => None,
+            },
+            _ => None,
+        };
+        let Some(arg) = enum_arg else { break };
+        let member = match arg.kind() {
+            Kind::Object => {
+                value = arg;
+                continue;
+            }
+            Kind::Int | Kind::Bool => arg.as_int().is_some_and(|i| (0..=2).contains(&i)),
+            Kind::Float => {
+                matches!(arg.to_value(), pickle::Value::Float(f) if f == 0.0 || f == 1.0 || f == 2.0)
+            }
+            _ => false,
+        };
+        if member {
+            return Ok(());
+        }
+        let shown = match arg.as_int() {
+            Some(i) => i.to_string(),
+            None => describe(arg),
+        };
+        bail_invalid!(
+            "`TensorProperties` memory format encoding is {shown}, not 0, 1 or 2 (torch refuses it when it loads)"
+        );
+    }
+    bail_invalid!(
+        "`TensorProperties` memory format is {}, not a `_MEM_FORMAT_ENCODING` (torch refuses it when it loads)",
+        describe(value)
+    )
 }
 
 /// A `ChunkStorageMetadata`, not yet checked against its tensor's size ([`check_chunk`]).
@@ -1676,6 +1751,39 @@ mod tests {
     }
 
     #[test]
+    fn a_memory_format_outside_the_enum_is_an_error() {
+        let good = write(&parse(SHARDED4).unwrap());
+        // The first `_MEM_FORMAT_ENCODING(0)`: its argument is `BININT1 0`, then `TUPLE1`.
+        let name = good
+            .windows(20)
+            .position(|w| w == b"_MEM_FORMAT_ENCODING")
+            .unwrap();
+        let at = name
+            + good[name..]
+                .windows(3)
+                .position(|w| w == b"K\x00\x85")
+                .unwrap()
+            + 1;
+        let with = |value: u8| {
+            let mut p = good.clone();
+            p[at] = value;
+            parse(&p)
+        };
+        assert!(with(1).is_ok());
+        assert!(with(2).is_ok());
+        for value in [3, 255] {
+            let err = with(value).unwrap_err();
+            assert_eq!(err.tensor.as_deref(), Some("w0"));
+            assert!(
+                err.message
+                    .contains(&format!("memory format encoding is {value}, not 0, 1 or 2")),
+                "{}",
+                err.message
+            );
+        }
+    }
+
+    #[test]
     fn inconsistent_fields_are_errors() {
         let good = parse(SHARDED4).unwrap();
         let mut bad = good.clone();
@@ -1699,8 +1807,14 @@ mod tests {
             .unwrap_err()
             .message
             .contains("not a DCP `Metadata`"));
+        // The frame at byte 2 announces the whole pickle, so it is what finds it cut short.
         let truncated = parse(&SINGLE[..100]).unwrap_err();
-        assert_eq!(truncated.offset, Some(100));
+        assert_eq!(truncated.offset, Some(2));
+        assert!(
+            truncated.message.contains("truncated"),
+            "{}",
+            truncated.message
+        );
     }
 
     #[test]
