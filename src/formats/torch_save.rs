@@ -181,6 +181,8 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
         }
     }
 
+    check_records(bytes, &archive)?;
+
     let pkl_bytes = record(bytes, pkl).ok_or_else(|| {
         Error::invalid(format!("`{pkl_name}` lies outside the archive")).at(pkl.data_offset)
     })?;
@@ -211,6 +213,101 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
         });
     }
     Ok(Archive { leaves, ..archive })
+}
+
+/// The records torch's reader parses before it unpickles anything, checked as it checks them
+/// (`PyTorchStreamReader::init` and `torch.serialization._load`): an archive torch.load refuses
+/// for one of them must not pass `verify`.
+fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
+    let named = |name: &str| {
+        let name = format!("{}/{name}", archive.prefix);
+        archive.entry(&name).map(|e| (name, e))
+    };
+    // `.data/version` wins over `version` when both exist, as in torch.
+    let (name, entry) = named(".data/version")
+        .or_else(|| named("version"))
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "no `{}/version` record, which torch.load requires",
+                archive.prefix
+            ))
+        })?;
+    let content = record(bytes, entry).unwrap_or_default();
+    match stoll(content) {
+        Some(v) if (MIN_FILE_VERSION..=MAX_FILE_VERSION).contains(&v) => {}
+        parsed => {
+            let shown = String::from_utf8_lossy(content);
+            let why = match parsed {
+                Some(v) => format!(
+                    "version {v}, but torch.load reads versions {MIN_FILE_VERSION} to {MAX_FILE_VERSION}"
+                ),
+                None => "it is not a decimal integer".to_string(),
+            };
+            return Err(
+                Error::invalid(format!("record `{name}` holds {shown:?}: {why}"))
+                    .at(entry.data_offset),
+            );
+        }
+    }
+    if let Some((name, entry)) = named(".storage_alignment") {
+        let content = record(bytes, entry).unwrap_or_default();
+        if !is_python_int(content) {
+            return Err(Error::invalid(format!(
+                "record `{name}` holds {:?}, which is not an integer",
+                String::from_utf8_lossy(content)
+            ))
+            .at(entry.data_offset));
+        }
+    }
+    if let Some((name, entry)) = named(".data/serialization_id") {
+        let content = record(bytes, entry).unwrap_or_default();
+        if let Err(e) = std::str::from_utf8(content) {
+            return Err(Error::invalid(format!("record `{name}` is not UTF-8"))
+                .at(entry.data_offset + e.valid_up_to() as u64));
+        }
+    }
+    Ok(())
+}
+
+/// The file format versions torch 2.15 reads (`kMinSupportedFileFormatVersion`,
+/// `kMaxSupportedFileFormatVersion`).
+const MIN_FILE_VERSION: i64 = 1;
+const MAX_FILE_VERSION: i64 = 10;
+
+/// `std::stoll` as torch parses the version record: leading whitespace, a sign, then the longest
+/// run of decimal digits (anything after it is ignored); `None` without digits or on overflow.
+fn stoll(bytes: &[u8]) -> Option<i64> {
+    let rest = match bytes.iter().position(|b| !b" \t\n\x0b\x0c\r".contains(b)) {
+        Some(i) => &bytes[i..],
+        None => return None,
+    };
+    let (negative, rest) = match rest.split_first() {
+        Some((b'-', r)) => (true, r),
+        Some((b'+', r)) => (false, r),
+        _ => (false, rest),
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    let magnitude = std::str::from_utf8(&rest[..digits]).ok()?;
+    let v: i128 = magnitude.parse().ok()?;
+    i64::try_from(if negative { -v } else { v }).ok()
+}
+
+/// Whether Python's `int(bytes)` accepts `bytes` (how torch reads `.storage_alignment`): ASCII
+/// whitespace around an optional sign and decimal digits, single underscores between digits.
+fn is_python_int(bytes: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return false;
+    };
+    let text = text.trim_matches(|c: char| c.is_ascii_whitespace() || c == '\x0b');
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    !digits.is_empty()
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
 }
 
 /// One leaf to write.
@@ -1259,6 +1356,96 @@ mod tests {
             "archive was saved on a big-endian machine, which ckpt does not convert"
         );
         assert_eq!(e.offset, Some(576));
+    }
+
+    /// `BARE` with record `suffix` replaced by `content` (`None` drops it), plus `extra` records.
+    fn with_record(suffix: &str, content: Option<&[u8]>, extra: &[(&str, &[u8])]) -> Vec<u8> {
+        let literal = |name: &str, content: Vec<u8>| ZipRecord {
+            name: name.to_string(),
+            len: content.len() as u64,
+            content: Some(content),
+        };
+        let mut records: Vec<ZipRecord> = zip::read_entries(BARE)
+            .unwrap()
+            .iter()
+            .filter_map(|e| {
+                let data = &BARE[e.data_offset as usize..(e.data_offset + e.len) as usize];
+                let content = match content {
+                    _ if !e.name.ends_with(suffix) => Some(data),
+                    replaced => replaced,
+                };
+                content.map(|c| literal(&e.name, c.to_vec()))
+            })
+            .collect();
+        let prefix = records[0].name.split_once('/').unwrap().0.to_string();
+        for (name, content) in extra {
+            records.push(literal(&format!("{prefix}/{name}"), content.to_vec()));
+        }
+        zip::build(&records, &[]).unwrap()
+    }
+
+    #[test]
+    fn records_torch_refuses_are_refused() {
+        let refused = |suffix: &str, content: Option<&[u8]>| {
+            read_err(&with_record(suffix, content, &[])).to_string()
+        };
+        for version in [
+            &b"x"[..],
+            b"",
+            b"99",
+            b"-1",
+            b"0x3",
+            b"11",
+            b"99999999999999999999",
+        ] {
+            let e = refused("/version", Some(version));
+            assert!(e.contains("record `archive/version` holds"), "{e}");
+        }
+        assert!(refused("/version", Some(b"99")).contains("torch.load reads versions 1 to 10"));
+        assert!(refused("/version", None).contains("no `archive/version` record"));
+        for alignment in [&b"x"[..], b"", b"6__4", b"_64", b"0x40"] {
+            let e = refused(".storage_alignment", Some(alignment));
+            assert!(e.contains("`archive/.storage_alignment` holds"), "{e}");
+        }
+        let e = refused("serialization_id", Some(b"12\xff"));
+        assert!(
+            e.contains("record `archive/.data/serialization_id` is not UTF-8"),
+            "{e}"
+        );
+        let e = read_err(&with_record(
+            "/version",
+            Some(b"3\n"),
+            &[(".data/version", b"x")],
+        ))
+        .to_string();
+        assert!(
+            e.contains("record `archive/.data/version` holds \"x\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn records_torch_reads_are_read() {
+        let reads = |suffix: &str, content: Option<&[u8]>, extra: &[(&str, &[u8])]| {
+            read(&with_record(suffix, content, extra)).unwrap();
+        };
+        for version in [&b"3"[..], b"1\n", b"10", b" \t+3x", b"\x0b3"] {
+            reads("/version", Some(version), &[]);
+        }
+        // `.data/version` wins over `version`, as torch reads them.
+        reads("/version", Some(b"x"), &[(".data/version", b"3\n")]);
+        for alignment in [
+            &b"0"[..],
+            b" 6_4\n",
+            b"-1",
+            b"+0064",
+            b"99999999999999999999999",
+        ] {
+            reads(".storage_alignment", Some(alignment), &[]);
+        }
+        reads(".storage_alignment", None, &[]);
+        reads("serialization_id", Some(b""), &[]);
+        reads("serialization_id", None, &[]);
     }
 
     #[test]

@@ -1,0 +1,126 @@
+"""`ckpt verify` against `torch.load(weights_only=True)` on mutants of a small torch.save file:
+whatever torch refuses, verify must call not sound (exit 1); whatever torch reads, verify must
+still call sound (exit 0).
+
+Each mutant rewrites the records of one real torch.save archive with Python's zipfile (stored,
+so both readers accept the framing) and changes one thing torch checks."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+
+import pytest
+import torch
+
+from conftest import run_ckpt
+
+PKL_HEAD = b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01"  # {"a": <value>}
+
+
+def pkl(value: bytes) -> bytes:
+    return PKL_HEAD + value + b"s."
+
+
+def replace(name: str, content: bytes):
+    return lambda recs: [(n, content if n == f"base/{name}" else b) for n, b in recs]
+
+
+def drop(name: str):
+    return lambda recs: [(n, b) for n, b in recs if n != f"base/{name}"]
+
+
+def add(name: str, content: bytes):
+    return lambda recs: recs + [(f"base/{name}", content)]
+
+
+# name -> (change to the record list, central-directory flag bit to set on one record or None)
+MUTANTS = {
+    # the version record, parsed by `std::stoll` and bounded to 1..=10
+    "version_x": (replace("version", b"x"), None),
+    "version_99": (replace("version", b"99"), None),
+    "version_-1": (replace("version", b"-1"), None),
+    "version_empty": (replace("version", b""), None),
+    "version_0x3": (replace("version", b"0x3"), None),
+    "version_huge": (replace("version", b"9" * 30), None),
+    "version_missing": (drop("version"), None),
+    "version_3_no_newline": (replace("version", b"3"), None),
+    "version_10": (replace("version", b"10\n"), None),
+    "version_padded": (replace("version", b"\t+3x"), None),
+    "data_version_x": (add(".data/version", b"x"), None),
+    "data_version_wins": (
+        lambda recs: add(".data/version", b"3\n")(replace("version", b"x")(recs)),
+        None,
+    ),
+    # `.storage_alignment`, parsed by Python's int()
+    "alignment_x": (replace(".storage_alignment", b"x"), None),
+    "alignment_empty": (replace(".storage_alignment", b""), None),
+    "alignment_underscore": (replace(".storage_alignment", b" 6_4\n"), None),
+    "alignment_negative": (replace(".storage_alignment", b"-1"), None),
+    # `.data/serialization_id`, decoded as UTF-8
+    "serialization_id_not_utf8": (replace(".data/serialization_id", b"\xff" * 20), None),
+    "serialization_id_text": (replace(".data/serialization_id", b"abc"), None),
+    "serialization_id_missing": (drop(".data/serialization_id"), None),
+}
+
+
+def build(path, records) -> None:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for name, content in records:
+            out.writestr(name, content)
+
+
+def set_central_flag(path, record: str, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46 : at + 46 + name_len] == record.encode():
+            flags = struct.unpack_from("<H", data, at + 8)[0]
+            struct.pack_into("<H", data, at + 8, flags | (1 << bit))
+        at = data.find(b"PK\x01\x02", at + 4)
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def base_records(tmp_path_factory) -> list:
+    path = tmp_path_factory.mktemp("tsave") / "base.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, path)
+    with zipfile.ZipFile(path) as z:
+        return [(i.filename, z.read(i.filename)) for i in z.infolist()]
+
+
+def torch_refuses(path) -> str | None:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal counts
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def check(path) -> None:
+    refusal = torch_refuses(path)
+    got = run_ckpt("verify", path)
+    if refusal is not None:
+        assert got.returncode == 1, (
+            f"torch refuses ({refusal}) but ckpt verify exits {got.returncode}:\n{got.stdout}{got.stderr}"
+        )
+    else:
+        assert got.returncode == 0, f"torch reads it but ckpt verify refuses:\n{got.stderr}"
+
+
+def test_rebuilt_base_is_read_by_both(ckpt, base_records, tmp_path):
+    path = tmp_path / "base.pt"
+    build(path, base_records)
+    assert torch_refuses(path) is None
+    assert run_ckpt("verify", path).returncode == 0
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_torch_save_mutant_agrees(ckpt, base_records, tmp_path, name):
+    change, flag = MUTANTS[name]
+    path = tmp_path / f"{name}.pt"
+    build(path, change(list(base_records)))
+    if flag is not None:
+        set_central_flag(path, *flag)
+    check(path)
