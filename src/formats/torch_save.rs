@@ -102,8 +102,8 @@ thread_local! {
     static LEAVES: std::cell::RefCell<LeafCache> = std::cell::RefCell::default();
 }
 
-/// Everything the interpretation of `pkl` depends on: its bytes and each record's name and
-/// length (the storages it names are checked against them), each length-prefixed.
+/// Everything the interpretation of `pkl` depends on: its bytes and each record's name, length
+/// and flags (the storages it names are checked against them), each length-prefixed.
 fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
     let mut key = Vec::with_capacity(pkl.len() + 48 * entries.len() + 8);
     key.extend_from_slice(&(pkl.len() as u64).to_le_bytes());
@@ -112,6 +112,7 @@ fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
         key.extend_from_slice(&(e.name.len() as u64).to_le_bytes());
         key.extend_from_slice(e.name.as_bytes());
         key.extend_from_slice(&e.len.to_le_bytes());
+        key.extend_from_slice(&e.flags.to_le_bytes());
     }
     key
 }
@@ -223,6 +224,18 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
         let name = format!("{}/{name}", archive.prefix);
         archive.entry(&name).map(|e| (name, e))
     };
+    let read_by_torch = [
+        "data.pkl",
+        ".format_version",
+        "byteorder",
+        ".storage_alignment",
+        ".data/version",
+        "version",
+        ".data/serialization_id",
+    ];
+    for (_, entry) in read_by_torch.iter().filter_map(|n| named(n)) {
+        readable(entry)?;
+    }
     // `.data/version` wins over `version` when both exist, as in torch.
     let (name, entry) = named(".data/version")
         .or_else(|| named("version"))
@@ -267,6 +280,24 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Refuse a record that miniz opens but will not read (see [`zip::FLAGS_UNREADABLE`]).
+fn readable(entry: &ZipEntry) -> Result<()> {
+    let bits = entry.flags & zip::FLAGS_UNREADABLE;
+    if bits == 0 {
+        return Ok(());
+    }
+    let what = if bits & 0x0040 != 0 {
+        "bit 6, strong encryption"
+    } else {
+        "bit 5, compressed patch data"
+    };
+    Err(Error::invalid(format!(
+        "zip entry `{}` has general-purpose flag {what}, so torch.load cannot read it",
+        entry.name
+    ))
+    .at(entry.data_offset))
 }
 
 /// The file format versions torch 2.15 reads (`kMinSupportedFileFormatVersion`,
@@ -729,6 +760,7 @@ impl Interpreter<'_> {
                 self.archive.prefix
             ))
         })?;
+        readable(entry)?;
         let nbytes = kind
             .nbytes(numel)
             .ok_or_else(|| bad(format!("storage `{key}` size overflows")))?;
@@ -1446,6 +1478,54 @@ mod tests {
         reads(".storage_alignment", None, &[]);
         reads("serialization_id", Some(b""), &[]);
         reads("serialization_id", None, &[]);
+    }
+
+    /// `bytes` with general-purpose flag `bit` set in the central header of each record whose
+    /// name ends with `suffix`.
+    fn with_central_flag(bytes: &[u8], suffix: &str, bit: u32) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let mut at = 0;
+        while let Some(i) = out[at..].windows(4).position(|w| w == b"PK\x01\x02") {
+            let h = at + i;
+            let name_len = u16::from_le_bytes([out[h + 28], out[h + 29]]) as usize;
+            if out[h + 46..h + 46 + name_len].ends_with(suffix.as_bytes()) {
+                let flags = u16::from_le_bytes([out[h + 8], out[h + 9]]) | (1 << bit);
+                out[h + 8..h + 10].copy_from_slice(&flags.to_le_bytes());
+            }
+            at = h + 4;
+        }
+        out
+    }
+
+    #[test]
+    fn records_torch_cannot_open_are_refused() {
+        for suffix in [
+            "/data/0",
+            "/data.pkl",
+            "/version",
+            "serialization_id",
+            "/byteorder",
+        ] {
+            for (bit, what) in [
+                (5, "bit 5, compressed patch data"),
+                (6, "bit 6, strong encryption"),
+            ] {
+                let e = read_err(&with_central_flag(BARE, suffix, bit)).to_string();
+                assert!(
+                    e.contains(what) && e.contains("torch.load cannot read it"),
+                    "{e}"
+                );
+                assert!(e.contains(suffix), "{e}");
+            }
+        }
+        // torch opens the archive and never reads a record no one refers to.
+        let extra = with_record("\0", None, &[("extra", b"zz")]);
+        read(&extra).unwrap();
+        read(&with_central_flag(&extra, "/extra", 5)).unwrap();
+        // A flag in a local header only is not looked at by torch either.
+        let mut local = BARE.to_vec();
+        local[6] |= 1 << 5;
+        read(&local).unwrap();
     }
 
     #[test]

@@ -34,6 +34,10 @@ def add(name: str, content: bytes):
     return lambda recs: recs + [(f"base/{name}", content)]
 
 
+def same(recs):
+    return recs
+
+
 # name -> (change to the record list, central-directory flag bit to set on one record or None)
 MUTANTS = {
     # the version record, parsed by `std::stoll` and bounded to 1..=10
@@ -61,6 +65,13 @@ MUTANTS = {
     "serialization_id_not_utf8": (replace(".data/serialization_id", b"\xff" * 20), None),
     "serialization_id_text": (replace(".data/serialization_id", b"abc"), None),
     "serialization_id_missing": (drop(".data/serialization_id"), None),
+    # central-directory flags miniz refuses: bits 5 and 6 on a record torch reads, bit 13 anywhere
+    "flag5_storage": (same, ("base/data/0", 5)),
+    "flag6_storage": (same, ("base/data/0", 6)),
+    "flag5_serialization_id": (same, ("base/.data/serialization_id", 5)),
+    "flag6_data_pkl": (same, ("base/data.pkl", 6)),
+    "flag13_storage": (same, ("base/data/0", 13)),
+    "flag5_unread_record": (add("extra", b"zz"), ("base/extra", 5)),
 }
 
 
