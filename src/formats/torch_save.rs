@@ -195,6 +195,13 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
     }
     let value = pickle::read(pkl_bytes, &TorchGlobals, Limits::default())
         .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
+    // After the reader, so a hostile pickle meets its limits and names first.
+    if let Some((opcode, at)) = opcode_torch_refuses(pkl_bytes) {
+        return Err(Error::invalid(format!(
+            "`{pkl_name}` uses pickle opcode 0x{opcode:02x}, which torch.load(weights_only=True) refuses"
+        ))
+        .at(pkl.data_offset.saturating_add(at as u64)));
+    }
 
     let mut reader = Interpreter {
         archive: &archive,
@@ -280,6 +287,44 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The first opcode of `pkl` outside the set torch's weights-only unpickler runs
+/// (`torch/_weights_only_unpickler.py`), with its offset: `FRAME`, `MEMOIZE`, `SHORT_BINUNICODE`,
+/// `BINBYTES` and the rest of protocols 0, 1, 3-5 make torch.load refuse the file, though ckpt's
+/// pickle reader, shared with DCP's `.metadata`, reads them. Run on a pickle that reader accepted,
+/// so a truncated one (`None` here) does not occur.
+fn opcode_torch_refuses(pkl: &[u8]) -> Option<(u8, usize)> {
+    let mut at = 0;
+    loop {
+        let op = *pkl.get(at)?;
+        let args = match op {
+            // NEWOBJ REDUCE BUILD APPEND APPENDS SETITEM SETITEMS MARK TUPLE TUPLE1-3 NONE
+            // NEWFALSE NEWTRUE EMPTY_TUPLE EMPTY_LIST EMPTY_DICT EMPTY_SET BINPERSID
+            0x81 | b'R' | b'b' | b'a' | b'e' | b's' | b'u' | b'(' | b't' | 0x85 | 0x86 | 0x87
+            | b'N' | 0x89 | 0x88 | b')' | b']' | b'}' | 0x8f | b'Q' => 0,
+            b'.' => return None,            // STOP
+            0x80 | b'K' | b'h' | b'q' => 1, // PROTO BININT1 BINGET BINPUT
+            b'M' => 2,                      // BININT2
+            b'J' | b'j' | b'r' => 4,        // BININT LONG_BINGET LONG_BINPUT
+            b'G' => 8,                      // BINFLOAT
+            b'X' => {
+                // BINUNICODE
+                let len = pkl.get(at + 1..at + 5)?;
+                4 + u32::from_le_bytes(len.try_into().ok()?) as usize
+            }
+            b'U' | 0x8a => 1 + usize::from(*pkl.get(at + 1)?), // SHORT_BINSTRING LONG1
+            b'c' => {
+                // GLOBAL: module and name, each ending in a newline
+                let rest = pkl.get(at + 1..)?;
+                let first = rest.iter().position(|&b| b == b'\n')?;
+                let second = rest.get(first + 1..)?.iter().position(|&b| b == b'\n')?;
+                first + second + 2
+            }
+            _ => return Some((op, at)),
+        };
+        at = at.checked_add(1 + args)?;
+    }
 }
 
 /// Refuse a record that miniz opens but will not read (see [`zip::FLAGS_UNREADABLE`]).
@@ -1657,6 +1702,31 @@ mod tests {
             "`a/data.pkl` uses unsupported pickle opcode 0xff"
         );
         assert_eq!(e.offset, Some(64 + 3));
+    }
+
+    #[test]
+    fn opcodes_torch_refuses_are_refused() {
+        let refused = |pkl: &[u8]| read_err(&archive("a", pkl.to_vec(), &[]));
+        // `{"a": 1}` with a FRAME before the value; then protocol 4 as Python writes it.
+        let e = refused(b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01\x95\x02\0\0\0\0\0\0\0K\x01s.");
+        assert!(e.message.contains("pickle opcode 0x95"), "{e}");
+        assert_eq!(e.offset, Some(64 + 13));
+        for pkl in [
+            &b"\x80\x04\x95\x0b\0\0\0\0\0\0\0}\x94\x8c\x01a\x94K\x01s."[..],
+            b"\x80\x02}q\x00\x8c\x01aK\x01s.", // SHORT_BINUNICODE
+            b"\x80\x02}q\x00X\x01\0\0\0aC\x01xs.", // SHORT_BINBYTES
+            b"\x80\x02}q\x00X\x01\0\0\0a\x94K\x01s.", // MEMOIZE
+            b"\x80\x02}q\x00X\x01\0\0\0aI1\ns.", // INT
+        ] {
+            let e = refused(pkl);
+            assert!(
+                e.message.contains("torch.load(weights_only=True) refuses"),
+                "{e}"
+            );
+        }
+        // What torch.save writes (protocol 2, every opcode torch runs) still reads.
+        let pkl = b"\x80\x02}q\x00(X\x01\0\0\0aq\x01]q\x02(K\x01M\x00\x01J\0\0\0\x01\x8a\x01\x05G?\xf0\0\0\0\0\0\0N\x88\x89)U\x01c\x8f\x85\x86\x87eX\x01\0\0\0bh\x02u.";
+        read(&archive("a", pkl.to_vec(), &[])).unwrap();
     }
 
     #[test]

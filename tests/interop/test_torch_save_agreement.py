@@ -72,6 +72,17 @@ MUTANTS = {
     "flag6_data_pkl": (same, ("base/data.pkl", 6)),
     "flag13_storage": (same, ("base/data/0", 13)),
     "flag5_unread_record": (add("extra", b"zz"), ("base/extra", 5)),
+    # pickle opcodes outside torch's weights-only unpickler
+    "pkl_stray_frame": (replace("data.pkl", pkl(b"\x95\x02\0\0\0\0\0\0\0K\x01")), None),
+    "pkl_protocol4": (
+        replace("data.pkl", b"\x80\x04\x95\x0b\0\0\0\0\0\0\0}\x94\x8c\x01a\x94K\x01s."),
+        None,
+    ),
+    "pkl_short_binbytes": (replace("data.pkl", pkl(b"C\x01x")), None),
+    "pkl_plain_values": (
+        replace("data.pkl", pkl(b"](K\x01M\x00\x01\x8a\x01\x05G?\xf0\0\0\0\0\0\0N\x88\x89)U\x01c\x8f\x87e")),
+        None,
+    ),
 }
 
 
