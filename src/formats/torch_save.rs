@@ -202,6 +202,7 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
         ))
         .at(pkl.data_offset.saturating_add(at as u64)));
     }
+    check_calls(&value).map_err(|e| e.at(pkl.data_offset))?;
 
     let mut reader = Interpreter {
         archive: &archive,
@@ -324,6 +325,87 @@ fn opcode_torch_refuses(pkl: &[u8]) -> Option<(u8, usize)> {
             _ => return Some((op, at)),
         };
         at = at.checked_add(1 + args)?;
+    }
+}
+
+/// Refuse the calls torch's weights-only unpickler cannot make: it calls (`REDUCE`) or
+/// instantiates (`NEWOBJ`) only an allowed global, so never a tuple or an `OrderedDict` instance,
+/// and `torch.Size` takes at most one iterable of ints.
+fn check_calls(value: &Value) -> Result<()> {
+    match value {
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            items.iter().try_for_each(check_calls)
+        }
+        Value::Dict(items) => items
+            .iter()
+            .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v))),
+        Value::PersistentId(id) => check_calls(id),
+        Value::Object(object) => {
+            let Value::Global(global) = &object.callable else {
+                let what = if object.new_obj {
+                    "`NEWOBJ`"
+                } else {
+                    "`REDUCE`"
+                };
+                return Err(bad(format!(
+                    "{what} applies to {}, not a class or function, which torch.load(weights_only=True) refuses",
+                    kind_name(&object.callable)
+                )));
+            };
+            if (global.module.as_str(), global.name.as_str()) == ("torch", "Size") {
+                check_size_args(&object.args)?;
+            }
+            object.args.iter().try_for_each(check_calls)?;
+            object
+                .dict_items
+                .iter()
+                .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v)))?;
+            object.list_items.iter().try_for_each(check_calls)?;
+            object.state.as_ref().map_or(Ok(()), check_calls)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `torch.Size(*args)`, as far as the outcome is known without running it.
+fn check_size_args(args: &[Value]) -> Result<()> {
+    fn ints<'a>(mut items: impl Iterator<Item = &'a Value>) -> bool {
+        items.all(|v| matches!(v, Value::Int(_) | Value::Bool(_)))
+    }
+    let ok = match args {
+        [] => true,
+        [Value::Tuple(items) | Value::List(items) | Value::Set(items)] => ints(items.iter()),
+        [Value::Dict(items)] => ints(items.iter().map(|(k, _)| k)),
+        [Value::Str(s)] => s.is_empty(),
+        [Value::None | Value::Int(_) | Value::Float(_) | Value::Bool(_)] => false,
+        [_] => true,
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "`torch.Size` called with {} argument(s) that are not one iterable of ints",
+        args.len()
+    )))
+}
+
+/// What `value` is, with its article, for messages.
+fn kind_name(value: &Value) -> &'static str {
+    match value {
+        Value::None => "None",
+        Value::Bool(_) => "a bool",
+        Value::Int(_) => "an int",
+        Value::Float(_) => "a float",
+        Value::Str(_) => "a str",
+        Value::Bytes(_) => "bytes",
+        Value::Tuple(_) => "a tuple",
+        Value::List(_) => "a list",
+        Value::Dict(_) => "a dict",
+        Value::Set(_) => "a set",
+        Value::Global(_) => "a global",
+        Value::Object(_) => "an object instance",
+        Value::PersistentId(_) => "a persistent id",
     }
 }
 
@@ -1727,6 +1809,54 @@ mod tests {
         // What torch.save writes (protocol 2, every opcode torch runs) still reads.
         let pkl = b"\x80\x02}q\x00(X\x01\0\0\0aq\x01]q\x02(K\x01M\x00\x01J\0\0\0\x01\x8a\x01\x05G?\xf0\0\0\0\0\0\0N\x88\x89)U\x01c\x8f\x85\x86\x87eX\x01\0\0\0bh\x02u.";
         read(&archive("a", pkl.to_vec(), &[])).unwrap();
+    }
+
+    #[test]
+    fn calls_torch_cannot_make_are_refused() {
+        let one = |v: Value| {
+            let pkl = pickle::write(
+                &Value::Dict(vec![(Value::Str("a".into()), v)]),
+                Protocol::V2,
+            );
+            read(&archive("a", pkl, &[]))
+        };
+        let call = |callable: Value, args: Vec<Value>| {
+            Value::Object(Box::new(pickle::Object {
+                callable,
+                args,
+                new_obj: false,
+                dict_items: vec![],
+                list_items: vec![],
+                state: None,
+            }))
+        };
+        let odict = obj("collections", "OrderedDict", vec![]);
+        let e = one(call(Value::Tuple(vec![Value::Int(1)]), vec![])).unwrap_err();
+        assert!(e.message.contains("`REDUCE` applies to a tuple"), "{e}");
+        let e = one(call(odict.clone(), vec![])).unwrap_err();
+        assert!(
+            e.message.contains("`REDUCE` applies to an object instance"),
+            "{e}"
+        );
+        let ints = |v: &[i64]| Value::Tuple(v.iter().map(|&i| Value::Int(i)).collect());
+        for args in [
+            vec![ints(&[1]), ints(&[2])],
+            vec![Value::Int(5)],
+            vec![Value::List(vec![Value::Float(1.5)])],
+            vec![Value::Str("ab".into())],
+        ] {
+            let e = one(obj("torch", "Size", args)).unwrap_err();
+            assert!(e.message.contains("`torch.Size` called with"), "{e}");
+        }
+        // What torch calls without complaint still reads.
+        for args in [
+            vec![],
+            vec![ints(&[1, 2])],
+            vec![Value::List(vec![Value::Bool(true), Value::Int(-1)])],
+        ] {
+            one(obj("torch", "Size", args)).unwrap();
+        }
+        one(odict).unwrap();
     }
 
     #[test]

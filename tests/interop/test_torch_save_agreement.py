@@ -83,6 +83,17 @@ MUTANTS = {
         replace("data.pkl", pkl(b"](K\x01M\x00\x01\x8a\x01\x05G?\xf0\0\0\0\0\0\0N\x88\x89)U\x01c\x8f\x87e")),
         None,
     ),
+    # calls torch's weights-only unpickler cannot make
+    "pkl_reduce_on_tuple": (replace("data.pkl", pkl(b"(K\x01t)R")), None),
+    "pkl_reduce_on_ordered_dict": (
+        replace("data.pkl", pkl(b"ccollections\nOrderedDict\n)R)R")),
+        None,
+    ),
+    "pkl_size_two_args": (replace("data.pkl", pkl(b"ctorch\nSize\n(K\x01\x85K\x02\x85tR")), None),
+    "pkl_size_float": (replace("data.pkl", pkl(b"ctorch\nSize\nG?\xf0\0\0\0\0\0\0\x85\x85R")), None),
+    "pkl_size_no_args": (replace("data.pkl", pkl(b"ctorch\nSize\n)R")), None),
+    "pkl_size_list_of_bools": (replace("data.pkl", pkl(b"ctorch\nSize\n]\x88a\x85R")), None),
+    "pkl_ordered_dict_call": (replace("data.pkl", pkl(b"ccollections\nOrderedDict\n)R")), None),
 }
 
 
