@@ -96,6 +96,35 @@ MUTANTS = {
     "pkl_ordered_dict_call": (replace("data.pkl", pkl(b"ccollections\nOrderedDict\n)R")), None),
 }
 
+# `_codecs.encode("a", name)`: torch refuses a name Python's `codecs.lookup` does not know
+ENCODINGS = ["foo", "", "latin1", "LATIN-1", "latin 1", " latin--1 ", "latin.1", "u.t.f-8", "utf8",
+             "iso-8859-1", "hex", "rot-13", "mbcs", "cp65001", "Windows_1252", "x-mac-japanese"]
+for _enc in ENCODINGS:
+    _e = _enc.encode()
+    MUTANTS[f"pkl_encode_{_enc!r}"] = (
+        replace(
+            "data.pkl",
+            pkl(b"c_codecs\nencode\n(X\x01\0\0\0aX" + struct.pack("<I", len(_e)) + _e + b"tR"),
+        ),
+        None,
+    )
+
+LATIN1_A = b"c_codecs\nencode\n(X\x01\0\0\0aX\x06\0\0\0latin1tR"  # b"a" as protocol 2 spells it
+# what a text or bytes codec can encode: a str for the first, bytes for the second
+for _name, _codec, _value in [
+    ("latin1_euro", b"latin1", b"X\x03\0\0\0\xe2\x82\xac"),
+    ("latin1_e_acute", b"latin1", b"X\x02\0\0\0\xc3\xa9"),
+    ("ascii_e_acute", b"ascii", b"X\x02\0\0\0\xc3\xa9"),
+    ("hex_bytes", b"hex", LATIN1_A),
+    ("utf8_bytes", b"utf8", LATIN1_A),
+]:
+    MUTANTS[f"pkl_encode_{_name}"] = (
+        replace(
+            "data.pkl",
+            pkl(b"c_codecs\nencode\n(" + _value + b"X" + struct.pack("<I", len(_codec)) + _codec + b"tR"),
+        ),
+        None,
+    )
 
 def build(path, records) -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
