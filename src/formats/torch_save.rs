@@ -102,8 +102,8 @@ thread_local! {
     static LEAVES: std::cell::RefCell<LeafCache> = std::cell::RefCell::default();
 }
 
-/// Everything the interpretation of `pkl` depends on: its bytes and each record's name and
-/// length (the storages it names are checked against them), each length-prefixed.
+/// Everything the interpretation of `pkl` depends on: its bytes and each record's name, length
+/// and flags (the storages it names are checked against them), each length-prefixed.
 fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
     let mut key = Vec::with_capacity(pkl.len() + 48 * entries.len() + 8);
     key.extend_from_slice(&(pkl.len() as u64).to_le_bytes());
@@ -112,6 +112,7 @@ fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
         key.extend_from_slice(&(e.name.len() as u64).to_le_bytes());
         key.extend_from_slice(e.name.as_bytes());
         key.extend_from_slice(&e.len.to_le_bytes());
+        key.extend_from_slice(&e.flags.to_le_bytes());
     }
     key
 }
@@ -181,6 +182,8 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
         }
     }
 
+    check_records(bytes, &archive)?;
+
     let pkl_bytes = record(bytes, pkl).ok_or_else(|| {
         Error::invalid(format!("`{pkl_name}` lies outside the archive")).at(pkl.data_offset)
     })?;
@@ -192,6 +195,14 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
     }
     let value = pickle::read(pkl_bytes, &TorchGlobals, Limits::default())
         .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
+    // After the reader, so a hostile pickle meets its limits and names first.
+    if let Some((opcode, at)) = opcode_torch_refuses(pkl_bytes) {
+        return Err(Error::invalid(format!(
+            "`{pkl_name}` uses pickle opcode 0x{opcode:02x}, which torch.load(weights_only=True) refuses"
+        ))
+        .at(pkl.data_offset.saturating_add(at as u64)));
+    }
+    check_calls(&value).map_err(|e| e.at(pkl.data_offset))?;
 
     let mut reader = Interpreter {
         archive: &archive,
@@ -211,6 +222,812 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
         });
     }
     Ok(Archive { leaves, ..archive })
+}
+
+/// The records torch's reader parses before it unpickles anything, checked as it checks them
+/// (`PyTorchStreamReader::init` and `torch.serialization._load`): an archive torch.load refuses
+/// for one of them must not pass `verify`.
+fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
+    let named = |name: &str| {
+        let name = format!("{}/{name}", archive.prefix);
+        archive.entry(&name).map(|e| (name, e))
+    };
+    let read_by_torch = [
+        "data.pkl",
+        ".format_version",
+        "byteorder",
+        ".storage_alignment",
+        ".data/version",
+        "version",
+        ".data/serialization_id",
+    ];
+    for (_, entry) in read_by_torch.iter().filter_map(|n| named(n)) {
+        readable(entry)?;
+    }
+    // `.data/version` wins over `version` when both exist, as in torch.
+    let (name, entry) = named(".data/version")
+        .or_else(|| named("version"))
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "no `{}/version` record, which torch.load requires",
+                archive.prefix
+            ))
+        })?;
+    let content = record(bytes, entry).unwrap_or_default();
+    match stoll(content) {
+        Some(v) if (MIN_FILE_VERSION..=MAX_FILE_VERSION).contains(&v) => {}
+        parsed => {
+            let shown = String::from_utf8_lossy(content);
+            let why = match parsed {
+                Some(v) => format!(
+                    "version {v}, but torch.load reads versions {MIN_FILE_VERSION} to {MAX_FILE_VERSION}"
+                ),
+                None => "it is not a decimal integer".to_string(),
+            };
+            return Err(
+                Error::invalid(format!("record `{name}` holds {shown:?}: {why}"))
+                    .at(entry.data_offset),
+            );
+        }
+    }
+    if let Some((name, entry)) = named(".storage_alignment") {
+        let content = record(bytes, entry).unwrap_or_default();
+        if !is_python_int(content) {
+            return Err(Error::invalid(format!(
+                "record `{name}` holds {:?}, which is not an integer",
+                String::from_utf8_lossy(content)
+            ))
+            .at(entry.data_offset));
+        }
+    }
+    if let Some((name, entry)) = named(".data/serialization_id") {
+        let content = record(bytes, entry).unwrap_or_default();
+        if let Err(e) = std::str::from_utf8(content) {
+            return Err(Error::invalid(format!("record `{name}` is not UTF-8"))
+                .at(entry.data_offset + e.valid_up_to() as u64));
+        }
+    }
+    Ok(())
+}
+
+/// The first opcode of `pkl` outside the set torch's weights-only unpickler runs
+/// (`torch/_weights_only_unpickler.py`), with its offset: `FRAME`, `MEMOIZE`, `SHORT_BINUNICODE`,
+/// `BINBYTES` and the rest of protocols 0, 1, 3-5 make torch.load refuse the file, though ckpt's
+/// pickle reader, shared with DCP's `.metadata`, reads them. Run on a pickle that reader accepted,
+/// so a truncated one (`None` here) does not occur.
+fn opcode_torch_refuses(pkl: &[u8]) -> Option<(u8, usize)> {
+    let mut at = 0;
+    loop {
+        let op = *pkl.get(at)?;
+        let args = match op {
+            // NEWOBJ REDUCE BUILD APPEND APPENDS SETITEM SETITEMS MARK TUPLE TUPLE1-3 NONE
+            // NEWFALSE NEWTRUE EMPTY_TUPLE EMPTY_LIST EMPTY_DICT EMPTY_SET BINPERSID
+            0x81 | b'R' | b'b' | b'a' | b'e' | b's' | b'u' | b'(' | b't' | 0x85 | 0x86 | 0x87
+            | b'N' | 0x89 | 0x88 | b')' | b']' | b'}' | 0x8f | b'Q' => 0,
+            b'.' => return None,            // STOP
+            0x80 | b'K' | b'h' | b'q' => 1, // PROTO BININT1 BINGET BINPUT
+            b'M' => 2,                      // BININT2
+            b'J' | b'j' | b'r' => 4,        // BININT LONG_BINGET LONG_BINPUT
+            b'G' => 8,                      // BINFLOAT
+            b'X' => {
+                // BINUNICODE
+                let len = pkl.get(at + 1..at + 5)?;
+                4 + u32::from_le_bytes(len.try_into().ok()?) as usize
+            }
+            b'U' | 0x8a => 1 + usize::from(*pkl.get(at + 1)?), // SHORT_BINSTRING LONG1
+            b'c' => {
+                // GLOBAL: module and name, each ending in a newline
+                let rest = pkl.get(at + 1..)?;
+                let first = rest.iter().position(|&b| b == b'\n')?;
+                let second = rest.get(first + 1..)?.iter().position(|&b| b == b'\n')?;
+                first + second + 2
+            }
+            _ => return Some((op, at)),
+        };
+        at = at.checked_add(1 + args)?;
+    }
+}
+
+/// Refuse the calls torch's weights-only unpickler cannot make: it calls (`REDUCE`) or
+/// instantiates (`NEWOBJ`) only an allowed global, so never a tuple or an `OrderedDict` instance,
+/// and `torch.Size` takes at most one iterable of ints.
+fn check_calls(value: &Value) -> Result<()> {
+    match value {
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            items.iter().try_for_each(check_calls)
+        }
+        Value::Dict(items) => items
+            .iter()
+            .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v))),
+        Value::PersistentId(id) => check_calls(id),
+        Value::Object(object) => {
+            let Value::Global(global) = &object.callable else {
+                let what = if object.new_obj {
+                    "`NEWOBJ`"
+                } else {
+                    "`REDUCE`"
+                };
+                return Err(bad(format!(
+                    "{what} applies to {}, not a class or function, which torch.load(weights_only=True) refuses",
+                    kind_name(&object.callable)
+                )));
+            };
+            match (global.module.as_str(), global.name.as_str()) {
+                ("torch", "Size") => check_size_args(&object.args)?,
+                ("_codecs", "encode") => check_encode_args(&object.args)?,
+                _ => {}
+            }
+            object.args.iter().try_for_each(check_calls)?;
+            object
+                .dict_items
+                .iter()
+                .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v)))?;
+            object.list_items.iter().try_for_each(check_calls)?;
+            object.state.as_ref().map_or(Ok(()), check_calls)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `torch.Size(*args)`, as far as the outcome is known without running it.
+fn check_size_args(args: &[Value]) -> Result<()> {
+    fn ints<'a>(mut items: impl Iterator<Item = &'a Value>) -> bool {
+        items.all(|v| matches!(v, Value::Int(_) | Value::Bool(_)))
+    }
+    let ok = match args {
+        [] => true,
+        [Value::Tuple(items) | Value::List(items) | Value::Set(items)] => ints(items.iter()),
+        [Value::Dict(items)] => ints(items.iter().map(|(k, _)| k)),
+        [Value::Str(s)] => s.is_empty(),
+        [Value::None | Value::Int(_) | Value::Float(_) | Value::Bool(_)] => false,
+        [_] => true,
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "`torch.Size` called with {} argument(s) that are not one iterable of ints",
+        args.len()
+    )))
+}
+
+/// `_codecs.encode(obj, encoding="utf-8", errors="strict")`: refused when Python would not find
+/// the codec (or is given no text for it). Whether `obj` encodes is left to the reader of the value.
+fn check_encode_args(args: &[Value]) -> Result<()> {
+    fn text(v: Option<&Value>) -> Option<Option<&str>> {
+        match v {
+            None => Some(None),
+            Some(Value::Str(s)) => Some(Some(s.as_str())),
+            Some(_) => None,
+        }
+    }
+    let (Some(encoding), Some(_)) = (text(args.get(1)), text(args.get(2))) else {
+        return Err(bad(
+            "`_codecs.encode` called with an encoding or errors that is not a str",
+        ));
+    };
+    if args.is_empty() || args.len() > 3 {
+        return Err(bad(format!(
+            "`_codecs.encode` called with {} arguments",
+            args.len()
+        )));
+    }
+    let name = encoding.unwrap_or("utf-8");
+    let Some(codec) = python_codec(name) else {
+        return Err(bad(format!(
+            "`_codecs.encode` names the unknown encoding {name:?}"
+        )));
+    };
+    // Python's bytes-to-bytes codecs take bytes; its text codecs take str, and latin-1 and ascii
+    // (what pickle spells bytes with) only the characters they have.
+    let bytes_codec = BYTES_CODECS.contains(&codec);
+    let fits = match args.first() {
+        Some(Value::Str(s)) => match codec {
+            _ if bytes_codec => false,
+            "latin_1" => s.chars().all(|c| u32::from(c) < 0x100),
+            "ascii" => s.is_ascii(),
+            _ => true,
+        },
+        Some(v) if made_bytes(v) => bytes_codec,
+        _ => true,
+    };
+    if fits {
+        return Ok(());
+    }
+    let what = match args.first() {
+        Some(v) if made_bytes(v) => "bytes",
+        Some(v) => kind_name(v),
+        None => "nothing",
+    };
+    Err(bad(format!(
+        "`_codecs.encode` cannot encode {what} with {name:?}"
+    )))
+}
+
+/// Whether `value` is bytes, or a call that makes bytes as protocol 2 spells them.
+fn made_bytes(value: &Value) -> bool {
+    match value {
+        Value::Bytes(_) => true,
+        Value::Object(o) => matches!(
+            &o.callable,
+            Value::Global(g) if matches!(
+                (g.module.as_str(), g.name.as_str()),
+                ("_codecs", "encode") | ("builtins", "bytearray")
+            )
+        ),
+        _ => false,
+    }
+}
+
+/// The codecs of the `encodings` package that encode bytes to bytes.
+const BYTES_CODECS: &[&str] = &[
+    "base64_codec",
+    "bz2_codec",
+    "hex_codec",
+    "quopri_codec",
+    "uu_codec",
+    "zlib_codec",
+];
+
+/// The module of the `encodings` package that `codecs.lookup(name)` finds in Python 3.11, if any:
+/// the name lowercased and normalized as `encodings.normalize_encoding` does, then an alias or a
+/// module name.
+fn python_codec(name: &str) -> Option<&'static str> {
+    let mut norm = String::with_capacity(name.len());
+    let mut punct = false;
+    for c in name.chars() {
+        if c.is_alphanumeric() || c == '.' {
+            if punct && !norm.is_empty() {
+                norm.push('_');
+            }
+            if c.is_ascii() {
+                norm.push(c.to_ascii_lowercase());
+            }
+            punct = false;
+        } else {
+            punct = true;
+        }
+    }
+    let alias = |n: &str| {
+        PYTHON_CODEC_ALIASES
+            .binary_search_by(|(a, _)| (*a).cmp(n))
+            .ok()
+            .map(|i| PYTHON_CODEC_ALIASES[i].1)
+    };
+    let aliased = alias(&norm).or_else(|| alias(&norm.replace('.', "_")));
+    let module = |m: &str| PYTHON_CODECS.iter().copied().find(|&c| c == m);
+    aliased.and_then(module).or_else(|| module(&norm))
+}
+
+// Generated from Python 3.11.7's `encodings` package.
+/// The modules of Python's `encodings` package that `codecs.lookup` finds (Python 3.11, Linux).
+const PYTHON_CODECS: &[&str] = &[
+    "ascii",
+    "base64_codec",
+    "big5",
+    "big5hkscs",
+    "bz2_codec",
+    "charmap",
+    "cp037",
+    "cp1006",
+    "cp1026",
+    "cp1125",
+    "cp1140",
+    "cp1250",
+    "cp1251",
+    "cp1252",
+    "cp1253",
+    "cp1254",
+    "cp1255",
+    "cp1256",
+    "cp1257",
+    "cp1258",
+    "cp273",
+    "cp424",
+    "cp437",
+    "cp500",
+    "cp720",
+    "cp737",
+    "cp775",
+    "cp850",
+    "cp852",
+    "cp855",
+    "cp856",
+    "cp857",
+    "cp858",
+    "cp860",
+    "cp861",
+    "cp862",
+    "cp863",
+    "cp864",
+    "cp865",
+    "cp866",
+    "cp869",
+    "cp874",
+    "cp875",
+    "cp932",
+    "cp949",
+    "cp950",
+    "euc_jis_2004",
+    "euc_jisx0213",
+    "euc_jp",
+    "euc_kr",
+    "gb18030",
+    "gb2312",
+    "gbk",
+    "hex_codec",
+    "hp_roman8",
+    "hz",
+    "idna",
+    "iso2022_jp",
+    "iso2022_jp_1",
+    "iso2022_jp_2",
+    "iso2022_jp_2004",
+    "iso2022_jp_3",
+    "iso2022_jp_ext",
+    "iso2022_kr",
+    "iso8859_1",
+    "iso8859_10",
+    "iso8859_11",
+    "iso8859_13",
+    "iso8859_14",
+    "iso8859_15",
+    "iso8859_16",
+    "iso8859_2",
+    "iso8859_3",
+    "iso8859_4",
+    "iso8859_5",
+    "iso8859_6",
+    "iso8859_7",
+    "iso8859_8",
+    "iso8859_9",
+    "johab",
+    "koi8_r",
+    "koi8_t",
+    "koi8_u",
+    "kz1048",
+    "latin_1",
+    "mac_arabic",
+    "mac_croatian",
+    "mac_cyrillic",
+    "mac_farsi",
+    "mac_greek",
+    "mac_iceland",
+    "mac_latin2",
+    "mac_roman",
+    "mac_romanian",
+    "mac_turkish",
+    "palmos",
+    "ptcp154",
+    "punycode",
+    "quopri_codec",
+    "raw_unicode_escape",
+    "rot_13",
+    "shift_jis",
+    "shift_jis_2004",
+    "shift_jisx0213",
+    "tis_620",
+    "undefined",
+    "unicode_escape",
+    "utf_16",
+    "utf_16_be",
+    "utf_16_le",
+    "utf_32",
+    "utf_32_be",
+    "utf_32_le",
+    "utf_7",
+    "utf_8",
+    "utf_8_sig",
+    "uu_codec",
+    "zlib_codec",
+];
+/// `encodings.aliases.aliases`: a normalized name and the module it means, sorted by name.
+const PYTHON_CODEC_ALIASES: &[(&str, &str)] = &[
+    ("037", "cp037"),
+    ("1026", "cp1026"),
+    ("1125", "cp1125"),
+    ("1140", "cp1140"),
+    ("1250", "cp1250"),
+    ("1251", "cp1251"),
+    ("1252", "cp1252"),
+    ("1253", "cp1253"),
+    ("1254", "cp1254"),
+    ("1255", "cp1255"),
+    ("1256", "cp1256"),
+    ("1257", "cp1257"),
+    ("1258", "cp1258"),
+    ("273", "cp273"),
+    ("424", "cp424"),
+    ("437", "cp437"),
+    ("500", "cp500"),
+    ("646", "ascii"),
+    ("775", "cp775"),
+    ("850", "cp850"),
+    ("852", "cp852"),
+    ("855", "cp855"),
+    ("857", "cp857"),
+    ("858", "cp858"),
+    ("860", "cp860"),
+    ("861", "cp861"),
+    ("862", "cp862"),
+    ("863", "cp863"),
+    ("864", "cp864"),
+    ("865", "cp865"),
+    ("866", "cp866"),
+    ("869", "cp869"),
+    ("8859", "latin_1"),
+    ("932", "cp932"),
+    ("936", "gbk"),
+    ("949", "cp949"),
+    ("950", "cp950"),
+    ("ansi", "mbcs"),
+    ("ansi_x3.4_1968", "ascii"),
+    ("ansi_x3.4_1986", "ascii"),
+    ("ansi_x3_4_1968", "ascii"),
+    ("arabic", "iso8859_6"),
+    ("asmo_708", "iso8859_6"),
+    ("base64", "base64_codec"),
+    ("base_64", "base64_codec"),
+    ("big5_hkscs", "big5hkscs"),
+    ("big5_tw", "big5"),
+    ("bz2", "bz2_codec"),
+    ("chinese", "gb2312"),
+    ("cp1051", "hp_roman8"),
+    ("cp1361", "johab"),
+    ("cp154", "ptcp154"),
+    ("cp367", "ascii"),
+    ("cp65001", "utf_8"),
+    ("cp819", "latin_1"),
+    ("cp866u", "cp1125"),
+    ("cp936", "gbk"),
+    ("cp_gr", "cp869"),
+    ("cp_is", "cp861"),
+    ("csHPRoman8", "hp_roman8"),
+    ("csascii", "ascii"),
+    ("csbig5", "big5"),
+    ("csibm037", "cp037"),
+    ("csibm1026", "cp1026"),
+    ("csibm273", "cp273"),
+    ("csibm424", "cp424"),
+    ("csibm500", "cp500"),
+    ("csibm855", "cp855"),
+    ("csibm857", "cp857"),
+    ("csibm858", "cp858"),
+    ("csibm860", "cp860"),
+    ("csibm861", "cp861"),
+    ("csibm863", "cp863"),
+    ("csibm864", "cp864"),
+    ("csibm865", "cp865"),
+    ("csibm866", "cp866"),
+    ("csibm869", "cp869"),
+    ("csiso2022jp", "iso2022_jp"),
+    ("csiso2022kr", "iso2022_kr"),
+    ("csiso58gb231280", "gb2312"),
+    ("csisolatin1", "latin_1"),
+    ("csisolatin2", "iso8859_2"),
+    ("csisolatin3", "iso8859_3"),
+    ("csisolatin4", "iso8859_4"),
+    ("csisolatin5", "iso8859_9"),
+    ("csisolatin6", "iso8859_10"),
+    ("csisolatinarabic", "iso8859_6"),
+    ("csisolatincyrillic", "iso8859_5"),
+    ("csisolatingreek", "iso8859_7"),
+    ("csisolatinhebrew", "iso8859_8"),
+    ("cskoi8r", "koi8_r"),
+    ("cspc775baltic", "cp775"),
+    ("cspc850multilingual", "cp850"),
+    ("cspc862latinhebrew", "cp862"),
+    ("cspc8codepage437", "cp437"),
+    ("cspcp852", "cp852"),
+    ("csptcp154", "ptcp154"),
+    ("csshiftjis", "shift_jis"),
+    ("cyrillic", "iso8859_5"),
+    ("cyrillic_asian", "ptcp154"),
+    ("dbcs", "mbcs"),
+    ("ebcdic_cp_be", "cp500"),
+    ("ebcdic_cp_ca", "cp037"),
+    ("ebcdic_cp_ch", "cp500"),
+    ("ebcdic_cp_he", "cp424"),
+    ("ebcdic_cp_nl", "cp037"),
+    ("ebcdic_cp_us", "cp037"),
+    ("ebcdic_cp_wt", "cp037"),
+    ("ecma_114", "iso8859_6"),
+    ("ecma_118", "iso8859_7"),
+    ("elot_928", "iso8859_7"),
+    ("euc_cn", "gb2312"),
+    ("euc_jis2004", "euc_jis_2004"),
+    ("euccn", "gb2312"),
+    ("eucgb2312_cn", "gb2312"),
+    ("eucjis2004", "euc_jis_2004"),
+    ("eucjisx0213", "euc_jisx0213"),
+    ("eucjp", "euc_jp"),
+    ("euckr", "euc_kr"),
+    ("gb18030_2000", "gb18030"),
+    ("gb2312_1980", "gb2312"),
+    ("gb2312_80", "gb2312"),
+    ("greek", "iso8859_7"),
+    ("greek8", "iso8859_7"),
+    ("hebrew", "iso8859_8"),
+    ("hex", "hex_codec"),
+    ("hkscs", "big5hkscs"),
+    ("hz_gb", "hz"),
+    ("hz_gb_2312", "hz"),
+    ("hzgb", "hz"),
+    ("ibm037", "cp037"),
+    ("ibm039", "cp037"),
+    ("ibm1026", "cp1026"),
+    ("ibm1051", "hp_roman8"),
+    ("ibm1125", "cp1125"),
+    ("ibm1140", "cp1140"),
+    ("ibm273", "cp273"),
+    ("ibm367", "ascii"),
+    ("ibm424", "cp424"),
+    ("ibm437", "cp437"),
+    ("ibm500", "cp500"),
+    ("ibm775", "cp775"),
+    ("ibm819", "latin_1"),
+    ("ibm850", "cp850"),
+    ("ibm852", "cp852"),
+    ("ibm855", "cp855"),
+    ("ibm857", "cp857"),
+    ("ibm858", "cp858"),
+    ("ibm860", "cp860"),
+    ("ibm861", "cp861"),
+    ("ibm862", "cp862"),
+    ("ibm863", "cp863"),
+    ("ibm864", "cp864"),
+    ("ibm865", "cp865"),
+    ("ibm866", "cp866"),
+    ("ibm869", "cp869"),
+    ("iso2022jp", "iso2022_jp"),
+    ("iso2022jp_1", "iso2022_jp_1"),
+    ("iso2022jp_2", "iso2022_jp_2"),
+    ("iso2022jp_2004", "iso2022_jp_2004"),
+    ("iso2022jp_3", "iso2022_jp_3"),
+    ("iso2022jp_ext", "iso2022_jp_ext"),
+    ("iso2022kr", "iso2022_kr"),
+    ("iso646_us", "ascii"),
+    ("iso8859", "latin_1"),
+    ("iso8859_1", "latin_1"),
+    ("iso_2022_jp", "iso2022_jp"),
+    ("iso_2022_jp_1", "iso2022_jp_1"),
+    ("iso_2022_jp_2", "iso2022_jp_2"),
+    ("iso_2022_jp_2004", "iso2022_jp_2004"),
+    ("iso_2022_jp_3", "iso2022_jp_3"),
+    ("iso_2022_jp_ext", "iso2022_jp_ext"),
+    ("iso_2022_kr", "iso2022_kr"),
+    ("iso_646.irv_1991", "ascii"),
+    ("iso_8859_1", "latin_1"),
+    ("iso_8859_10", "iso8859_10"),
+    ("iso_8859_10_1992", "iso8859_10"),
+    ("iso_8859_11", "iso8859_11"),
+    ("iso_8859_11_2001", "iso8859_11"),
+    ("iso_8859_13", "iso8859_13"),
+    ("iso_8859_14", "iso8859_14"),
+    ("iso_8859_14_1998", "iso8859_14"),
+    ("iso_8859_15", "iso8859_15"),
+    ("iso_8859_16", "iso8859_16"),
+    ("iso_8859_16_2001", "iso8859_16"),
+    ("iso_8859_1_1987", "latin_1"),
+    ("iso_8859_2", "iso8859_2"),
+    ("iso_8859_2_1987", "iso8859_2"),
+    ("iso_8859_3", "iso8859_3"),
+    ("iso_8859_3_1988", "iso8859_3"),
+    ("iso_8859_4", "iso8859_4"),
+    ("iso_8859_4_1988", "iso8859_4"),
+    ("iso_8859_5", "iso8859_5"),
+    ("iso_8859_5_1988", "iso8859_5"),
+    ("iso_8859_6", "iso8859_6"),
+    ("iso_8859_6_1987", "iso8859_6"),
+    ("iso_8859_7", "iso8859_7"),
+    ("iso_8859_7_1987", "iso8859_7"),
+    ("iso_8859_8", "iso8859_8"),
+    ("iso_8859_8_1988", "iso8859_8"),
+    ("iso_8859_9", "iso8859_9"),
+    ("iso_8859_9_1989", "iso8859_9"),
+    ("iso_celtic", "iso8859_14"),
+    ("iso_ir_100", "latin_1"),
+    ("iso_ir_101", "iso8859_2"),
+    ("iso_ir_109", "iso8859_3"),
+    ("iso_ir_110", "iso8859_4"),
+    ("iso_ir_126", "iso8859_7"),
+    ("iso_ir_127", "iso8859_6"),
+    ("iso_ir_138", "iso8859_8"),
+    ("iso_ir_144", "iso8859_5"),
+    ("iso_ir_148", "iso8859_9"),
+    ("iso_ir_157", "iso8859_10"),
+    ("iso_ir_166", "tis_620"),
+    ("iso_ir_199", "iso8859_14"),
+    ("iso_ir_226", "iso8859_16"),
+    ("iso_ir_58", "gb2312"),
+    ("iso_ir_6", "ascii"),
+    ("jisx0213", "euc_jis_2004"),
+    ("korean", "euc_kr"),
+    ("ks_c_5601", "euc_kr"),
+    ("ks_c_5601_1987", "euc_kr"),
+    ("ks_x_1001", "euc_kr"),
+    ("ksc5601", "euc_kr"),
+    ("ksx1001", "euc_kr"),
+    ("kz_1048", "kz1048"),
+    ("l1", "latin_1"),
+    ("l10", "iso8859_16"),
+    ("l2", "iso8859_2"),
+    ("l3", "iso8859_3"),
+    ("l4", "iso8859_4"),
+    ("l5", "iso8859_9"),
+    ("l6", "iso8859_10"),
+    ("l7", "iso8859_13"),
+    ("l8", "iso8859_14"),
+    ("l9", "iso8859_15"),
+    ("latin", "latin_1"),
+    ("latin1", "latin_1"),
+    ("latin10", "iso8859_16"),
+    ("latin2", "iso8859_2"),
+    ("latin3", "iso8859_3"),
+    ("latin4", "iso8859_4"),
+    ("latin5", "iso8859_9"),
+    ("latin6", "iso8859_10"),
+    ("latin7", "iso8859_13"),
+    ("latin8", "iso8859_14"),
+    ("latin9", "iso8859_15"),
+    ("mac_centeuro", "mac_latin2"),
+    ("maccentraleurope", "mac_latin2"),
+    ("maccyrillic", "mac_cyrillic"),
+    ("macgreek", "mac_greek"),
+    ("maciceland", "mac_iceland"),
+    ("macintosh", "mac_roman"),
+    ("maclatin2", "mac_latin2"),
+    ("macroman", "mac_roman"),
+    ("macturkish", "mac_turkish"),
+    ("ms1361", "johab"),
+    ("ms932", "cp932"),
+    ("ms936", "gbk"),
+    ("ms949", "cp949"),
+    ("ms950", "cp950"),
+    ("ms_kanji", "cp932"),
+    ("mskanji", "cp932"),
+    ("pt154", "ptcp154"),
+    ("quopri", "quopri_codec"),
+    ("quoted_printable", "quopri_codec"),
+    ("quotedprintable", "quopri_codec"),
+    ("r8", "hp_roman8"),
+    ("rk1048", "kz1048"),
+    ("roman8", "hp_roman8"),
+    ("rot13", "rot_13"),
+    ("ruscii", "cp1125"),
+    ("s_jis", "shift_jis"),
+    ("s_jis_2004", "shift_jis_2004"),
+    ("s_jisx0213", "shift_jisx0213"),
+    ("shiftjis", "shift_jis"),
+    ("shiftjis2004", "shift_jis_2004"),
+    ("shiftjisx0213", "shift_jisx0213"),
+    ("sjis", "shift_jis"),
+    ("sjis_2004", "shift_jis_2004"),
+    ("sjisx0213", "shift_jisx0213"),
+    ("strk1048_2002", "kz1048"),
+    ("thai", "iso8859_11"),
+    ("tis620", "tis_620"),
+    ("tis_620_0", "tis_620"),
+    ("tis_620_2529_0", "tis_620"),
+    ("tis_620_2529_1", "tis_620"),
+    ("u16", "utf_16"),
+    ("u32", "utf_32"),
+    ("u7", "utf_7"),
+    ("u8", "utf_8"),
+    ("u_jis", "euc_jp"),
+    ("uhc", "cp949"),
+    ("ujis", "euc_jp"),
+    ("unicode_1_1_utf_7", "utf_7"),
+    ("unicodebigunmarked", "utf_16_be"),
+    ("unicodelittleunmarked", "utf_16_le"),
+    ("us", "ascii"),
+    ("us_ascii", "ascii"),
+    ("utf", "utf_8"),
+    ("utf16", "utf_16"),
+    ("utf32", "utf_32"),
+    ("utf7", "utf_7"),
+    ("utf8", "utf_8"),
+    ("utf8_ucs2", "utf_8"),
+    ("utf8_ucs4", "utf_8"),
+    ("utf_16be", "utf_16_be"),
+    ("utf_16le", "utf_16_le"),
+    ("utf_32be", "utf_32_be"),
+    ("utf_32le", "utf_32_le"),
+    ("uu", "uu_codec"),
+    ("windows_1250", "cp1250"),
+    ("windows_1251", "cp1251"),
+    ("windows_1252", "cp1252"),
+    ("windows_1253", "cp1253"),
+    ("windows_1254", "cp1254"),
+    ("windows_1255", "cp1255"),
+    ("windows_1256", "cp1256"),
+    ("windows_1257", "cp1257"),
+    ("windows_1258", "cp1258"),
+    ("x_mac_japanese", "shift_jis"),
+    ("x_mac_korean", "euc_kr"),
+    ("x_mac_simp_chinese", "gb2312"),
+    ("x_mac_trad_chinese", "big5"),
+    ("zip", "zlib_codec"),
+    ("zlib", "zlib_codec"),
+];
+
+/// What `value` is, with its article, for messages.
+fn kind_name(value: &Value) -> &'static str {
+    match value {
+        Value::None => "None",
+        Value::Bool(_) => "a bool",
+        Value::Int(_) => "an int",
+        Value::Float(_) => "a float",
+        Value::Str(_) => "a str",
+        Value::Bytes(_) => "bytes",
+        Value::Tuple(_) => "a tuple",
+        Value::List(_) => "a list",
+        Value::Dict(_) => "a dict",
+        Value::Set(_) => "a set",
+        Value::Global(_) => "a global",
+        Value::Object(_) => "an object instance",
+        Value::PersistentId(_) => "a persistent id",
+    }
+}
+
+/// Refuse a record that miniz opens but will not read (see [`zip::FLAGS_UNREADABLE`]).
+fn readable(entry: &ZipEntry) -> Result<()> {
+    let bits = entry.flags & zip::FLAGS_UNREADABLE;
+    if bits == 0 {
+        return Ok(());
+    }
+    let what = if bits & 0x0040 != 0 {
+        "bit 6, strong encryption"
+    } else {
+        "bit 5, compressed patch data"
+    };
+    Err(Error::invalid(format!(
+        "zip entry `{}` has general-purpose flag {what}, so torch.load cannot read it",
+        entry.name
+    ))
+    .at(entry.data_offset))
+}
+
+/// The file format versions torch 2.15 reads (`kMinSupportedFileFormatVersion`,
+/// `kMaxSupportedFileFormatVersion`).
+const MIN_FILE_VERSION: i64 = 1;
+const MAX_FILE_VERSION: i64 = 10;
+
+/// `std::stoll` as torch parses the version record: leading whitespace, a sign, then the longest
+/// run of decimal digits (anything after it is ignored); `None` without digits or on overflow.
+fn stoll(bytes: &[u8]) -> Option<i64> {
+    let rest = match bytes.iter().position(|b| !b" \t\n\x0b\x0c\r".contains(b)) {
+        Some(i) => &bytes[i..],
+        None => return None,
+    };
+    let (negative, rest) = match rest.split_first() {
+        Some((b'-', r)) => (true, r),
+        Some((b'+', r)) => (false, r),
+        _ => (false, rest),
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    let magnitude = std::str::from_utf8(&rest[..digits]).ok()?;
+    let v: i128 = magnitude.parse().ok()?;
+    i64::try_from(if negative { -v } else { v }).ok()
+}
+
+/// Whether Python's `int(bytes)` accepts `bytes` (how torch reads `.storage_alignment`): ASCII
+/// whitespace around an optional sign and decimal digits, single underscores between digits.
+fn is_python_int(bytes: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return false;
+    };
+    let text = text.trim_matches(|c: char| c.is_ascii_whitespace() || c == '\x0b');
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    !digits.is_empty()
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
 }
 
 /// One leaf to write.
@@ -632,6 +1449,7 @@ impl Interpreter<'_> {
                 self.archive.prefix
             ))
         })?;
+        readable(entry)?;
         let nbytes = kind
             .nbytes(numel)
             .ok_or_else(|| bad(format!("storage `{key}` size overflows")))?;
@@ -1261,6 +2079,144 @@ mod tests {
         assert_eq!(e.offset, Some(576));
     }
 
+    /// `BARE` with record `suffix` replaced by `content` (`None` drops it), plus `extra` records.
+    fn with_record(suffix: &str, content: Option<&[u8]>, extra: &[(&str, &[u8])]) -> Vec<u8> {
+        let literal = |name: &str, content: Vec<u8>| ZipRecord {
+            name: name.to_string(),
+            len: content.len() as u64,
+            content: Some(content),
+        };
+        let mut records: Vec<ZipRecord> = zip::read_entries(BARE)
+            .unwrap()
+            .iter()
+            .filter_map(|e| {
+                let data = &BARE[e.data_offset as usize..(e.data_offset + e.len) as usize];
+                let content = match content {
+                    _ if !e.name.ends_with(suffix) => Some(data),
+                    replaced => replaced,
+                };
+                content.map(|c| literal(&e.name, c.to_vec()))
+            })
+            .collect();
+        let prefix = records[0].name.split_once('/').unwrap().0.to_string();
+        for (name, content) in extra {
+            records.push(literal(&format!("{prefix}/{name}"), content.to_vec()));
+        }
+        zip::build(&records, &[]).unwrap()
+    }
+
+    #[test]
+    fn records_torch_refuses_are_refused() {
+        let refused = |suffix: &str, content: Option<&[u8]>| {
+            read_err(&with_record(suffix, content, &[])).to_string()
+        };
+        for version in [
+            &b"x"[..],
+            b"",
+            b"99",
+            b"-1",
+            b"0x3",
+            b"11",
+            b"99999999999999999999",
+        ] {
+            let e = refused("/version", Some(version));
+            assert!(e.contains("record `archive/version` holds"), "{e}");
+        }
+        assert!(refused("/version", Some(b"99")).contains("torch.load reads versions 1 to 10"));
+        assert!(refused("/version", None).contains("no `archive/version` record"));
+        for alignment in [&b"x"[..], b"", b"6__4", b"_64", b"0x40"] {
+            let e = refused(".storage_alignment", Some(alignment));
+            assert!(e.contains("`archive/.storage_alignment` holds"), "{e}");
+        }
+        let e = refused("serialization_id", Some(b"12\xff"));
+        assert!(
+            e.contains("record `archive/.data/serialization_id` is not UTF-8"),
+            "{e}"
+        );
+        let e = read_err(&with_record(
+            "/version",
+            Some(b"3\n"),
+            &[(".data/version", b"x")],
+        ))
+        .to_string();
+        assert!(
+            e.contains("record `archive/.data/version` holds \"x\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn records_torch_reads_are_read() {
+        let reads = |suffix: &str, content: Option<&[u8]>, extra: &[(&str, &[u8])]| {
+            read(&with_record(suffix, content, extra)).unwrap();
+        };
+        for version in [&b"3"[..], b"1\n", b"10", b" \t+3x", b"\x0b3"] {
+            reads("/version", Some(version), &[]);
+        }
+        // `.data/version` wins over `version`, as torch reads them.
+        reads("/version", Some(b"x"), &[(".data/version", b"3\n")]);
+        for alignment in [
+            &b"0"[..],
+            b" 6_4\n",
+            b"-1",
+            b"+0064",
+            b"99999999999999999999999",
+        ] {
+            reads(".storage_alignment", Some(alignment), &[]);
+        }
+        reads(".storage_alignment", None, &[]);
+        reads("serialization_id", Some(b""), &[]);
+        reads("serialization_id", None, &[]);
+    }
+
+    /// `bytes` with general-purpose flag `bit` set in the central header of each record whose
+    /// name ends with `suffix`.
+    fn with_central_flag(bytes: &[u8], suffix: &str, bit: u32) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let mut at = 0;
+        while let Some(i) = out[at..].windows(4).position(|w| w == b"PK\x01\x02") {
+            let h = at + i;
+            let name_len = u16::from_le_bytes([out[h + 28], out[h + 29]]) as usize;
+            if out[h + 46..h + 46 + name_len].ends_with(suffix.as_bytes()) {
+                let flags = u16::from_le_bytes([out[h + 8], out[h + 9]]) | (1 << bit);
+                out[h + 8..h + 10].copy_from_slice(&flags.to_le_bytes());
+            }
+            at = h + 4;
+        }
+        out
+    }
+
+    #[test]
+    fn records_torch_cannot_open_are_refused() {
+        for suffix in [
+            "/data/0",
+            "/data.pkl",
+            "/version",
+            "serialization_id",
+            "/byteorder",
+        ] {
+            for (bit, what) in [
+                (5, "bit 5, compressed patch data"),
+                (6, "bit 6, strong encryption"),
+            ] {
+                let e = read_err(&with_central_flag(BARE, suffix, bit)).to_string();
+                assert!(
+                    e.contains(what) && e.contains("torch.load cannot read it"),
+                    "{e}"
+                );
+                assert!(e.contains(suffix), "{e}");
+            }
+        }
+        // torch opens the archive and never reads a record no one refers to.
+        let extra = with_record("\0", None, &[("extra", b"zz")]);
+        read(&extra).unwrap();
+        read(&with_central_flag(&extra, "/extra", 5)).unwrap();
+        // A flag in a local header only is not looked at by torch either.
+        let mut local = BARE.to_vec();
+        local[6] |= 1 << 5;
+        read(&local).unwrap();
+    }
+
     #[test]
     fn inconsistent_tensors_are_errors() {
         let pkl = |v: Value| pickle::write(&v, Protocol::V2);
@@ -1390,6 +2346,125 @@ mod tests {
             "`a/data.pkl` uses unsupported pickle opcode 0xff"
         );
         assert_eq!(e.offset, Some(64 + 3));
+    }
+
+    #[test]
+    fn opcodes_torch_refuses_are_refused() {
+        let refused = |pkl: &[u8]| read_err(&archive("a", pkl.to_vec(), &[]));
+        // `{"a": 1}` with a FRAME before the value; then protocol 4 as Python writes it.
+        let e = refused(b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01\x95\x02\0\0\0\0\0\0\0K\x01s.");
+        assert!(e.message.contains("pickle opcode 0x95"), "{e}");
+        assert_eq!(e.offset, Some(64 + 13));
+        for pkl in [
+            &b"\x80\x04\x95\x0b\0\0\0\0\0\0\0}\x94\x8c\x01a\x94K\x01s."[..],
+            b"\x80\x02}q\x00\x8c\x01aK\x01s.", // SHORT_BINUNICODE
+            b"\x80\x02}q\x00X\x01\0\0\0aC\x01xs.", // SHORT_BINBYTES
+            b"\x80\x02}q\x00X\x01\0\0\0a\x94K\x01s.", // MEMOIZE
+            b"\x80\x02}q\x00X\x01\0\0\0aI1\ns.", // INT
+        ] {
+            let e = refused(pkl);
+            assert!(
+                e.message.contains("torch.load(weights_only=True) refuses"),
+                "{e}"
+            );
+        }
+        // What torch.save writes (protocol 2, every opcode torch runs) still reads.
+        let pkl = b"\x80\x02}q\x00(X\x01\0\0\0aq\x01]q\x02(K\x01M\x00\x01J\0\0\0\x01\x8a\x01\x05G?\xf0\0\0\0\0\0\0N\x88\x89)U\x01c\x8f\x85\x86\x87eX\x01\0\0\0bh\x02u.";
+        read(&archive("a", pkl.to_vec(), &[])).unwrap();
+    }
+
+    #[test]
+    fn calls_torch_cannot_make_are_refused() {
+        let one = |v: Value| {
+            let pkl = pickle::write(
+                &Value::Dict(vec![(Value::Str("a".into()), v)]),
+                Protocol::V2,
+            );
+            read(&archive("a", pkl, &[]))
+        };
+        let call = |callable: Value, args: Vec<Value>| {
+            Value::Object(Box::new(pickle::Object {
+                callable,
+                args,
+                new_obj: false,
+                dict_items: vec![],
+                list_items: vec![],
+                state: None,
+            }))
+        };
+        let odict = obj("collections", "OrderedDict", vec![]);
+        let e = one(call(Value::Tuple(vec![Value::Int(1)]), vec![])).unwrap_err();
+        assert!(e.message.contains("`REDUCE` applies to a tuple"), "{e}");
+        let e = one(call(odict.clone(), vec![])).unwrap_err();
+        assert!(
+            e.message.contains("`REDUCE` applies to an object instance"),
+            "{e}"
+        );
+        let ints = |v: &[i64]| Value::Tuple(v.iter().map(|&i| Value::Int(i)).collect());
+        for args in [
+            vec![ints(&[1]), ints(&[2])],
+            vec![Value::Int(5)],
+            vec![Value::List(vec![Value::Float(1.5)])],
+            vec![Value::Str("ab".into())],
+        ] {
+            let e = one(obj("torch", "Size", args)).unwrap_err();
+            assert!(e.message.contains("`torch.Size` called with"), "{e}");
+        }
+        // What torch calls without complaint still reads.
+        for args in [
+            vec![],
+            vec![ints(&[1, 2])],
+            vec![Value::List(vec![Value::Bool(true), Value::Int(-1)])],
+        ] {
+            one(obj("torch", "Size", args)).unwrap();
+        }
+        one(odict).unwrap();
+    }
+
+    #[test]
+    fn encodings_python_lacks_are_refused() {
+        let encode = |args: Vec<Value>| {
+            let v = obj("_codecs", "encode", args);
+            let pkl = pickle::write(
+                &Value::Dict(vec![(Value::Str("a".into()), v)]),
+                Protocol::V2,
+            );
+            read(&archive("a", pkl, &[]))
+        };
+        let s = |t: &str| Value::Str(t.into());
+        for name in [
+            "latin1",
+            "LATIN-1",
+            " latin--1 ",
+            "utf8",
+            "iso-8859-1",
+            "rot-13",
+            "cp65001",
+        ] {
+            encode(vec![s("a"), s(name)]).unwrap();
+        }
+        encode(vec![s("a")]).unwrap();
+        let bytes = || obj("_codecs", "encode", vec![s("a"), s("latin1")]);
+        encode(vec![bytes(), s("hex")]).unwrap();
+        let e = encode(vec![bytes(), s("utf8")]).unwrap_err();
+        assert!(
+            e.message.contains("cannot encode bytes with \"utf8\""),
+            "{e}"
+        );
+        for name in ["foo", "", "latin.1", "u.t.f-8", "mbcs"] {
+            let e = encode(vec![s("a"), s(name)]).unwrap_err();
+            assert!(e.message.contains("unknown encoding"), "{name}: {e}");
+        }
+        for (value, name) in [
+            (s("\u{20ac}"), "latin1"),
+            (s("\u{e9}"), "ascii"),
+            (s("a"), "hex"),
+        ] {
+            let e = encode(vec![value, s(name)]).unwrap_err();
+            assert!(e.message.contains("cannot encode a str with"), "{e}");
+        }
+        encode(vec![]).unwrap_err();
+        encode(vec![s("a"), Value::Int(1)]).unwrap_err();
     }
 
     #[test]

@@ -46,6 +46,11 @@ pub const ALIGNMENT: u64 = 64;
 const FLAG_UTF8: u16 = 0x0800;
 const FLAG_ENCRYPTED: u16 = 0x0001;
 const FLAG_DESCRIPTOR: u16 = 0x0008;
+/// Bit 5 (compressed patch data) and bit 6 (strong encryption): miniz, and so torch.load, refuses
+/// to read an entry with either, though it opens the archive.
+pub const FLAGS_UNREADABLE: u16 = 0x0060;
+/// Bit 13: local headers are masked. miniz refuses the whole archive.
+const FLAG_MASKED_HEADERS: u16 = 0x2000;
 
 /// A 32-bit size or offset at or above this moves to a zip64 field (miniz's `>= MZ_UINT32_MAX`).
 const U32_LIMIT: u64 = 0xFFFF_FFFF;
@@ -65,6 +70,8 @@ pub struct ZipEntry {
     pub data_offset: u64,
     /// Length of the entry's bytes.
     pub len: u64,
+    /// The general-purpose flags of its central directory header.
+    pub flags: u16,
 }
 
 /// Find every entry of the ZIP archive that spans exactly `bytes`.
@@ -639,6 +646,7 @@ struct Central {
     next: u64,
     name: String,
     name_bytes: Vec<u8>,
+    flags: u16,
     len: u64,
     crc: u32,
     local_offset: u64,
@@ -685,6 +693,12 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     if flags & FLAG_ENCRYPTED != 0 {
         return Err(invalid(format!("zip entry `{name}` is encrypted")).at(at));
     }
+    if flags & FLAG_MASKED_HEADERS != 0 {
+        return Err(invalid(format!(
+            "zip entry `{name}` has masked local headers (flag bit 13), which torch.load refuses"
+        ))
+        .at(at));
+    }
     if method != 0 {
         return Err(invalid(format!(
             "zip entry `{name}` is compressed (method {method}); torch.save archives store entries uncompressed"
@@ -721,6 +735,7 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     Ok(Central {
         at,
         next,
+        flags,
         name,
         name_bytes,
         len,
@@ -845,6 +860,7 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
             name: name.clone(),
             data_offset,
             len: central.len,
+            flags: central.flags,
         },
         end,
     ))
@@ -1139,6 +1155,23 @@ mod tests {
         let mut far = bytes.clone();
         far[cd + 42..cd + 46].copy_from_slice(&0xFFFF_FFF0u32.to_le_bytes());
         assert!(err(&far).contains("points past the end"), "{}", err(&far));
+    }
+
+    #[test]
+    fn masked_local_headers_are_refused() {
+        let bytes = build(&[literal("a/data.pkl", b"x"), literal("a/b", b"yy")], &[]).unwrap();
+        let cd = read_entries(&bytes).unwrap()[1].data_offset as usize + 2 + 16;
+        let mut masked = bytes.clone();
+        masked[cd + 9] |= 0x20; // flag bit 13 of the first central header
+        let e = read_entries(&masked).unwrap_err().to_string();
+        assert!(
+            e.contains("`a/data.pkl` has masked local headers (flag bit 13)"),
+            "{e}"
+        );
+        // Bits 5 and 6 are kept for the reader of the record to judge.
+        let mut patch = bytes.clone();
+        patch[cd + 8] |= 0x60;
+        assert_eq!(read_entries(&patch).unwrap()[0].flags, 0x0868);
     }
 
     #[test]
