@@ -2356,7 +2356,7 @@ mod tests {
         assert!(e.message.contains("pickle opcode 0x95"), "{e}");
         assert_eq!(e.offset, Some(64 + 13));
         for pkl in [
-            &b"\x80\x04\x95\x0b\0\0\0\0\0\0\0}\x94\x8c\x01a\x94K\x01s."[..],
+            &b"\x80\x04\x95\x0a\0\0\0\0\0\0\0}\x94\x8c\x01a\x94K\x01s."[..],
             b"\x80\x02}q\x00\x8c\x01aK\x01s.", // SHORT_BINUNICODE
             b"\x80\x02}q\x00X\x01\0\0\0aC\x01xs.", // SHORT_BINBYTES
             b"\x80\x02}q\x00X\x01\0\0\0a\x94K\x01s.", // MEMOIZE
