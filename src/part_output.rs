@@ -258,6 +258,13 @@ impl PartOutput {
         write_atomic(&self.marker_path(self.part.index), &text)?;
         let missing = self.missing();
         if !missing.is_empty() {
+            // Our own marker gone and the output in place: a part that finished at the same
+            // moment committed, and removed the markers, between our write and our look.
+            if !self.marker_path(self.part.index).exists() && self.final_path.exists() {
+                return Ok(Finished::CommittedElsewhere {
+                    by: "another part".into(),
+                });
+            }
             return Ok(Finished::Waiting { missing });
         }
         let lock = self.staging.join(LOCK);
@@ -267,8 +274,14 @@ impl PartOutput {
             hostname(),
             std::process::id()
         );
-        if !link_new(&lock, me.as_bytes())? {
-            let by = std::fs::read_to_string(&lock).unwrap_or_default();
+        let took = match link_new(&lock, me.as_bytes()) {
+            Ok(took) => took,
+            // The staging area was removed under us: the part that took the lock has committed.
+            Err(_) if !self.staging.exists() && self.final_path.exists() => false,
+            Err(e) => return Err(e),
+        };
+        if !took {
+            let by = std::fs::read_to_string(&lock).unwrap_or_else(|_| "another part".into());
             return Ok(Finished::CommittedElsewhere { by });
         }
         let result = self.commit(dest, write_late);
