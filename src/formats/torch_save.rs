@@ -77,6 +77,30 @@ impl Archive {
             .ok()
             .and_then(|i| self.entries.get(i))
     }
+
+    /// The record `{prefix}/{name}`, found without building its name: DCP reads a million
+    /// archives, each looked up for several records.
+    fn entry_in_prefix(&self, name: &str) -> Option<&ZipEntry> {
+        self.entries
+            .binary_search_by(|e| cmp_joined(e.name.as_bytes(), self.prefix.as_bytes(), name))
+            .ok()
+            .and_then(|i| self.entries.get(i))
+    }
+}
+
+/// How `name` orders against `{prefix}/{suffix}`, compared by slices.
+fn cmp_joined(name: &[u8], prefix: &[u8], suffix: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let head = name.len().min(prefix.len());
+    match name[..head].cmp(&prefix[..head]) {
+        Ordering::Equal if name.len() < prefix.len() => return Ordering::Less,
+        Ordering::Equal => {}
+        other => return other,
+    }
+    match name[prefix.len()..].split_first() {
+        None => Ordering::Less,
+        Some((&c, rest)) => c.cmp(&b'/').then_with(|| rest.cmp(suffix.as_bytes())),
+    }
 }
 
 /// Read the torch.save archive that spans exactly `bytes`. Error offsets are relative to `bytes`.
@@ -228,10 +252,8 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
 /// (`PyTorchStreamReader::init` and `torch.serialization._load`): an archive torch.load refuses
 /// for one of them must not pass `verify`.
 fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
-    let named = |name: &str| {
-        let name = format!("{}/{name}", archive.prefix);
-        archive.entry(&name).map(|e| (name, e))
-    };
+    // The full name is built only for a message.
+    let named = |name: &'static str| archive.entry_in_prefix(name).map(|e| (name, e));
     let read_by_torch = [
         "data.pkl",
         ".format_version",
@@ -264,17 +286,19 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
                 ),
                 None => "it is not a decimal integer".to_string(),
             };
-            return Err(
-                Error::invalid(format!("record `{name}` holds {shown:?}: {why}"))
-                    .at(entry.data_offset),
-            );
+            return Err(Error::invalid(format!(
+                "record `{}/{name}` holds {shown:?}: {why}",
+                archive.prefix
+            ))
+            .at(entry.data_offset));
         }
     }
     if let Some((name, entry)) = named(".storage_alignment") {
         let content = record(bytes, entry).unwrap_or_default();
         if !is_python_int(content) {
             return Err(Error::invalid(format!(
-                "record `{name}` holds {:?}, which is not an integer",
+                "record `{}/{name}` holds {:?}, which is not an integer",
+                archive.prefix,
                 String::from_utf8_lossy(content)
             ))
             .at(entry.data_offset));
@@ -283,8 +307,10 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
     if let Some((name, entry)) = named(".data/serialization_id") {
         let content = record(bytes, entry).unwrap_or_default();
         if let Err(e) = std::str::from_utf8(content) {
-            return Err(Error::invalid(format!("record `{name}` is not UTF-8"))
-                .at(entry.data_offset + e.valid_up_to() as u64));
+            return Err(
+                Error::invalid(format!("record `{}/{name}` is not UTF-8", archive.prefix))
+                    .at(entry.data_offset + e.valid_up_to() as u64),
+            );
         }
     }
     Ok(())
@@ -1897,6 +1923,23 @@ mod tests {
 
     fn read_err(bytes: &[u8]) -> Error {
         read(bytes).unwrap_err()
+    }
+
+    #[test]
+    fn names_compare_as_their_joined_form() {
+        let names = [
+            "a", "a/", "a/b", "a/c", "a0/b", "a/b/c", "ab/b", "", "a.", "a/a",
+        ];
+        for name in names {
+            for (prefix, suffix) in [("a", "b"), ("a", ""), ("ab", "b"), ("", "a"), ("a/b", "c")] {
+                let joined = format!("{prefix}/{suffix}");
+                assert_eq!(
+                    cmp_joined(name.as_bytes(), prefix.as_bytes(), suffix),
+                    name.cmp(joined.as_str()),
+                    "{name:?} against {joined:?}"
+                );
+            }
+        }
     }
 
     #[test]
