@@ -1210,10 +1210,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_piece_index_finds_every_piece_that_meets_a_box() {
-        // A 2-D grid of uneven pieces (cut on both dims, 3 x 4) plus a replica of one of them,
-        // queried with every box of a finer grid and some that straddle cuts.
+    /// The boxes of an [8, 10] tensor cut unevenly on both dims, 3 x 4.
+    fn uneven_grid() -> Vec<(Vec<u64>, Vec<u64>)> {
         let rows = [(0, 3), (3, 4), (7, 1)];
         let cols = [(0, 2), (2, 2), (4, 5), (9, 1)];
         let mut boxes = Vec::new();
@@ -1222,6 +1220,14 @@ mod tests {
                 boxes.push((vec![r0, c0], vec![rn, cn]));
             }
         }
+        boxes
+    }
+
+    #[test]
+    fn the_piece_index_finds_every_piece_that_meets_a_box() {
+        // The uneven grid plus a replica of one of its pieces, queried with every box of a finer
+        // grid and some that straddle cuts.
+        let mut boxes = uneven_grid();
         boxes.push(boxes[5].clone());
         let t = tensor_of_boxes(&[8, 10], &boxes);
         let index = PieceIndex::new(&t);
@@ -1253,14 +1259,7 @@ mod tests {
 
     #[test]
     fn the_fills_of_a_part_are_the_fills_of_the_whole_that_meet_it() {
-        let rows = [(0, 3), (3, 4), (7, 1)];
-        let cols = [(0, 2), (2, 2), (4, 5), (9, 1)];
-        let mut boxes = Vec::new();
-        for &(r0, rn) in &rows {
-            for &(c0, cn) in &cols {
-                boxes.push((vec![r0, c0], vec![rn, cn]));
-            }
-        }
+        let boxes = uneven_grid();
         let ckpt = Checkpoint {
             root: PathBuf::from("/nonexistent"),
             format: crate::model::Format::Dcp,
