@@ -522,13 +522,7 @@ fn convert_with(
     let relative = plan.paths();
     let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = ExecOptions {
-        threads: run.threads,
-        io: run.io.into(),
-        progress: &bar,
-        cancel,
-        durable: true,
-    };
+    let opts = durable_options(run, &bar, cancel);
     exec::execute(&plan, &dest, &opts)?;
     if cancel.load(Ordering::Relaxed) {
         return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
@@ -536,9 +530,7 @@ fn convert_with(
     let final_path = staging.final_path().to_path_buf();
     staging.commit()?;
     if !write.quiet {
-        for note in &plan.notes {
-            to_stderr(format_args!("note: {}", terminal_safe(note)));
-        }
+        print_notes(&plan);
         let secs = started.elapsed().as_secs_f64();
         let bytes = plan.data_bytes();
         to_stderr(format_args!(
@@ -553,6 +545,24 @@ fn convert_with(
         ));
     }
     Ok(0)
+}
+
+/// How a conversion (whole or one part of it) runs: outputs made durable before they commit.
+fn durable_options<'a>(run: &RunArgs, bar: &'a Bar, cancel: &'a AtomicBool) -> ExecOptions<'a> {
+    ExecOptions {
+        threads: run.threads,
+        io: run.io.into(),
+        progress: bar,
+        cancel,
+        durable: true,
+    }
+}
+
+/// The plan's notes for the user, on stderr.
+fn print_notes(plan: &plan::Plan) {
+    for note in &plan.notes {
+        to_stderr(format_args!("note: {}", terminal_safe(note)));
+    }
 }
 
 /// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind
@@ -627,13 +637,7 @@ fn convert_part(
     let share = crate::part::share(&lens, part);
     let dest = out.paths(&plan.paths());
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = ExecOptions {
-        threads: run.threads,
-        io: run.io.into(),
-        progress: &bar,
-        cancel,
-        durable: true,
-    };
+    let opts = durable_options(run, &bar, cancel);
     let outcome = exec::execute_share(plan, &dest, &share, &opts)?;
     if cancel.load(Ordering::Relaxed) {
         return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
@@ -644,9 +648,7 @@ fn convert_part(
         exec::write_streamed_files(plan, &dest, true)
     })?;
     if !write.quiet {
-        for note in &plan.notes {
-            to_stderr(format_args!("note: {}", terminal_safe(note)));
-        }
+        print_notes(plan);
         let total: u64 = lens.iter().sum();
         let files = share.ranges.len();
         let status = match &finished {
