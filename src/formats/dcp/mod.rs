@@ -476,7 +476,8 @@ impl<'a> Files<'a> {
         dtype: DType,
         sizes: &[u64],
     ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
-        let path = self.path(item);
+        // Named only in errors: building the path for each of a million items costs time.
+        let path = || self.path(item);
         let zstd = self.is_zstd(item)?;
         let bytes = self.bytes(item)?;
         let decoded;
@@ -487,7 +488,7 @@ impl<'a> Files<'a> {
                 .unwrap_or(u64::MAX)
                 .saturating_mul(dtype.size() as u64);
             let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
-            decoded = decompress(bytes, limit).map_err(|e| e.file(&path).at(item.offset))?;
+            decoded = decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
             &decoded
         } else {
             bytes
@@ -495,7 +496,7 @@ impl<'a> Files<'a> {
         // Offsets inside a plain item are file offsets once shifted; inside a compressed one they
         // mean nothing on disk, so the item's own offset is the useful position.
         let archive = torch_save::read_cached(archive_bytes).map_err(|e| {
-            let e = e.file(&path);
+            let e = e.file(path());
             if zstd {
                 Error {
                     offset: Some(item.offset),
@@ -509,7 +510,7 @@ impl<'a> Files<'a> {
             [(key, Leaf::Tensor(t))] if key.is_empty() => t,
             _ => {
                 return Err(Error::invalid("item is not a single saved tensor")
-                    .file(&path)
+                    .file(path())
                     .at(item.offset))
             }
         };
@@ -518,7 +519,7 @@ impl<'a> Files<'a> {
                 "item holds {} {:?} but the metadata says {} {:?}",
                 saved.dtype, saved.shape, dtype, sizes
             ))
-            .file(&path)
+            .file(path())
             .at(item.offset));
         }
         let entry = archive.storage(&saved.storage_key).ok_or_else(|| {
@@ -526,7 +527,7 @@ impl<'a> Files<'a> {
                 "item has no storage record `{}`",
                 saved.storage_key
             ))
-            .file(&path)
+            .file(path())
             .at(item.offset)
         })?;
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
