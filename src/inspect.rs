@@ -227,6 +227,9 @@ pub fn to_json(v: &Value) -> serde_json::Value {
         Value::None => J::Null,
         Value::Bool(b) => J::Bool(*b),
         Value::Int(i) => J::from(*i),
+        // Beyond what a JSON number reliably holds; kept out rather than rounded.
+        Value::BigInt(_) => J::Null,
+        Value::SurrogateStr(b) => J::String(String::from_utf8_lossy(b).into_owned()),
         Value::Float(f) => {
             serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
         }

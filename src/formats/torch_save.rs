@@ -362,9 +362,10 @@ fn check_calls(value: &Value) -> Result<()> {
         Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
             items.iter().try_for_each(check_calls)
         }
-        Value::Dict(items) => items
-            .iter()
-            .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v))),
+        Value::Dict(items) => items.iter().try_for_each(|(k, v)| {
+            check_key(k)?;
+            check_calls(k).and_then(|()| check_calls(v))
+        }),
         Value::PersistentId(id) => check_calls(id),
         Value::Object(object) => {
             let Value::Global(global) = &object.callable else {
@@ -378,16 +379,38 @@ fn check_calls(value: &Value) -> Result<()> {
                     kind_name(&object.callable)
                 )));
             };
-            match (global.module.as_str(), global.name.as_str()) {
+            let (module, name) = (global.module.as_str(), global.name.as_str());
+            match callable_kind(module, name) {
+                Callable::Class => {}
+                Callable::Function if !object.new_obj => {}
+                kind => {
+                    let (op, what) = match (object.new_obj, kind) {
+                        (true, Callable::Function) => ("`NEWOBJ`", "a function, not a class"),
+                        (true, _) => ("`NEWOBJ`", "not a class"),
+                        _ => ("`REDUCE`", "not callable"),
+                    };
+                    return Err(bad(format!(
+                        "{op} applies to `{module}.{name}`, {what}, which torch.load(weights_only=True) refuses"
+                    )));
+                }
+            }
+            if let Some(state) = &object.state {
+                check_build(module, name, state)?;
+            }
+            match (module, name) {
                 ("torch", "Size") => check_size_args(&object.args)?,
                 ("_codecs", "encode") => check_encode_args(&object.args)?,
+                ("builtins", "set") => check_set_args(&object.args)?,
+                ("builtins", "bytearray") => check_bytearray_args(&object.args)?,
+                ("builtins", "complex") => check_complex_args(&object.args)?,
+                ("torch", "device") => check_device_args(&object.args)?,
                 _ => {}
             }
             object.args.iter().try_for_each(check_calls)?;
-            object
-                .dict_items
-                .iter()
-                .try_for_each(|(k, v)| check_calls(k).and_then(|()| check_calls(v)))?;
+            object.dict_items.iter().try_for_each(|(k, v)| {
+                check_key(k)?;
+                check_calls(k).and_then(|()| check_calls(v))
+            })?;
             object.list_items.iter().try_for_each(check_calls)?;
             object.state.as_ref().map_or(Ok(()), check_calls)
         }
@@ -395,10 +418,200 @@ fn check_calls(value: &Value) -> Result<()> {
     }
 }
 
+/// What an allowed global is to torch's weights-only unpickler: a class it may instantiate
+/// (`NEWOBJ`) or call (`REDUCE`), a function it may only call, or neither (a dtype, a legacy
+/// storage class: `'torch.dtype' object is not callable`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Callable {
+    Class,
+    Function,
+    Neither,
+}
+
+fn callable_kind(module: &str, name: &str) -> Callable {
+    match (module, name) {
+        ("torch", "Size" | "device")
+        | ("torch.storage", "UntypedStorage")
+        | ("collections", "OrderedDict")
+        | ("builtins", _) => Callable::Class,
+        ("torch._utils", _) | ("_codecs", _) => Callable::Function,
+        _ => Callable::Neither,
+    }
+}
+
+/// `BUILD` as torch's weights-only unpickler applies it: an `OrderedDict` or an untyped storage
+/// takes a dict into its `__dict__`; a set, bytearray, complex, `torch.Size` or device has no
+/// `__dict__`, so only an empty state passes; bytes (`_codecs.encode`) cannot be built at all.
+/// A tensor's state would re-point its storage (`Tensor.set_`), which ckpt does not follow.
+fn check_build(module: &str, name: &str, state: &Value) -> Result<()> {
+    fn empty(v: &Value) -> bool {
+        match v {
+            Value::None => true,
+            Value::Bool(b) => !b,
+            Value::Int(i) => *i == 0,
+            Value::Str(s) => s.is_empty(),
+            Value::Bytes(b) => b.is_empty(),
+            Value::Tuple(items) | Value::List(items) | Value::Set(items) => items.is_empty(),
+            Value::Dict(items) => items.is_empty(),
+            _ => false,
+        }
+    }
+    let ok = match (module, name) {
+        ("collections", "OrderedDict") | ("torch.storage", "UntypedStorage") => {
+            matches!(state, Value::Dict(_) | Value::None)
+                || matches!(state, Value::Tuple(t) if t.is_empty())
+        }
+        ("builtins", _) | ("torch", "Size" | "device") => {
+            empty(state) || matches!(state, Value::Tuple(t) if t.len() == 2 && t.iter().all(empty))
+        }
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "`BUILD` gives {} to a `{module}.{name}` object, which torch.load(weights_only=True) cannot apply",
+        kind_name(state)
+    )))
+}
+
+/// `builtins.bytearray(*args)`: none, a count, bytes, a list of byte values, or a str with an
+/// encoding. ckpt refuses what it cannot tell Python accepts.
+fn check_bytearray_args(args: &[Value]) -> Result<()> {
+    let ok = match args {
+        [] => true,
+        [Value::Int(n)] => *n >= 0,
+        [Value::Bool(_) | Value::Bytes(_)] => true,
+        [v] if made_bytes(v) => true,
+        [Value::List(items) | Value::Tuple(items)] => items
+            .iter()
+            .all(|v| matches!(v, Value::Int(0..=255) | Value::Bool(_))),
+        [Value::Str(_), Value::Str(_)] | [Value::Str(_), Value::Str(_), Value::Str(_)] => {
+            check_encode_args(args).is_ok()
+        }
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "`builtins.bytearray` called with {} argument(s) ckpt cannot tell Python accepts",
+        args.len()
+    )))
+}
+
+/// `builtins.complex(real, imag)` of numbers, as torch.save writes complex values.
+fn check_complex_args(args: &[Value]) -> Result<()> {
+    let number = |v: &Value| matches!(v, Value::Int(_) | Value::Bool(_) | Value::Float(_));
+    if args.len() <= 2 && args.iter().all(number) {
+        return Ok(());
+    }
+    Err(bad(
+        "`builtins.complex` called with arguments other than one or two numbers",
+    ))
+}
+
+/// `torch.device(type)`, `torch.device("type:index")`, `torch.device(type, index)` or
+/// `torch.device(index)`, as torch parses them.
+fn check_device_args(args: &[Value]) -> Result<()> {
+    const TYPES: &[&str] = &[
+        "cpu",
+        "cuda",
+        "ipu",
+        "xpu",
+        "mkldnn",
+        "opengl",
+        "opencl",
+        "ideep",
+        "hip",
+        "ve",
+        "fpga",
+        "maia",
+        "xla",
+        "lazy",
+        "vulkan",
+        "mps",
+        "meta",
+        "hpu",
+        "mtia",
+        "privateuseone",
+    ];
+    let index = |s: &str| {
+        !s.is_empty()
+            && s.bytes().all(|b| b.is_ascii_digit())
+            && (s == "0" || !s.starts_with('0'))
+            && s.parse::<i8>().is_ok()
+    };
+    let device = |s: &str| match s.split_once(':') {
+        Some((t, i)) => TYPES.contains(&t) && index(i),
+        None => TYPES.contains(&s),
+    };
+    let ok = match args {
+        [Value::Str(s)] => device(s),
+        [Value::Int(i)] => (0..=i64::from(i8::MAX)).contains(i),
+        [Value::Str(s), Value::Int(i)] => {
+            TYPES.contains(&s.as_str()) && (0..=i64::from(i8::MAX)).contains(i)
+        }
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(bad(
+        "`torch.device` called with arguments that do not name a device torch knows",
+    ))
+}
+
+/// `builtins.set(*args)`: at most one argument, an iterable whose items Python can hash.
+fn check_set_args(args: &[Value]) -> Result<()> {
+    match args {
+        [] | [Value::Dict(_) | Value::Str(_) | Value::SurrogateStr(_) | Value::Bytes(_)] => Ok(()),
+        [Value::Tuple(items) | Value::List(items) | Value::Set(items)] => {
+            items.iter().try_for_each(check_key)
+        }
+        [Value::Object(_) | Value::PersistentId(_)] => Ok(()),
+        [other] => Err(bad(format!(
+            "`builtins.set` called on {}, which is not iterable",
+            kind_name(other)
+        ))),
+        _ => Err(bad(format!(
+            "`builtins.set` called with {} arguments, but it takes at most one",
+            args.len()
+        ))),
+    }
+}
+
+/// Refuse a dict key or set item Python cannot hash: a list, dict, set, bytearray or
+/// `OrderedDict`, or a tuple holding one.
+fn check_key(key: &Value) -> Result<()> {
+    fn unhashable(v: &Value) -> Option<&'static str> {
+        match v {
+            Value::List(_) => Some("a list"),
+            Value::Dict(_) => Some("a dict"),
+            Value::Set(_) => Some("a set"),
+            Value::Tuple(items) => items.iter().find_map(unhashable),
+            Value::Object(o) => match o.callable.as_global() {
+                Some(("builtins", "set")) => Some("a set"),
+                Some(("builtins", "bytearray")) => Some("a bytearray"),
+                Some(("collections", "OrderedDict")) => Some("an `OrderedDict`"),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+    match unhashable(key) {
+        Some(what) => Err(bad(format!(
+            "a dict key or set item is {what}, which Python cannot hash"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// `torch.Size(*args)`, as far as the outcome is known without running it.
 fn check_size_args(args: &[Value]) -> Result<()> {
     fn ints<'a>(mut items: impl Iterator<Item = &'a Value>) -> bool {
-        items.all(|v| matches!(v, Value::Int(_) | Value::Bool(_)))
+        // torch makes a `torch.Size` of an int past 64 bits too (it fails only when printed).
+        items.all(|v| matches!(v, Value::Int(_) | Value::BigInt(_) | Value::Bool(_)))
     }
     let ok = match args {
         [] => true,
@@ -419,16 +632,19 @@ fn check_size_args(args: &[Value]) -> Result<()> {
 }
 
 /// `_codecs.encode(obj, encoding="utf-8", errors="strict")`: refused when Python would not find
-/// the codec (or is given no text for it). Whether `obj` encodes is left to the reader of the value.
+/// the codec (or is given no text for it), or would fail to encode `obj` with it: see
+/// [`encodes`] for how far ckpt can tell.
 fn check_encode_args(args: &[Value]) -> Result<()> {
     fn text(v: Option<&Value>) -> Option<Option<&str>> {
         match v {
             None => Some(None),
             Some(Value::Str(s)) => Some(Some(s.as_str())),
+            // An encoding or handler name with a lone surrogate names nothing Python has.
+            Some(Value::SurrogateStr(_)) => Some(Some("\u{fffd}")),
             Some(_) => None,
         }
     }
-    let (Some(encoding), Some(_)) = (text(args.get(1)), text(args.get(2))) else {
+    let (Some(encoding), Some(errors)) = (text(args.get(1)), text(args.get(2))) else {
         return Err(bad(
             "`_codecs.encode` called with an encoding or errors that is not a str",
         ));
@@ -445,16 +661,13 @@ fn check_encode_args(args: &[Value]) -> Result<()> {
             "`_codecs.encode` names the unknown encoding {name:?}"
         )));
     };
-    // Python's bytes-to-bytes codecs take bytes; its text codecs take str, and latin-1 and ascii
-    // (what pickle spells bytes with) only the characters they have.
+    // Python's bytes-to-bytes codecs take bytes; its text codecs take str.
     let bytes_codec = BYTES_CODECS.contains(&codec);
     let fits = match args.first() {
-        Some(Value::Str(s)) => match codec {
-            _ if bytes_codec => false,
-            "latin_1" => s.chars().all(|c| u32::from(c) < 0x100),
-            "ascii" => s.is_ascii(),
-            _ => true,
-        },
+        Some(Value::Str(s)) => !bytes_codec && encodes(codec, s.chars().map(u32::from), errors),
+        Some(Value::SurrogateStr(b)) => {
+            !bytes_codec && encodes(codec, surrogate_str_chars(b), errors)
+        }
         Some(v) if made_bytes(v) => bytes_codec,
         _ => true,
     };
@@ -466,9 +679,84 @@ fn check_encode_args(args: &[Value]) -> Result<()> {
         Some(v) => kind_name(v),
         None => "nothing",
     };
+    let errors = errors.unwrap_or("strict");
     Err(bad(format!(
-        "`_codecs.encode` cannot encode {what} with {name:?}"
+        "`_codecs.encode` cannot encode {what} with {name:?} and errors {errors:?} (or ckpt cannot tell that Python can)"
     )))
+}
+
+/// Whether Python's text codec `codec` encodes the characters `chars` (code points, lone
+/// surrogates included) with the error handler `errors`. Exact for the codecs pickles use
+/// (latin-1, ascii, the UTF family, the escapes); for the other tables (cp1252, shift_jis, ...)
+/// only ASCII is known to encode, so other text is refused unless a handler replaces what the
+/// table lacks: the safe side, as ckpt must not call sound what torch.load refuses.
+fn encodes(codec: &str, chars: impl Iterator<Item = u32>, errors: Option<&str>) -> bool {
+    let is_surrogate = |c: u32| (0xd800..0xe000).contains(&c);
+    let utf = matches!(
+        codec,
+        "utf_8"
+            | "utf_8_sig"
+            | "utf_16"
+            | "utf_16_le"
+            | "utf_16_be"
+            | "utf_32"
+            | "utf_32_le"
+            | "utf_32_be"
+    );
+    let has = |c: u32| match codec {
+        "undefined" => false,
+        "latin_1" => c < 0x100,
+        "ascii" => c < 0x80,
+        "utf_7" | "unicode_escape" | "raw_unicode_escape" => true,
+        _ if utf => !is_surrogate(c),
+        _ => c < 0x80,
+    };
+    // idna refuses any handler but strict, whatever the text.
+    if codec == "idna" && errors.is_some_and(|e| e != "strict") {
+        return false;
+    }
+    let mut missing = chars.filter(|&c| !has(c)).peekable();
+    if missing.peek().is_none() {
+        return codec != "undefined";
+    }
+    // The handler is looked up only when a character is missing.
+    match errors.unwrap_or("strict") {
+        "ignore" | "replace" | "xmlcharrefreplace" | "backslashreplace" | "namereplace" => {
+            codec != "undefined"
+        }
+        "surrogatepass" => utf && missing.all(is_surrogate),
+        // Each of U+DC80..U+DCFF back to the byte it escaped, in byte-wise codecs.
+        "surrogateescape" => {
+            matches!(codec, "latin_1" | "ascii" | "utf_8" | "utf_8_sig")
+                && missing.all(|c| (0xdc80..0xdd00).contains(&c))
+        }
+        _ => false,
+    }
+}
+
+/// The code points of a str held as UTF-8 with lone surrogates (each as three bytes).
+fn surrogate_str_chars(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    let mut rest = bytes;
+    std::iter::from_fn(move || {
+        let (&first, _) = rest.split_first()?;
+        let len = match first {
+            0x00..=0x7f => 1,
+            0xc0..=0xdf => 2,
+            0xe0..=0xef => 3,
+            _ => 4,
+        }
+        .min(rest.len());
+        let (head, tail) = rest.split_at(len);
+        rest = tail;
+        let mut c = u32::from(first) & (0x7f >> len.min(4));
+        if len == 1 {
+            c = u32::from(first);
+        }
+        for &b in &head[1..] {
+            c = (c << 6) | u32::from(b & 0x3f);
+        }
+        Some(c)
+    })
 }
 
 /// Whether `value` is bytes, or a call that makes bytes as protocol 2 spells them.
@@ -983,9 +1271,9 @@ fn kind_name(value: &Value) -> &'static str {
     match value {
         Value::None => "None",
         Value::Bool(_) => "a bool",
-        Value::Int(_) => "an int",
+        Value::Int(_) | Value::BigInt(_) => "an int",
         Value::Float(_) => "a float",
-        Value::Str(_) => "a str",
+        Value::Str(_) | Value::SurrogateStr(_) => "a str",
         Value::Bytes(_) => "bytes",
         Value::Tuple(_) => "a tuple",
         Value::List(_) => "a list",
@@ -1245,7 +1533,8 @@ impl Globals for TorchGlobals {
             "collections" => name == "OrderedDict",
             // How protocol 2 spells bytes, sets and complex numbers.
             "_codecs" => name == "encode",
-            "builtins" => matches!(name, "set" | "frozenset" | "bytearray" | "complex"),
+            // Not `frozenset`: torch's weights-only unpickler refuses it.
+            "builtins" => matches!(name, "set" | "bytearray" | "complex"),
             _ => false,
         }
     }
@@ -1344,10 +1633,20 @@ impl Interpreter<'_> {
                 return Ok(());
             }
         }
+        // A list or tuple holding tensors flattens as DCP flattens it: item `i` of `a` is `a.i`
+        // (and is written back as a list).
+        if let (Value::List(items) | Value::Tuple(items), true) = (value, holds_storage(value)) {
+            for (i, item) in items.iter().enumerate() {
+                path.push(KeyPart::Index(i as i64));
+                self.walk(item, path)?;
+                path.pop();
+            }
+            return Ok(());
+        }
         if holds_storage(value) {
             return Err(self.locate(
                 Error::invalid(
-                    "tensors inside a list, tuple or object are not supported; ckpt reads tensors held in dicts",
+                    "tensors inside an object other than a dict, list or tuple are not supported",
                 ),
                 path,
             ));
@@ -2311,9 +2610,13 @@ mod tests {
                 "`torch.QInt8Storage` holds a dtype ckpt does not support",
             ),
             (
-                Value::List(vec![v2("FloatStorage", "0", 6, 0, &[6], &[1])]),
+                Value::reduce(
+                    "builtins",
+                    "set",
+                    vec![Value::List(vec![v2("FloatStorage", "0", 6, 0, &[6], &[1])])],
+                ),
                 vec![("0", full)],
-                "tensors inside a list",
+                "tensors inside an object other than a dict, list or tuple",
             ),
             (
                 Value::Dict(vec![

@@ -98,8 +98,10 @@ pub(super) enum Node {
     None,
     Bool(bool),
     Int([u8; 8]),
+    /// An int outside i64: the pickle's little-endian two's complement bytes.
+    BigInt(Span),
     Float([u8; 8]),
-    /// UTF-8, checked when read.
+    /// UTF-8, or UTF-8 with lone surrogates (as Python's `surrogatepass`), checked when read.
     Str(Span),
     Bytes(Span),
     /// Index into [`Graph::globals`].
@@ -159,6 +161,8 @@ pub enum Kind {
     None,
     Bool,
     Int,
+    /// An int outside i64 ([`View::as_int`] gives `None`).
+    BigInt,
     Float,
     Str,
     Bytes,
@@ -336,7 +340,9 @@ impl<'a> Graph<'a> {
             )
         };
         let own = match self.node(id) {
-            Node::Str(s) | Node::Bytes(s) => return Ok(leaf(1 + u64::from(s.len) / 64)),
+            Node::Str(s) | Node::Bytes(s) | Node::BigInt(s) => {
+                return Ok(leaf(1 + u64::from(s.len) / 64))
+            }
             Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) | Node::Global(_) => {
                 return Ok(leaf(1))
             }
@@ -462,6 +468,7 @@ impl<'g> View<'g> {
             Node::None => Kind::None,
             Node::Bool(_) => Kind::Bool,
             Node::Int(_) => Kind::Int,
+            Node::BigInt(_) => Kind::BigInt,
             Node::Float(_) => Kind::Float,
             Node::Str(_) => Kind::Str,
             Node::Bytes(_) => Kind::Bytes,
@@ -479,10 +486,10 @@ impl<'g> View<'g> {
         matches!(self.node(), Node::None)
     }
 
-    /// The text of a string, borrowed from the pickle bytes.
+    /// The text of a string, borrowed from the pickle bytes; `None` for one holding lone
+    /// surrogates, which Rust's `str` cannot.
     pub fn as_str(&self) -> Option<&'g str> {
         match self.node() {
-            // Checked as UTF-8 when read, so this does not fail.
             Node::Str(s) => std::str::from_utf8(self.graph.bytes(s)).ok(),
             _ => None,
         }
@@ -592,7 +599,11 @@ impl<'g> View<'g> {
             Node::Bool(b) => Value::Bool(b),
             Node::Int(i) => Value::Int(i64::from_le_bytes(i)),
             Node::Float(f) => Value::Float(f64::from_le_bytes(f)),
-            Node::Str(_) => Value::Str(self.as_str().unwrap_or_default().to_string()),
+            Node::BigInt(s) => Value::BigInt(shortest_twos_complement(g.bytes(s))),
+            Node::Str(s) => match self.as_str() {
+                Some(text) => Value::Str(text.to_string()),
+                None => Value::SurrogateStr(g.bytes(s).to_vec()),
+            },
             Node::Bytes(s) => Value::Bytes(g.bytes(s).to_vec()),
             Node::Global(i) => match g.globals.get(i as usize) {
                 Some(global) => Value::Global(Box::new(global.clone())),
@@ -621,6 +632,20 @@ impl<'g> View<'g> {
     }
 }
 
+/// `bytes` (little-endian two's complement) without the high bytes that only repeat the sign.
+pub(super) fn shortest_twos_complement(bytes: &[u8]) -> Vec<u8> {
+    let mut n = bytes.len();
+    while n > 1 {
+        let (last, prev) = (bytes[n - 1], bytes[n - 2]);
+        let redundant = (last == 0x00 && prev & 0x80 == 0) || (last == 0xff && prev & 0x80 != 0);
+        if !redundant {
+            break;
+        }
+        n -= 1;
+    }
+    bytes[..n].to_vec()
+}
+
 fn all_of<'g>(items: impl IntoIterator<Item = View<'g>>) -> Vec<Value> {
     items.into_iter().map(|v| v.to_value()).collect()
 }
@@ -630,6 +655,7 @@ fn all_of<'g>(items: impl IntoIterator<Item = View<'g>>) -> Vec<Value> {
 enum SimpleKey<'g> {
     None,
     Int(i64),
+    BigInt(Vec<u8>),
     Str(&'g [u8]),
     Bytes(&'g [u8]),
 }
@@ -640,6 +666,9 @@ fn simple_key<'g>(v: &View<'g>) -> Option<SimpleKey<'g>> {
         // In Python `True == 1`, so they are the same key.
         Node::Bool(b) => Some(SimpleKey::Int(i64::from(b))),
         Node::Int(i) => Some(SimpleKey::Int(i64::from_le_bytes(i))),
+        Node::BigInt(s) => Some(SimpleKey::BigInt(shortest_twos_complement(
+            v.graph.bytes(s),
+        ))),
         Node::Str(s) => Some(SimpleKey::Str(v.graph.bytes(s))),
         Node::Bytes(s) => Some(SimpleKey::Bytes(v.graph.bytes(s))),
         _ => None,

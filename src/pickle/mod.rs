@@ -28,10 +28,16 @@ const _: () = assert!(std::mem::size_of::<Value>() <= 32);
 pub enum Value {
     None,
     Bool(bool),
-    /// Integers that fit in an i64 (larger ones are rejected: no checkpoint field needs them).
+    /// Integers that fit in an i64.
     Int(i64),
+    /// An integer outside i64 (torch.save keeps Python ints of any size among plain data): its
+    /// shortest little-endian two's complement bytes, as `LONG1` carries them.
+    BigInt(Vec<u8>),
     Float(f64),
     Str(String),
+    /// A str holding lone surrogates, which a Rust `String` cannot: its bytes as pickled, UTF-8
+    /// with each surrogate as three bytes (what Python's `surrogatepass` reads and writes).
+    SurrogateStr(Vec<u8>),
     Bytes(Vec<u8>),
     Tuple(Vec<Value>),
     List(Vec<Value>),

@@ -400,6 +400,24 @@ fn utf8(offset: usize, bytes: &[u8]) -> Result<&str, PickleError> {
     std::str::from_utf8(bytes).map_err(|_| malformed(offset, "string is not valid UTF-8"))
 }
 
+/// Whether `bytes` decode as Python's pickle decodes a str, `utf-8` with `surrogatepass`: UTF-8,
+/// where a lone surrogate (U+D800 to U+DFFF, `ED A0 80` to `ED BF BF`) is also a character.
+fn python_str(bytes: &[u8]) -> bool {
+    let mut rest = bytes;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(_) => return true,
+            Err(e) => {
+                let at = e.valid_up_to();
+                match rest.get(at..at + 3) {
+                    Some([0xed, 0xa0..=0xbf, 0x80..=0xbf]) => rest = &rest[at + 3..],
+                    _ => return false,
+                }
+            }
+        }
+    }
+}
+
 /// A decimal integer as protocol 0 writes it (`I`, `g`, `p` arguments).
 fn decimal(offset: usize, line: &[u8]) -> Result<i64, PickleError> {
     std::str::from_utf8(line)
@@ -409,9 +427,9 @@ fn decimal(offset: usize, line: &[u8]) -> Result<i64, PickleError> {
 }
 
 /// A little-endian two's complement integer of any length (`LONG1`, `LONG4`), if it fits in i64.
-fn long(offset: usize, bytes: &[u8]) -> Result<i64, PickleError> {
+fn long(bytes: &[u8]) -> Option<i64> {
     let Some(&last) = bytes.last() else {
-        return Ok(0);
+        return Some(0);
     };
     let fill = if last & 0x80 != 0 { 0xff } else { 0x00 };
     let mut buf = [fill; 8];
@@ -420,14 +438,14 @@ fn long(offset: usize, bytes: &[u8]) -> Result<i64, PickleError> {
             Some(slot) => *slot = b,
             // Bytes past the eighth must only repeat the sign, and the eighth must carry it.
             None if b == fill => {}
-            None => return Err(malformed(offset, "integer does not fit in 64 bits")),
+            None => return None,
         }
     }
     let value = i64::from_le_bytes(buf);
     if (value < 0) != (fill == 0xff) {
-        return Err(malformed(offset, "integer does not fit in 64 bits"));
+        return None;
     }
-    Ok(value)
+    Some(value)
 }
 
 impl<'a> Machine<'a, '_> {
@@ -504,15 +522,13 @@ impl<'a> Machine<'a, '_> {
                 }
                 LONG1 => {
                     let n = self.input.u8()?;
-                    let v = long(at, self.input.take(n.into())?)?;
-                    self.int(at, v)?;
+                    self.long(at, n.into())?;
                 }
                 LONG4 => {
                     let n = self.input.i32()?;
-                    let n = usize::try_from(n)
+                    let n = u64::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `LONG4`"))?;
-                    let v = long(at, self.input.take(n)?)?;
-                    self.int(at, v)?;
+                    self.long(at, n)?;
                 }
                 BINFLOAT => {
                     let v = f64::from_be_bytes(self.input.array()?);
@@ -953,6 +969,7 @@ impl<'a> Machine<'a, '_> {
                 node @ (Node::None
                 | Node::Bool(_)
                 | Node::Int(_)
+                | Node::BigInt(_)
                 | Node::Float(_)
                 | Node::Str(_)
                 | Node::Bytes(_)
@@ -1196,11 +1213,23 @@ impl<'a> Machine<'a, '_> {
         Ok((span, bytes))
     }
 
-    /// A string of the next `n` input bytes, which must be UTF-8.
+    /// A string of the next `n` input bytes, which must decode as Python decodes them (UTF-8,
+    /// lone surrogates allowed).
     fn text(&mut self, at: usize, n: u64) -> Result<(), PickleError> {
         let (span, bytes) = self.span(n)?;
-        utf8(at, bytes)?;
+        if !python_str(bytes) {
+            return Err(malformed(at, "string is not valid UTF-8"));
+        }
         self.node(at, Node::Str(span))
+    }
+
+    /// An int of the next `n` input bytes (little-endian two's complement), of any size.
+    fn long(&mut self, at: usize, n: u64) -> Result<(), PickleError> {
+        let (span, bytes) = self.span(n)?;
+        match long(bytes) {
+            Some(v) => self.int(at, v),
+            None => self.node(at, Node::BigInt(span)),
+        }
     }
 
     fn global(&mut self, at: usize, module: &str, name: &str) -> Result<(), PickleError> {
@@ -1676,14 +1705,31 @@ mod tests {
     }
 
     #[test]
-    fn integers_outside_i64_are_errors() {
-        assert!(matches!(
-            read_with(BIG_INT_P4, NOTHING),
-            Err(PickleError::Malformed { offset: 11, .. })
-        ));
-        // 2**63 needs nine bytes with a zero sign byte; -2**63 - 1 likewise with 0xff.
-        assert!(read_with(b"\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00.", NOTHING).is_err());
-        assert!(read_with(b"\x8a\x09\xff\xff\xff\xff\xff\xff\xff\x7f\xff.", NOTHING).is_err());
+    fn integers_outside_i64_are_kept_as_their_bytes() {
+        let Ok(Value::BigInt(_)) = read_with(BIG_INT_P4, NOTHING) else {
+            panic!("2**64 is not read as a big int");
+        };
+        // 2**63 needs nine bytes with a zero sign byte; -2**63 - 1 likewise with 0xff. Redundant
+        // sign bytes are dropped, so equal ints have equal bytes.
+        assert_eq!(
+            read_with(
+                b"\x8a\x0a\x00\x00\x00\x00\x00\x00\x00\x80\x00\x00.",
+                NOTHING
+            ),
+            Ok(Value::BigInt(vec![0, 0, 0, 0, 0, 0, 0, 0x80, 0]))
+        );
+        assert_eq!(
+            read_with(b"\x8a\x09\xff\xff\xff\xff\xff\xff\xff\x7f\xff.", NOTHING),
+            Ok(Value::BigInt(vec![
+                0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f, 0xff
+            ]))
+        );
+        // Written back as `LONG1` with the same bytes.
+        let v = Value::BigInt(vec![0, 0, 0, 0, 0, 0, 0, 0x80, 0]);
+        assert_eq!(
+            crate::pickle::write(&v, crate::pickle::Protocol::V2),
+            b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00."
+        );
         // Redundant sign bytes are fine, and so is the empty encoding of 0.
         assert_eq!(
             read_with(
@@ -1698,6 +1744,22 @@ mod tests {
             Ok(int(-32768))
         );
         assert!(read_with(b"\x8b\xff\xff\xff\xff.", NOTHING).is_err());
+    }
+
+    #[test]
+    fn lone_surrogates_are_read_as_python_reads_them() {
+        // "\ud800x" as Python's pickle writes it (`surrogatepass`); 0xff is not UTF-8 at all.
+        let p = b"\x80\x02X\x04\x00\x00\x00\xed\xa0\x80x.";
+        assert_eq!(
+            read_with(p, NOTHING),
+            Ok(Value::SurrogateStr(b"\xed\xa0\x80x".to_vec()))
+        );
+        assert_eq!(
+            crate::pickle::write(&read_with(p, NOTHING).unwrap(), crate::pickle::Protocol::V2),
+            p
+        );
+        assert!(read_with(b"\x80\x02X\x01\x00\x00\x00\xff.", NOTHING).is_err());
+        assert!(read_with(b"\x80\x02X\x02\x00\x00\x00\xed\xa0.", NOTHING).is_err());
     }
 
     #[test]

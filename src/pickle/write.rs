@@ -236,8 +236,10 @@ impl<'v> Stream<'v, '_> {
             Value::None => self.none(),
             Value::Bool(b) => self.bool(*b),
             Value::Int(i) => self.int(*i),
+            Value::BigInt(b) => self.long(b),
             Value::Float(f) => self.float(*f),
             Value::Str(s) => self.str(s),
+            Value::SurrogateStr(b) => self.raw_text(b),
             Value::Bytes(b) => self.bytes(b),
             Value::Tuple(items) => {
                 self.tuple(items.len(), |w| items.iter().for_each(|v| w.value(v)))
@@ -314,6 +316,19 @@ impl<'v> Stream<'v, '_> {
         }
     }
 
+    /// An int of any size from its little-endian two's complement bytes: `LONG1` up to 255
+    /// bytes (all torch's weights-only unpickler reads), `LONG4` beyond.
+    pub fn long(&mut self, bytes: &[u8]) {
+        match u8::try_from(bytes.len()) {
+            Ok(n) => self.put(&[0x8a, n]),
+            Err(_) => {
+                self.op(0x8b);
+                self.put(&(bytes.len() as u32).to_le_bytes());
+            }
+        }
+        self.put(bytes);
+    }
+
     pub fn float(&mut self, f: f64) {
         self.op(b'G');
         self.put(&f.to_be_bytes());
@@ -325,7 +340,11 @@ impl<'v> Stream<'v, '_> {
     }
 
     fn raw_str(&mut self, s: &str) {
-        let b = s.as_bytes();
+        self.raw_text(s.as_bytes());
+    }
+
+    /// A str from the bytes Python's pickle would write for it (UTF-8, `surrogatepass`).
+    fn raw_text(&mut self, b: &[u8]) {
         match (self.protocol, u8::try_from(b.len()), u32::try_from(b.len())) {
             (Protocol::V4, Ok(n), _) => self.put(&[0x8c, n]),
             (_, _, Ok(n)) => {

@@ -93,6 +93,43 @@ def _key_fetches(key: str, cls: str):
     return mutate
 
 
+def _after_checkpoint_id(insert: bytes):
+    # `StorageMeta.checkpoint_id` is a `PosixPath` (REDUCE, MEMOIZE): `insert` pops it and pushes
+    # another value; the memo keeps the path, which nothing fetches again.
+    def mutate(data: bytes) -> bytes:
+        ops = _ops(data)
+        i = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "SHORT_BINUNICODE" and arg == "checkpoint_id")
+        j = next(j for j in range(i, len(ops)) if ops[j][0].name == "REDUCE")
+        assert ops[j + 1][0].name == "MEMOIZE"
+        pos = ops[j + 2][2]
+        return _refit_frame(data[:pos] + insert + data[pos:])
+
+    return mutate
+
+
+def _tensor_properties_state(insert: bytes):
+    # Just before the first `TensorProperties`'s BUILD, `insert` replaces its state tuple.
+    def mutate(data: bytes) -> bytes:
+        ops = _ops(data)
+        i = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "SHORT_BINUNICODE" and arg == "TensorProperties")
+        pos = next(pos for op, _, pos in ops[i:] if op.name == "BUILD")
+        return _refit_frame(data[:pos] + insert + data[pos:])
+
+    return mutate
+
+
+def _s(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+_FLOAT32 = _s("torch") + _s("float32") + b"\x93"
+_STRIDED = _s("torch.serialization") + _s("_get_layout") + b"\x93" + _s("torch.strided") + b"\x85R"
+_CONTIGUOUS = (
+    _s("torch.distributed.checkpoint.metadata") + _s("_MEM_FORMAT_ENCODING") + b"\x93K\x00\x85R"
+)
+_PROPERTIES = [_FLOAT32, _STRIDED, b"\x89", _CONTIGUOUS, b"\x89"]  # dtype, layout, grad, format, pin
+_NAMES = ["dtype", "layout", "requires_grad", "memory_format", "pin_memory"]
+
 # name -> (mutation, whether torch reads the result)
 MUTANTS = {
     "frame-exact": (lambda d: d, True),
@@ -120,6 +157,28 @@ MUTANTS = {
     "chunk-as-index-key": (_key_fetches("index", "ChunkStorageMetadata"), False),
     "storage-info-as-save-id-key": (_key_fetches("save_id", "_StorageInfo"), False),
     "metadata-index-as-save-id-key": (_key_fetches("save_id", "MetadataIndex"), True),
+    # `StorageMeta` is a plain dataclass: torch keeps whatever `checkpoint_id` holds.
+    "checkpoint-id-list": (_after_checkpoint_id(b"0]"), True),
+    "checkpoint-id-list-of-ints": (_after_checkpoint_id(b"0](K\x01K\x02e"), True),
+    "checkpoint-id-dict": (_after_checkpoint_id(b"0}(K\x01K\x02u"), True),
+    "checkpoint-id-int": (_after_checkpoint_id(b"0K\x07"), True),
+    "checkpoint-id-none": (_after_checkpoint_id(b"0N"), True),
+    "checkpoint-id-set": (_after_checkpoint_id(b"0\x8f(K\x01\x90"), True),
+    # `TensorProperties.__setstate__` unpacks its state as a 5- or 6-sequence: a dict unpacks
+    # into its keys, so torch refuses it however complete it is; a list is read as the tuple.
+    "tensor-properties-dict-empty": (_tensor_properties_state(b"0}"), False),
+    "tensor-properties-dict-2": (
+        _tensor_properties_state(b"0}(" + _s("dtype") + _FLOAT32 + _s("layout") + _STRIDED + b"u"),
+        False,
+    ),
+    "tensor-properties-dict-5": (
+        _tensor_properties_state(
+            b"0}(" + b"".join(_s(k) + v for k, v in zip(_NAMES, _PROPERTIES)) + b"u"
+        ),
+        False,
+    ),
+    "tensor-properties-list-5": (_tensor_properties_state(b"0](" + b"".join(_PROPERTIES) + b"e"), True),
+    "tensor-properties-tuple-4": (_tensor_properties_state(b"0(" + b"".join(_PROPERTIES[:4]) + b"t"), False),
 }
 
 

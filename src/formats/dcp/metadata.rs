@@ -677,14 +677,15 @@ fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<DType, Strin
             describe(properties)
         ))
     })?;
-    // `__getstate__` gives (dtype, layout, requires_grad, memory_format, pin_memory[, strides]);
-    // a dataclass pickled without it would give its `__dict__`.
+    // `__getstate__` gives (dtype, layout, requires_grad, memory_format, pin_memory[, strides]),
+    // and `__setstate__` unpacks any state that way: a dict (a `__dict__`) unpacks into its keys,
+    // so torch refuses it, and a list is read like the tuple.
     let (dtype, layout) = match state.kind() {
-        Kind::Tuple => {
+        Kind::Tuple | Kind::List => {
             let items: Vec<View<'_>> = state.as_seq().into_iter().flatten().collect();
             if items.len() != 5 && items.len() != 6 {
                 bail_invalid!(
-                    "`TensorProperties` state is {}, not a 5- or 6-tuple or a dict",
+                    "`TensorProperties` state is {}, not a 5- or 6-tuple",
                     describe(state)
                 );
             }
@@ -693,9 +694,8 @@ fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<DType, Strin
             }
             (items.first().copied(), items.get(1).copied())
         }
-        Kind::Dict => (state.get("dtype"), state.get("layout")),
         _ => bail_invalid!(
-            "`TensorProperties` state is {}, not a 5- or 6-tuple or a dict",
+            "`TensorProperties` state is {}, not a 5- or 6-tuple (torch's `__setstate__` unpacks it as one)",
             describe(state)
         ),
     };
@@ -1037,7 +1037,7 @@ fn describe(value: View<'_>) -> String {
     let kind = match value.kind() {
         Kind::None => "None",
         Kind::Bool => "a bool",
-        Kind::Int => "an int",
+        Kind::Int | Kind::BigInt => "an int",
         Kind::Float => "a float",
         Kind::Str => "a string",
         Kind::Bytes => "bytes",
