@@ -98,14 +98,26 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                         .file(path)
                         .tensor(&name)
                 })?;
+                let within = t.storage_offset * t.dtype.size() as u64;
+                // A deflated record cannot be mapped: its piece is read through an inflater.
+                let (offset, encoding) = match entry.deflated {
+                    None => (entry.data_offset + within, Encoding::Raw),
+                    Some(item_length) => (
+                        within,
+                        Encoding::Deflate {
+                            item_offset: entry.data_offset,
+                            item_length,
+                        },
+                    ),
+                };
                 let pieces = Pieces::single(Piece {
                     offsets: vec![0; t.shape.len()],
                     sizes: t.shape.clone(),
                     data: DataRef {
                         file: file_name.as_path().into(),
-                        offset: entry.data_offset + t.storage_offset * t.dtype.size() as u64,
+                        offset,
                         strides: t.strides.clone(),
-                        encoding: Encoding::Raw,
+                        encoding,
                     },
                 })
                 .map_err(|e| e.file(path).tensor(&name))?;

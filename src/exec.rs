@@ -700,7 +700,7 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
     let limit = match fill.encoding {
         Encoding::Raw => src.len,
         // The decoded length is checked when the item is decompressed.
-        Encoding::Zstd { .. } => u64::MAX,
+        Encoding::Zstd { .. } | Encoding::Deflate { .. } => u64::MAX,
     };
     let end = fill_end(fill);
     match end {
@@ -1287,12 +1287,16 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
     let src = sources
         .get(fill.input)
         .ok_or_else(|| Error::invalid("internal: bad input index"))?;
-    let Encoding::Zstd {
-        item_offset,
-        item_length,
-    } = fill.encoding
-    else {
-        return Ok(FillSource::File(src));
+    let (item_offset, item_length, deflated) = match fill.encoding {
+        Encoding::Raw => return Ok(FillSource::File(src)),
+        Encoding::Zstd {
+            item_offset,
+            item_length,
+        } => (item_offset, item_length, false),
+        Encoding::Deflate {
+            item_offset,
+            item_length,
+        } => (item_offset, item_length, true),
     };
     // Only the prefix up to the fill's last byte is needed (the reader already checked the whole
     // item when it located the piece); a cached prefix serves every fill it is long enough for.
@@ -1303,10 +1307,21 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
             *key == (fill.input, item_offset) && data.len() as u64 >= needed
         });
         if !cached {
+            // A longer prefix of the same item is decoded from its start again, so it at least
+            // doubles: a large record read block by block costs about twice one decoding.
+            let had = match cell.as_ref() {
+                Some((key, data)) if *key == (fill.input, item_offset) => data.len() as u64,
+                _ => 0,
+            };
+            let needed = needed.max(had.saturating_mul(2));
             let mut item = vec![0u8; item_length as usize];
             src.read_at(item_offset, &mut item)?;
-            let decoded = crate::formats::dcp::decompress_prefix(&item, needed)
-                .map_err(|e| e.file(&src.path).at(item_offset))?;
+            let decoded = if deflated {
+                crate::formats::zip::inflate_prefix(&item, needed)
+            } else {
+                crate::formats::dcp::decompress_prefix(&item, needed)
+            }
+            .map_err(|e| e.file(&src.path).at(item_offset))?;
             *cell = Some(((fill.input, item_offset), decoded));
         }
         Ok(FillSource::Decoded(src, item_offset))

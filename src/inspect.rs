@@ -114,6 +114,7 @@ impl Serialize for Pieces<'_> {
                 encoding: match p.encoding() {
                     Encoding::Raw => None,
                     Encoding::Zstd { .. } => Some("zstd"),
+                    Encoding::Deflate { .. } => Some("deflate"),
                 },
             }
         }))

@@ -140,6 +140,9 @@ pub enum Encoding {
     /// The DCP item at `item_offset..item_offset+item_length` of the file is a zstd stream
     /// (`stream.zstd/1`); `DataRef::offset` is relative to the decompressed item.
     Zstd { item_offset: u64, item_length: u64 },
+    /// The ZIP record at `item_offset..item_offset+item_length` of the file is a raw deflate
+    /// stream (a deflated torch.save record); `DataRef::offset` is relative to the inflated record.
+    Deflate { item_offset: u64, item_length: u64 },
 }
 
 /// The pieces of one tensor, as columns: per piece its box (offsets then sizes), its file and the

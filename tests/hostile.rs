@@ -1630,6 +1630,14 @@ fn hand_archive() -> HandZip {
     z
 }
 
+/// Every command must refuse `bytes` as a `pytorch_model.bin` with `needle` (a record's content is
+/// checked by the torch.save reader, not by the ZIP reader).
+fn assert_bin_refused(bytes: &[u8], needle: &str) {
+    let env = TestEnv::new();
+    let bin = env.write("pytorch_model.bin", bytes);
+    assert_refused(&env, &bin, ALL, &[needle]);
+}
+
 /// The ZIP reader must refuse `bytes` with `needle` (checked on the library call, which works
 /// without the torch.save reader), and so must every command on it as a `pytorch_model.bin`.
 fn assert_zip_refused(bytes: &[u8], needle: &str) {
@@ -1650,8 +1658,47 @@ fn zip_hand_built_archive_is_read() {
     assert_sound(&env.write("pytorch_model.bin", &bytes));
 }
 
+/// The hand-built archive with `data/0` replaced by `data` under `method` (both its sizes
+/// `data.len()`, its CRC that of `data`).
+fn with_data_0(data: &[u8], method: u16) -> Vec<u8> {
+    let mut z = hand_archive();
+    let mut fresh = HandZip::default();
+    for e in z.central.drain(..) {
+        let start = e.local_offset as usize + 30 + e.name.len();
+        let old = z.bytes[start..start + e.size as usize].to_vec();
+        if e.name == "archive/data/0" {
+            fresh.entry(&e.name, data, method);
+        } else {
+            fresh.entry(&e.name, &old, 0);
+        }
+    }
+    fresh.finish(None)
+}
+
 #[test]
-fn zip_compressed_entry() {
+fn zip_entry_of_a_method_torch_cannot_read() {
+    assert_zip_refused(
+        &with_data_0(&f32_bytes(&[1.0, 2.0, 3.0, 4.0]), 12),
+        "method 12",
+    );
+}
+
+#[test]
+fn zip_deflate_bomb_stops_at_the_declared_length() {
+    // 256 MiB of zeros deflate to about 256 KiB; the headers say 256 KiB (the stream's length) both
+    // ways, so inflating must stop one byte past it rather than fill memory.
+    use std::io::Write;
+    let mut enc = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::best());
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..256 {
+        enc.write_all(&zeros).unwrap();
+    }
+    let bomb = enc.finish().unwrap();
+    assert_bin_refused(&with_data_0(&bomb, 8), "or more");
+}
+
+#[test]
+fn zip_deflated_entry_with_a_wrong_size() {
     let mut z = hand_archive();
     // `data/0` deflated (a stored-block deflate stream: valid deflate that happens to be stored).
     let raw = f32_bytes(&[1.0, 2.0, 3.0, 4.0]);
@@ -1667,7 +1714,11 @@ fn zip_compressed_entry() {
             fresh.entry(&e.name, &data, 0);
         }
     }
-    assert_zip_refused(&fresh.finish(None), "compressed (method 8)");
+    // The headers give the deflated length as the inflated one too: 5 bytes short of it.
+    assert_bin_refused(
+        &fresh.finish(None),
+        "inflates to 16 bytes, but its header says 21",
+    );
 }
 
 #[test]

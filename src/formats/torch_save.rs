@@ -137,6 +137,7 @@ fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
         key.extend_from_slice(e.name.as_bytes());
         key.extend_from_slice(&e.len.to_le_bytes());
         key.extend_from_slice(&e.flags.to_le_bytes());
+        key.extend_from_slice(&e.deflated.map_or(u64::MAX, |d| d).to_le_bytes());
     }
     key
 }
@@ -185,12 +186,13 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
     };
     let byteorder = archive
         .entry(&format!("{}/byteorder", archive.prefix))
-        .map(|e| (e, record(bytes, e)));
+        .map(|e| zip::inflate(bytes, e).map(|order| (e, order)))
+        .transpose()?;
     // Files without the record predate it and are little-endian, as torch.load assumes.
     if let Some((entry, order)) = byteorder {
-        match order {
-            Some(b"little") => {}
-            Some(b"big") => {
+        match &*order {
+            b"little" => {}
+            b"big" => {
                 return Err(Error::invalid(
                     "archive was saved on a big-endian machine, which ckpt does not convert",
                 )
@@ -208,9 +210,8 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
 
     check_records(bytes, &archive)?;
 
-    let pkl_bytes = record(bytes, pkl).ok_or_else(|| {
-        Error::invalid(format!("`{pkl_name}` lies outside the archive")).at(pkl.data_offset)
-    })?;
+    let pkl_bytes = zip::inflate(bytes, pkl)?;
+    let pkl_bytes = &*pkl_bytes;
     let key = cached.then(|| leaves_key(pkl_bytes, &archive.entries));
     if let Some(key) = &key {
         if let Some(leaves) = LEAVES.with(|c| c.borrow().get(key).cloned()) {
@@ -266,6 +267,11 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
     for (_, entry) in read_by_torch.iter().filter_map(|n| named(n)) {
         readable(entry)?;
     }
+    // A deflated record must inflate to its length, as miniz checks when torch reads it;
+    // a storage's bytes are inflated again, in part, where a piece is copied.
+    for entry in archive.entries.iter().filter(|e| e.deflated.is_some()) {
+        zip::check_inflates(bytes, entry)?;
+    }
     // `.data/version` wins over `version` when both exist, as in torch.
     let (name, entry) = named(".data/version")
         .or_else(|| named("version"))
@@ -275,7 +281,8 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
                 archive.prefix
             ))
         })?;
-    let content = record(bytes, entry).unwrap_or_default();
+    let content = zip::inflate(bytes, entry)?;
+    let content = &*content;
     match stoll(content) {
         Some(v) if (MIN_FILE_VERSION..=MAX_FILE_VERSION).contains(&v) => {}
         parsed => {
@@ -294,7 +301,8 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
         }
     }
     if let Some((name, entry)) = named(".storage_alignment") {
-        let content = record(bytes, entry).unwrap_or_default();
+        let content = zip::inflate(bytes, entry)?;
+        let content = &*content;
         if !is_python_int(content) {
             return Err(Error::invalid(format!(
                 "record `{}/{name}` holds {:?}, which is not an integer",
@@ -305,7 +313,8 @@ fn check_records(bytes: &[u8], archive: &Archive) -> Result<()> {
         }
     }
     if let Some((name, entry)) = named(".data/serialization_id") {
-        let content = record(bytes, entry).unwrap_or_default();
+        let content = zip::inflate(bytes, entry)?;
+        let content = &*content;
         if let Err(e) = std::str::from_utf8(content) {
             return Err(
                 Error::invalid(format!("record `{}/{name}` is not UTF-8", archive.prefix))
@@ -1959,13 +1968,6 @@ fn check_view(offset: u64, shape: &[u64], strides: &[u64], storage_numel: u64) -
 
 fn bad(message: impl Into<String>) -> Error {
     Error::invalid(format!("malformed `data.pkl`: {}", message.into()))
-}
-
-/// The record's bytes, if it lies inside `bytes` (always, for entries [`zip::read_entries`] gave).
-fn record<'a>(bytes: &'a [u8], entry: &ZipEntry) -> Option<&'a [u8]> {
-    let start = usize::try_from(entry.data_offset).ok()?;
-    let len = usize::try_from(entry.len).ok()?;
-    bytes.get(start..start.checked_add(len)?)
 }
 
 /// A pickle error as an archive error, its offset moved from the pickle to the archive.

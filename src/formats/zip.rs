@@ -1,5 +1,6 @@
 //! The ZIP subset torch.save uses: stored (uncompressed) entries, data aligned to 64 bytes, zip64
-//! when large. Reading locates entries inside a byte slice; writing lays out framing around data
+//! when large. Reading also takes deflated entries (method 8), which torch.load reads through
+//! miniz: their bytes are inflated where they are needed ([`inflate`]), never mapped in place. Reading locates entries inside a byte slice; writing lays out framing around data
 //! the executor fills in later.
 //!
 //! torch.save writes its archives with PyTorch's patched miniz (`caffe2/serialize/inline_container.cc`),
@@ -62,16 +63,102 @@ const PADDING_EXTRA_ID: &[u8; 2] = b"FB";
 const ZIP64_VERSION_MADE_BY: u16 = 0x031e;
 const ZIP64_VERSION_NEEDED: u16 = 0x002d;
 
-/// One stored entry of an archive.
+/// One entry of an archive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ZipEntry {
     pub name: String,
     /// Where the entry's bytes start, relative to the start of the slice given to [`read_entries`].
     pub data_offset: u64,
-    /// Length of the entry's bytes.
+    /// Length of the entry's bytes (once inflated, for a deflated entry).
     pub len: u64,
     /// The general-purpose flags of its central directory header.
     pub flags: u16,
+    /// For a deflated entry, the length of its deflate stream at `data_offset`; `None` when the
+    /// entry is stored.
+    pub deflated: Option<u64>,
+}
+
+impl ZipEntry {
+    /// Bytes the entry's data takes in the archive.
+    pub fn stored_len(&self) -> u64 {
+        self.deflated.unwrap_or(self.len)
+    }
+}
+
+/// ZIP compression methods miniz, and so torch.load, reads.
+const METHOD_STORED: u16 = 0;
+const METHOD_DEFLATED: u16 = 8;
+
+/// The first `len` bytes of the raw deflate stream `data` (fewer if it ends first).
+pub fn inflate_prefix(data: &[u8], len: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::DeflateDecoder::new(data)
+        .take(len)
+        .read_to_end(&mut out)
+        .map_err(|e| invalid(format!("cannot inflate a deflated zip entry: {e}")))?;
+    Ok(out)
+}
+
+/// Check that a deflated `entry` inflates to exactly its length, without holding it. Its CRC is
+/// not checked: torch.load does not check it either (a wrong one is read), and `verify --deep`
+/// with a manifest is what catches changed bytes.
+pub fn check_inflates(bytes: &[u8], entry: &ZipEntry) -> Result<()> {
+    use std::io::Read;
+    let Some(deflated) = entry.deflated else {
+        return Ok(());
+    };
+    let data = slice(bytes, entry.data_offset, deflated, "entry data")?;
+    let mut decoder = flate2::read::DeflateDecoder::new(data).take(entry.len.saturating_add(1));
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = decoder.read(&mut buf).map_err(|e| {
+            invalid(format!("cannot inflate zip entry `{}`: {e}", entry.name)).at(entry.data_offset)
+        })?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    if total != entry.len {
+        return Err(invalid(format!(
+            "zip entry `{}` inflates to {}{} bytes, but its header says {}",
+            entry.name,
+            total.min(entry.len),
+            if total > entry.len { " or more" } else { "" },
+            entry.len
+        ))
+        .at(entry.data_offset));
+    }
+    Ok(())
+}
+
+/// The bytes of `entry` of the archive `bytes`: a slice of it when stored, inflated (and checked
+/// to be exactly its declared length) when deflated. A deflate bomb stops at the
+/// declared length plus one byte.
+pub fn inflate<'a>(bytes: &'a [u8], entry: &ZipEntry) -> Result<std::borrow::Cow<'a, [u8]>> {
+    let data = slice(bytes, entry.data_offset, entry.stored_len(), "entry data")?;
+    if entry.deflated.is_none() {
+        return Ok(std::borrow::Cow::Borrowed(data));
+    }
+    let out =
+        inflate_prefix(data, entry.len.saturating_add(1)).map_err(|e| e.at(entry.data_offset))?;
+    if out.len() as u64 != entry.len {
+        return Err(invalid(format!(
+            "zip entry `{}` inflates to {}{} bytes, but its header says {}",
+            entry.name,
+            out.len().min(entry.len as usize),
+            if out.len() as u64 > entry.len {
+                " or more"
+            } else {
+                ""
+            },
+            entry.len
+        ))
+        .at(entry.data_offset));
+    }
+    Ok(std::borrow::Cow::Owned(out))
 }
 
 /// Find every entry of the ZIP archive that spans exactly `bytes`.
@@ -648,6 +735,8 @@ struct Central {
     name_bytes: Vec<u8>,
     flags: u16,
     len: u64,
+    /// The deflate stream's length, for a deflated entry.
+    deflated: Option<u64>,
     crc: u32,
     local_offset: u64,
 }
@@ -699,9 +788,9 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
         ))
         .at(at));
     }
-    if method != 0 {
+    if method != METHOD_STORED && method != METHOD_DEFLATED {
         return Err(invalid(format!(
-            "zip entry `{name}` is compressed (method {method}); torch.save archives store entries uncompressed"
+            "zip entry `{name}` is compressed with method {method}; torch.load reads only stored and deflated (8) entries"
         ))
         .at(at));
     }
@@ -726,7 +815,7 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     let len = wide(len32, "size")?;
     let compressed = wide(compressed32, "compressed size")?;
     let local_offset = wide(local32, "offset")?;
-    if compressed != len {
+    if method == METHOD_STORED && compressed != len {
         return Err(invalid(format!(
             "zip entry `{name}` is stored but its compressed size {compressed} differs from its size {len}"
         ))
@@ -739,6 +828,7 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
         name,
         name_bytes,
         len,
+        deflated: (method == METHOD_DEFLATED).then_some(compressed),
         crc,
         local_offset,
     })
@@ -780,19 +870,25 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         ))
         .at(at));
     }
-    if method != 0 {
+    let central_method = if central.deflated.is_some() {
+        METHOD_DEFLATED
+    } else {
+        METHOD_STORED
+    };
+    if method != central_method {
         return Err(invalid(format!(
-            "zip entry `{name}` is compressed (method {method}); torch.save archives store entries uncompressed"
+            "zip entry `{name}`: local header method {method} disagrees with central directory method {central_method}"
         ))
         .at(at));
     }
+    let stored_len = central.deflated.unwrap_or(central.len);
     // With a data descriptor the local fields may be zero (miniz writes zeros); a zip64 entry
     // saturates them; otherwise they must repeat the central directory.
     let descriptor = flags & FLAG_DESCRIPTOR != 0;
     let agrees = |local: u32, central: u64| {
         (descriptor && local == 0) || u64::from(local) == U32_LIMIT || u64::from(local) == central
     };
-    if !agrees(len32, central.len) || !agrees(compressed32, central.len) {
+    if !agrees(len32, central.len) || !agrees(compressed32, stored_len) {
         return Err(invalid(format!(
             "zip entry `{name}`: local header size {len32} disagrees with central directory size {}",
             central.len
@@ -809,12 +905,11 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
 
     let data_offset = at + LOCAL_HEADER_LEN + name_len + extra_len;
     let data_end = data_offset
-        .checked_add(central.len)
+        .checked_add(stored_len)
         .filter(|&e| e <= cd_offset)
         .ok_or_else(|| {
             invalid(format!(
-                "zip entry `{name}` ({} bytes at {data_offset}) runs into the central directory",
-                central.len
+                "zip entry `{name}` ({stored_len} bytes at {data_offset}) runs into the central directory"
             ))
             .at(at)
         })?;
@@ -850,7 +945,7 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         } else {
             (f.u32().map(u64::from), f.u32().map(u64::from))
         };
-        if crc != central.crc || len != Some(central.len) || compressed != Some(central.len) {
+        if crc != central.crc || len != Some(central.len) || compressed != Some(stored_len) {
             return Err(bad());
         }
         end = data_end + f.pos as u64;
@@ -861,6 +956,7 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
             data_offset,
             len: central.len,
             flags: central.flags,
+            deflated: central.deflated,
         },
         end,
     ))
@@ -1116,11 +1212,20 @@ mod tests {
         let cd = read_entries(&bytes).unwrap()[1].data_offset as usize + 2 + 16;
 
         let mut compressed = bytes.clone();
-        compressed[cd + 10] = 8; // deflate in the first central header
+        compressed[cd + 10] = 12; // bzip2 in the first central header
         assert!(
-            err(&compressed).contains("`a/data.pkl` is compressed (method 8)"),
+            err(&compressed).contains("`a/data.pkl` is compressed with method 12"),
             "{}",
             err(&compressed)
+        );
+
+        // Deflate in the central header only: the local header says stored.
+        let mut deflate = bytes.clone();
+        deflate[cd + 10] = 8;
+        assert!(
+            err(&deflate).contains("method 0 disagrees"),
+            "{}",
+            err(&deflate)
         );
 
         let mut nul = bytes.clone();

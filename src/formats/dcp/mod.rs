@@ -530,6 +530,14 @@ impl<'a> Files<'a> {
             .file(path())
             .at(item.offset)
         })?;
+        if entry.deflated.is_some() {
+            return Err(Error::invalid(format!(
+                "item's storage record `{}` is deflated, which ckpt reads in torch.save files but not inside DCP items (torch's writer never deflates them)",
+                saved.storage_key
+            ))
+            .file(path())
+            .at(item.offset));
+        }
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
         let (offset, encoding) = if zstd {
             (
