@@ -153,6 +153,8 @@ pub struct Graph<'a> {
     /// Each distinct global once.
     pub(super) globals: Vec<Global>,
     pub(super) root: Id,
+    /// Bytes of the input up to and including `STOP`.
+    pub(super) end: usize,
 }
 
 /// What a node is, for callers that describe unexpected input.
@@ -197,7 +199,14 @@ impl<'a> Graph<'a> {
             object_items: Vec::new(),
             globals: Vec::new(),
             root: NONE,
+            end: 0,
         }
+    }
+
+    /// How many bytes of the input the pickle took, up to and including its `STOP`: where a
+    /// next pickle written after it (as legacy torch.save writes several) starts.
+    pub fn end(&self) -> usize {
+        self.end
     }
 
     /// The object the pickle returned.

@@ -148,9 +148,11 @@ fn run_machine<'a>(
         consuming,
     };
     let root = machine.run()?;
+    let end = machine.input.pos;
     // Only the graph is kept; the stack and memo are freed before it is measured.
     let mut graph = machine.graph;
     graph.root = root;
+    graph.end = end;
     graph.validate(limits)?;
     Ok(graph)
 }
