@@ -30,6 +30,11 @@ use crate::verify::{self, VerifyOptions};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Names and shapes for an FSDP1 LOCAL_STATE_DICT checkpoint, in module order: a FULL
+    /// torch.save of model.state_dict(), a JSON list [[name, shape], ...] of
+    /// model.named_parameters(), or a SHARDED checkpoint of the same model.
+    #[arg(long, global = true, value_name = "REF")]
+    shapes_from: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -199,6 +204,7 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+    let _shapes = crate::formats::fsdp_local::ShapesFrom::install(cli.shapes_from);
     match cli.command {
         Command::Inspect {
             path,
