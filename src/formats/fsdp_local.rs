@@ -321,7 +321,7 @@ fn place(
     let total = flat.shape[0];
     let unit_err = |msg: String| {
         Error::invalid(format!(
-            "FSDP unit `{}` ({}, {total} elements): {msg}",
+            "FSDP unit `{}` (`{}`, {total} elements): {msg}",
             unit_name(&unit.prefix),
             flat.name
         ))
@@ -359,7 +359,8 @@ fn place(
                 if t.shape.len() != 1 || t.dtype != flat.dtype {
                     return false;
                 }
-                if r.shape.len() == 1 && t.shape == r.shape {
+                // A JSON list of named_parameters() holds no buffers; a checkpoint does.
+                if r.shape.len() == 1 && t.shape == r.shape && r.dtype.is_some() {
                     ambiguous.push(r.name.clone());
                 }
                 crate::model::numel(&r.shape).is_some_and(|n| t.shape[0] <= n)
@@ -410,10 +411,9 @@ fn place(
     } else {
         vec![1]
     };
-    let mut end_seen = 0;
+    let end_seen = layout(&numels, aligns[0]).1;
     for align in aligns {
         let (starts, end) = layout(&numels, align);
-        end_seen = end;
         let fits = if orig_params {
             // Padded to a multiple of the world size, every shard full.
             let world = total.checked_div(shard).unwrap_or(1);
