@@ -76,6 +76,36 @@ fn consolidate_with_every_kind_of_reference_gives_the_model() {
 }
 
 #[test]
+fn a_tied_weight_comes_out_under_both_names() {
+    // `out.weight` is `embed.weight`: one storage in the torch.save reference, flattened once
+    let env = TestEnv::new();
+    let out = env.path("tied.safetensors");
+    let run = ckpt(&[
+        &"consolidate",
+        &fixtures().join("fsdp_local_tied"),
+        &"-o",
+        &out,
+        &"--shapes-from",
+        &fixtures().join("fsdp_local_ref/tied.pt"),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let expected = fixtures().join("expected/fsdp_local_tied.pt");
+    let check = ckpt(&[&"verify", &out, &"--against", &expected]);
+    assert!(check.status.success(), "{}", text(&check));
+    let doc: Value = serde_json::from_slice(&ckpt(&[&"inspect", &out, &"--json"]).stdout).unwrap();
+    let names: Vec<&str> = doc["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["embed.weight", "mid.weight", "mid.bias", "out.weight"]
+    );
+}
+
+#[test]
 fn verify_and_reshard_take_the_reference_too() {
     let env = TestEnv::new();
     let reference = fixtures().join("fsdp_local_ref/model.pt");

@@ -123,6 +123,9 @@ pub struct RefEntry {
     pub name: String,
     pub shape: Vec<u64>,
     pub dtype: Option<DType>,
+    /// A tied parameter (`lm_head.weight` is `embed.weight`): the index of the entry it shares
+    /// storage with. FSDP flattens it once; `model.state_dict()` lists it under both names.
+    pub alias_of: Option<usize>,
 }
 
 /// Read the names and shapes of `--shapes-from`: a JSON list, or any checkpoint ckpt reads whose
@@ -151,13 +154,34 @@ pub fn read_reference(path: &Path) -> Result<Vec<RefEntry>> {
         .tensor(&flat.name)
         .hint(SHAPES_HINT));
     }
+    // torch.save keeps tied tensors as one storage: the same bytes, shape and strides.
+    let mut first_of = HashMap::new();
     Ok(ckpt
         .tensors
         .into_iter()
-        .map(|t| RefEntry {
-            name: t.name,
-            shape: t.shape,
-            dtype: Some(t.dtype),
+        .enumerate()
+        .map(|(i, t)| {
+            let alias_of = match (ckpt.format, t.pieces.len()) {
+                (Format::TorchSave, 1) => {
+                    let p = t.pieces.get(0);
+                    let key = (
+                        p.file().clone(),
+                        p.offset(),
+                        t.shape.clone(),
+                        p.strides().into_owned(),
+                        t.dtype,
+                    );
+                    let first = *first_of.entry(key).or_insert(i);
+                    (first != i && crate::model::numel(&t.shape) != Some(0)).then_some(first)
+                }
+                _ => None,
+            };
+            RefEntry {
+                name: t.name,
+                shape: t.shape,
+                dtype: Some(t.dtype),
+                alias_of,
+            }
         })
         .collect())
 }
@@ -188,6 +212,7 @@ fn parse_json(text: &[u8]) -> Result<Vec<RefEntry>> {
                     name: name.to_string(),
                     shape,
                     dtype: None,
+                    alias_of: None,
                 }),
                 _ => Err(bad(format!("item {i} is `{item}`"))),
             }
@@ -235,9 +260,14 @@ pub fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoin
         .collect();
     for (i, entry) in reference.iter().enumerate() {
         // The deepest unit whose prefix the name starts with: nested units own their parameters.
+        // A tied name is not flattened again.
         let owner = units
             .iter_mut()
-            .filter(|u| entry.name.starts_with(&u.prefix) && !is_flat_param(&entry.name))
+            .filter(|u| {
+                entry.alias_of.is_none()
+                    && entry.name.starts_with(&u.prefix)
+                    && !is_flat_param(&entry.name)
+            })
             .max_by_key(|u| u.prefix.len());
         if let Some(u) = owner {
             u.names.push(i);
@@ -257,6 +287,20 @@ pub fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoin
             let tensor = cut(flat, entry, slot).map_err(|e| e.file(&ckpt.root))?;
             rebuilt.insert(slot.entry, tensor);
         }
+    }
+    // A tied name reads the bytes of the parameter it is tied to; with use_orig_params=True the
+    // file holds a slice under it too.
+    for (i, entry) in reference.iter().enumerate() {
+        let Some(target) = entry.alias_of.and_then(|j| rebuilt.get(&j)) else {
+            continue;
+        };
+        let mut tied = target.clone();
+        tied.key_path = key_path(target, &entry.name);
+        tied.name = entry.name.clone();
+        if let Some(&j) = by_name.get(entry.name.as_str()) {
+            slices.insert(j);
+        }
+        rebuilt.insert(i, tied);
     }
     // The model's tensors in the reference's order (buffers as the file holds them), then
     // whatever else the checkpoint holds (other app states), in its order.
@@ -458,7 +502,7 @@ fn place(
         if orig_params { " with use_orig_params=True padding" } else { "" }
     ));
     err = if ambiguous.is_empty() {
-        err.hint("--shapes-from must describe the model the checkpoint was saved from, with the same names and shapes")
+        err.hint("--shapes-from must describe the model the checkpoint was saved from, with the same names and shapes; a tied parameter counts once, which only a torch.save or a JSON list of named_parameters() shows")
     } else {
         err.hint(format!(
             "the 1-D tensors {} may be buffers rather than parameters: pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers",
@@ -751,6 +795,7 @@ mod tests {
             name: name.into(),
             shape: shape.to_vec(),
             dtype: None,
+            alias_of: None,
         }
     }
 

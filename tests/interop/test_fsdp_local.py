@@ -24,6 +24,10 @@ from conftest import free_port, run_ckpt
 HERE = Path(__file__).parent
 LOCALS = ["fsdp_local", "fsdp_local_orig"]
 REFERENCES = ["model.pt", "params.json", "sharded"]
+# (LOCAL checkpoint, reference under fsdp_local_ref/): every kind of reference for both
+# use_orig_params variants, and a tied weight (`out.weight` is `embed.weight`) known from the
+# torch.save reference's shared storage
+CASES = [(n, r) for n in LOCALS for r in REFERENCES] + [("fsdp_local_tied", "tied.pt")]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,7 @@ def expected(root: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["committed", "fresh"])
-@pytest.mark.parametrize("reference", REFERENCES)
-@pytest.mark.parametrize("name", LOCALS)
+@pytest.mark.parametrize(("name", "reference"), CASES)
 def test_consolidate_is_the_models_state_dict(ckpt, tmp_path, request, name, reference, fresh):
     root = request.getfixturevalue("fresh_local") if fresh else FIXTURES_DIR
     ref = root / "fsdp_local_ref" / reference
@@ -73,14 +76,13 @@ def test_reshard_loads_with_dcp_load(ckpt, tmp_path, world):
     """ckpt's reshard of each LOCAL checkpoint, loaded by torch's dcp.load into Shard(0) DTensors
     on `world` ranks and gathered: bitwise the model's state dict."""
     job = {"loads": [], "saves": []}
-    for name in LOCALS:
-        for reference in REFERENCES:
-            out = tmp_path / f"{name}_{reference}"
-            r = run_ckpt("reshard", FIXTURES_DIR / name, "-o", out, "--world-size", world,
-                         "--shapes-from", FIXTURES_DIR / "fsdp_local_ref" / reference)
-            assert r.returncode == 0, r.stderr
-            job["loads"].append({"id": f"{name}/{reference}", "ckpt": str(out),
-                                 "expected": str(FIXTURES_DIR / "expected" / f"{name}.pt")})
+    for name, reference in CASES:
+        out = tmp_path / f"{name}_{reference}"
+        r = run_ckpt("reshard", FIXTURES_DIR / name, "-o", out, "--world-size", world,
+                     "--shapes-from", FIXTURES_DIR / "fsdp_local_ref" / reference)
+        assert r.returncode == 0, r.stderr
+        job["loads"].append({"id": f"{name}/{reference}", "ckpt": str(out),
+                             "expected": str(FIXTURES_DIR / "expected" / f"{name}.pt")})
     jobfile, result = tmp_path / "job.json", tmp_path / "result.json"
     jobfile.write_text(json.dumps(job))
     proc = run_torchrun(HERE / "torchrun_load.py", world, jobfile, result, timeout=600)
