@@ -510,12 +510,13 @@ fn convert(
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
         let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}",
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}{}",
             env!("CARGO_PKG_VERSION"),
             select.include,
             select.exclude,
             select.strip_prefix,
             part.count,
+            crate::formats::fsdp_local::fingerprint(),
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }

@@ -293,3 +293,46 @@ fn wrong_references_are_clear_errors_naming_the_unit() {
     let msg = refused(&fixtures().join("fsdp_local"), &st);
     assert!(msg.contains("alphabetically"), "{msg}");
 }
+
+#[test]
+fn parts_of_a_run_agree_on_the_reference() {
+    let env = TestEnv::new();
+    let local = fixtures().join("fsdp_local");
+    let json = env.path("params.json");
+    std::fs::copy(fixtures().join("fsdp_local_ref/params.json"), &json).unwrap();
+    let whole = env.path("whole.safetensors");
+    let run = ckpt(&[
+        &"consolidate",
+        &local,
+        &"-o",
+        &whole,
+        &"--shapes-from",
+        &json,
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let out = env.path("parts.safetensors");
+    let part = |i: &str, reference: &Path| {
+        ckpt(&[
+            &"consolidate",
+            &local,
+            &"-o",
+            &out,
+            &"--part",
+            &i,
+            &"-q",
+            &"--shapes-from",
+            &reference,
+        ])
+    };
+    let run = part("0/2", &json);
+    assert!(run.status.success(), "{}", text(&run));
+    // the same names and shapes, but another file: a part of another run
+    let other = env.path("other.json");
+    std::fs::copy(&json, &other).unwrap();
+    let run = part("1/2", &other);
+    assert!(!run.status.success(), "{}", text(&run));
+    assert!(text(&run).contains("shapes-from"), "{}", text(&run));
+    let run = part("1/2", &json);
+    assert!(run.status.success(), "{}", text(&run));
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&whole).unwrap());
+}

@@ -58,6 +58,39 @@ impl Drop for ShapesFrom {
     }
 }
 
+/// What a partitioned run (`--part`) must agree on about `--shapes-from`: the reference's path,
+/// size and time, so parts resolved with different references never mix. Empty without one.
+pub fn fingerprint() -> String {
+    let Some(path) = SHAPES_FROM.with(|s| s.borrow().clone()) else {
+        return String::new();
+    };
+    let abs = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
+    let mut line = format!("\nshapes-from {}", abs.display());
+    // A directory reference (DCP) changes through its files.
+    let mut files = vec![path.clone()];
+    if let Ok(dir) = std::fs::read_dir(&path) {
+        let mut inner: Vec<PathBuf> = dir.flatten().map(|e| e.path()).collect();
+        inner.sort();
+        files.extend(inner);
+    }
+    for f in files {
+        if let Ok(meta) = std::fs::metadata(&f) {
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .unwrap_or_default();
+            line.push_str(&format!(
+                " {}:{}:{}",
+                f.file_name().unwrap_or_default().to_string_lossy(),
+                meta.len(),
+                mtime.as_nanos()
+            ));
+        }
+    }
+    line
+}
+
 /// True for `_flat_param` and `prefix._flat_param`.
 pub fn is_flat_param(name: &str) -> bool {
     name == FLAT_PARAM || name.ends_with("._flat_param")
