@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::model::{Checkpoint, Encoding, Format, KeyPart, Pieces, Tensor};
+use crate::model::{Checkpoint, Encoding, Format, KeyPart, PieceRef, Pieces, Tensor};
 
 /// The name FSDP gives a unit's flattened parameters, after the unit's prefix.
 pub const FLAT_PARAM: &str = "_flat_param";
@@ -169,15 +169,15 @@ pub fn read_reference(path: &Path) -> Result<Vec<RefEntry>> {
         return parse_json(&text).map_err(|e| e.file(path));
     }
     let ckpt = crate::detect::read_layout(path)?;
-    match ckpt.format {
-        Format::Safetensors | Format::SafetensorsIndex | Format::DcpSafetensors => {
-            return Err(Error::usage(
-                "safetensors files list tensors alphabetically, not in the module order FSDP flattens them in",
-            )
-            .file(path)
-            .hint(SHAPES_HINT))
-        }
-        Format::Dcp | Format::TorchSave => {}
+    if matches!(
+        ckpt.format,
+        Format::Safetensors | Format::SafetensorsIndex | Format::DcpSafetensors
+    ) {
+        return Err(Error::usage(
+            "safetensors files list tensors alphabetically, not in the module order FSDP flattens them in",
+        )
+        .file(path)
+        .hint(SHAPES_HINT));
     }
     if let Some(flat) = flat_params(&ckpt).first() {
         return Err(Error::usage(
@@ -311,13 +311,15 @@ pub fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoin
     for unit in &units {
         let flat = &ckpt.tensors[unit.flat];
         let slots = place(unit, flat, &reference, &ckpt.tensors, &by_name)?;
+        let mut chunks: Vec<PieceRef> = flat.pieces.iter().collect();
+        chunks.sort_by_key(|p| p.offsets()[0]);
         for slot in &slots {
             let entry = &reference[slot.entry];
             if let Some(&i) = by_name.get(entry.name.as_str()) {
                 // use_orig_params=True: the file's entry is one rank's 1-D slice of it.
                 slices.insert(i);
             }
-            let tensor = cut(flat, entry, slot).map_err(|e| e.file(&ckpt.root))?;
+            let tensor = cut(flat, &chunks, entry, slot).map_err(|e| e.file(&ckpt.root))?;
             rebuilt.insert(slot.entry, tensor);
         }
     }
@@ -589,15 +591,18 @@ fn slice_fits(start: u64, numel: u64, len: u64, shard: u64, world: u64) -> bool 
 }
 
 /// The tensor `entry` names, as pieces of the flat parameter's pieces.
-fn cut(flat: &Tensor, entry: &RefEntry, slot: &Slot) -> Result<Tensor> {
+fn cut(flat: &Tensor, chunks: &[PieceRef], entry: &RefEntry, slot: &Slot) -> Result<Tensor> {
     let elem = flat.dtype.size() as u64;
     let ndim = entry.shape.len();
     let mut pieces = Pieces::new(ndim);
     let (lo, hi) = (slot.start, slot.start + slot.numel);
-    let mut chunks: Vec<_> = flat.pieces.iter().collect();
-    chunks.sort_by_key(|p| p.offsets()[0]);
     let strides = crate::model::contiguous_strides(&entry.shape);
-    for p in &chunks {
+    // Chunks are sorted by offset: skip those that end before the parameter starts.
+    let first = chunks.partition_point(|p| p.offsets()[0] + p.sizes()[0] <= lo);
+    for p in &chunks[first..] {
+        if p.offsets()[0] >= hi {
+            break;
+        }
         let (o, s) = (p.offsets()[0], p.sizes()[0]);
         let (a, b) = (lo.max(o), hi.min(o + s));
         if a >= b {
