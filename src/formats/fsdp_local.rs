@@ -440,7 +440,7 @@ fn place(
                 }
                 // A JSON list of named_parameters() holds no buffers; a checkpoint does.
                 if r.shape.len() == 1 && t.shape == r.shape && r.dtype.is_some() {
-                    ambiguous.push(r.name.clone());
+                    ambiguous.push(i);
                 }
                 crate::model::numel(&r.shape).is_some_and(|n| t.shape[0] <= n)
             })
@@ -472,13 +472,6 @@ fn place(
             }
         }
     }
-    let numels: Vec<u64> = members
-        .iter()
-        .map(|&i| {
-            crate::model::numel(&reference[i].shape)
-                .ok_or_else(|| unit_err(format!("`{}` has too many elements", reference[i].name)))
-        })
-        .collect::<Result<_>>()?;
     let shard = shard_numel(flat);
     // Alignment is by the dtype FSDP computes in (a MixedPrecision param_dtype may differ from
     // the stored one), so the stored dtype's comes first and the others after it.
@@ -490,40 +483,88 @@ fn place(
     } else {
         vec![1]
     };
-    let end_seen = layout(&numels, aligns[0]).1;
-    for align in aligns {
-        let (starts, end) = layout(&numels, align);
-        let fits = if orig_params {
-            // Padded to a multiple of the world size, every shard full.
-            let world = total.checked_div(shard).unwrap_or(1);
-            shard > 0
-                && total % shard == 0
-                && end <= total
-                && total - end < world.max(1)
-                && members
-                    .iter()
-                    .zip(&starts)
-                    .zip(&numels)
-                    .all(|((&i, &s), &n)| {
-                        let len = saved(i).map_or(0, |t| t.shape[0]);
-                        slice_fits(s, n, len, shard, world)
-                    })
-        } else {
-            end == total
-        };
-        if fits {
-            return Ok(members
-                .iter()
-                .zip(starts)
-                .zip(numels)
-                .map(|((&entry, start), numel)| Slot {
-                    entry,
-                    start,
-                    numel,
+    let numels_of = |members: &[usize]| -> Result<Vec<u64>> {
+        members
+            .iter()
+            .map(|&i| {
+                crate::model::numel(&reference[i].shape).ok_or_else(|| {
+                    unit_err(format!("`{}` has too many elements", reference[i].name))
                 })
-                .collect());
+            })
+            .collect()
+    };
+    // The slots of `members` if they fill the flat parameter as FSDP lays it out.
+    let fit = |members: &[usize]| -> Result<Option<Vec<Slot>>> {
+        let numels = numels_of(members)?;
+        for &align in &aligns {
+            let (starts, end) = layout(&numels, align);
+            let fits = if orig_params {
+                // Padded to a multiple of the world size, every shard full.
+                let world = total.checked_div(shard).unwrap_or(1);
+                shard > 0
+                    && total % shard == 0
+                    && end <= total
+                    && total - end < world.max(1)
+                    && members
+                        .iter()
+                        .zip(&starts)
+                        .zip(&numels)
+                        .all(|((&i, &s), &n)| {
+                            let len = saved(i).map_or(0, |t| t.shape[0]);
+                            slice_fits(s, n, len, shard, world)
+                        })
+            } else {
+                end == total
+            };
+            if fits {
+                return Ok(Some(
+                    members
+                        .iter()
+                        .zip(starts)
+                        .zip(numels)
+                        .map(|((&entry, start), numel)| Slot {
+                            entry,
+                            start,
+                            numel,
+                        })
+                        .collect(),
+                ));
+            }
         }
+        Ok(None)
+    };
+    let as_params = fit(&members)?;
+    // A 1-D buffer saved whole looks like a parameter's slice: the other reading is tried too,
+    // and when both fill the flat parameter the files cannot tell which is right.
+    let ambiguous_names = || {
+        ambiguous
+            .iter()
+            .map(|&i| reference[i].name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let as_buffers = if ambiguous.is_empty() {
+        None
+    } else {
+        let rest: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|i| !ambiguous.contains(i))
+            .collect();
+        fit(&rest)?
+    };
+    match (as_params, as_buffers) {
+        (Some(slots), None) | (None, Some(slots)) => return Ok(slots),
+        (Some(_), Some(_)) => {
+            return Err(unit_err(format!(
+                "the 1-D tensors {} fit both as parameters and as buffers",
+                ambiguous_names()
+            ))
+            .hint("pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers"))
+        }
+        (None, None) => {}
     }
+    let end_seen = layout(&numels_of(&members)?, aligns[0]).1;
     let shown: Vec<&str> = members
         .iter()
         .take(6)
@@ -541,7 +582,7 @@ fn place(
     } else {
         err.hint(format!(
             "the 1-D tensors {} may be buffers rather than parameters: pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers",
-            ambiguous.join(", ")
+            ambiguous_names()
         ))
     };
     Err(err)
@@ -896,6 +937,48 @@ mod tests {
         // elements 8..14: rank 1 (7..14) holds all of c, from its element 1
         assert_eq!(got, vec![(vec![0, 0], vec![2, 3])]);
         assert_eq!(c.pieces.get(0).offset(), 1000 + 4);
+    }
+
+    fn with_dtype(name: &str, shape: &[u64]) -> RefEntry {
+        RefEntry {
+            dtype: Some(DType::F32),
+            ..entry(name, shape)
+        }
+    }
+
+    #[test]
+    fn a_1d_buffer_saved_whole_is_told_from_a_parameter_or_refused() {
+        // use_orig_params=True on 8 ranks: `a` (9) at 0..9, padded to 16, shard 2.
+        let flat16 = || flat("_flat_param", 16, 2);
+        let slice = |name: &str, len: u64| plain(name, &[len]);
+        // `rm` (4) read as a parameter would sit at 12..16, but no rank holds 4 of it: a buffer.
+        let c = ckpt(vec![slice("a", 2), slice("rm", 4), flat16()]);
+        let out = resolve(c, &[with_dtype("a", &[9]), with_dtype("rm", &[4])]).unwrap();
+        let rm = out.tensors.iter().find(|t| t.name == "rm").unwrap();
+        assert_eq!(rm.pieces.get(0).file().to_str(), Some("__0_0.distcp"));
+        assert_eq!(
+            rm.pieces.get(0).offset(),
+            0,
+            "the buffer as saved, not flat bytes"
+        );
+        // `z` (1) fits in the padding as well as being a buffer: the files cannot tell.
+        let c = ckpt(vec![slice("a", 2), slice("z", 1), flat16()]);
+        let e = resolve(c, &[with_dtype("a", &[9]), with_dtype("z", &[1])]).unwrap_err();
+        assert!(
+            e.message.contains("both as parameters and as buffers"),
+            "{}",
+            e.message
+        );
+        assert!(e.hint.unwrap().contains("named_parameters()"));
+        // a JSON list has no buffers: `z` is a parameter
+        let c = ckpt(vec![slice("a", 2), slice("z", 1), flat16()]);
+        let out = resolve(c, &[entry("a", &[9]), entry("z", &[1])]).unwrap();
+        let z = out.tensors.iter().find(|t| t.name == "z").unwrap();
+        assert_eq!(
+            z.pieces.get(0).offset(),
+            1000,
+            "element 12 is the start of rank 6's piece"
+        );
     }
 
     #[test]
