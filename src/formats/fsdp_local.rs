@@ -478,7 +478,7 @@ fn place(
     let aligns: Vec<u64> = if orig_params {
         let own = 16 / flat.dtype.size().max(1) as u64;
         let mut a = vec![own.max(1)];
-        a.extend([16, 8, 4, 2, 1].into_iter().filter(|&x| x != own));
+        a.extend([8, 16, 4, 2, 1].into_iter().filter(|&x| x != own));
         a
     } else {
         vec![1]
@@ -494,44 +494,63 @@ fn place(
             .collect()
     };
     // The slots of `members` if they fill the flat parameter as FSDP lays it out.
+    // The slots of `members` if they fill the flat parameter as FSDP lays it out: with the
+    // stored dtype's alignment, or else with the one other alignment every fitting layout agrees
+    // on (a MixedPrecision param_dtype of another size); layouts that disagree are refused.
     let fit = |members: &[usize]| -> Result<Option<Vec<Slot>>> {
         let numels = numels_of(members)?;
-        for &align in &aligns {
+        let fits = |starts: &[u64], end: u64| {
+            if !orig_params {
+                return end == total;
+            }
+            // Padded to a multiple of the world size, every shard full.
+            let world = total.checked_div(shard).unwrap_or(1);
+            shard > 0
+                && total % shard == 0
+                && end <= total
+                && total - end < world.max(1)
+                && members
+                    .iter()
+                    .zip(starts)
+                    .zip(&numels)
+                    .all(|((&i, &s), &n)| {
+                        let len = saved(i).map_or(0, |t| t.shape[0]);
+                        slice_fits(s, n, len, shard, world)
+                    })
+        };
+        let mut found: Option<(u64, Vec<u64>)> = None;
+        for (k, &align) in aligns.iter().enumerate() {
             let (starts, end) = layout(&numels, align);
-            let fits = if orig_params {
-                // Padded to a multiple of the world size, every shard full.
-                let world = total.checked_div(shard).unwrap_or(1);
-                shard > 0
-                    && total % shard == 0
-                    && end <= total
-                    && total - end < world.max(1)
-                    && members
-                        .iter()
-                        .zip(&starts)
-                        .zip(&numels)
-                        .all(|((&i, &s), &n)| {
-                            let len = saved(i).map_or(0, |t| t.shape[0]);
-                            slice_fits(s, n, len, shard, world)
-                        })
-            } else {
-                end == total
-            };
-            if fits {
-                return Ok(Some(
-                    members
-                        .iter()
-                        .zip(starts)
-                        .zip(numels)
-                        .map(|((&entry, start), numel)| Slot {
-                            entry,
-                            start,
-                            numel,
-                        })
-                        .collect(),
-                ));
+            if !fits(&starts, end) {
+                continue;
+            }
+            match &found {
+                None if k == 0 => {
+                    found = Some((align, starts));
+                    break;
+                }
+                None => found = Some((align, starts)),
+                Some((_, same)) if *same == starts => {}
+                Some((other, _)) => {
+                    return Err(unit_err(format!(
+                        "the parameters fit both {other}- and {align}-element alignment, which place them differently"
+                    ))
+                    .hint("the alignment follows the dtype FSDP computes in (MixedPrecision param_dtype); it cannot be told from the files"));
+                }
             }
         }
-        Ok(None)
+        Ok(found.map(|(_, starts)| {
+            members
+                .iter()
+                .zip(starts)
+                .zip(&numels)
+                .map(|((&entry, start), &numel)| Slot {
+                    entry,
+                    start,
+                    numel,
+                })
+                .collect()
+        }))
     };
     let as_params = fit(&members)?;
     // A 1-D buffer saved whole looks like a parameter's slice: the other reading is tried too,
@@ -979,6 +998,30 @@ mod tests {
             1000,
             "element 12 is the start of rank 6's piece"
         );
+    }
+
+    #[test]
+    fn a_mixed_precision_alignment_is_found_when_it_is_the_only_one() {
+        // f32 storage, bf16 compute (8-element alignment), 2 ranks: `a` (9) at 0, `b` (3) at 16,
+        // padded to 20. With f32's 4, `b` would be at 12 and leave 5 elements of padding.
+        let c = ckpt(vec![
+            plain("a", &[9]),
+            plain("b", &[0]),
+            flat("_flat_param", 20, 10),
+        ]);
+        let out = resolve(c, &[entry("a", &[9]), entry("b", &[3])]).unwrap();
+        let b = out.tensors.iter().find(|t| t.name == "b").unwrap();
+        // element 16 is element 6 of rank 1's piece
+        assert_eq!(b.pieces.get(0).offset(), 1000 + 6 * 4);
+        // 10 ranks, shard 2: f32's 4 leaves too much padding, and 8 (`b` at 8) and 16 (`b` at
+        // 16) both fit, placing `b` differently: refused
+        let c = ckpt(vec![
+            plain("a", &[1]),
+            plain("b", &[2]),
+            flat("_flat_param", 20, 2),
+        ]);
+        let e = resolve(c, &[entry("a", &[1]), entry("b", &[3])]).unwrap_err();
+        assert!(e.message.contains("alignment"), "{}", e.message);
     }
 
     #[test]
