@@ -6,7 +6,7 @@
 //! With them, [`resolve`] rebuilds the named tensors as a pure transform of the [`Checkpoint`]: a
 //! parameter fills a contiguous range of its unit's flat parameter, and each rank's part of that
 //! range is at most `2 * (ndim - 1) + 1` boxes of the parameter, each contiguous in the rank's
-//! bytes, so every parameter becomes ordinary [`Piece`]s and the planner and executor see a sharded
+//! bytes, so every parameter becomes ordinary [`crate::model::Piece`]s and the planner and executor see a sharded
 //! checkpoint like any other.
 //!
 //! The layout follows torch 2.15's `FlatParamHandle._init_flat_param_and_metadata`: parameters in
@@ -274,6 +274,13 @@ struct Slot {
 /// (see the module docs). Pure: the bytes stay where they are, in new pieces.
 pub fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoint> {
     let reference = with_app_prefix(&ckpt, reference);
+    let mut seen = HashSet::new();
+    if let Some(twice) = reference.iter().find(|e| !seen.insert(e.name.as_str())) {
+        return Err(
+            Error::usage(format!("the reference names `{}` twice", twice.name))
+                .hint("--shapes-from must list each parameter once"),
+        );
+    }
     let by_name: HashMap<&str, usize> = ckpt
         .tensors
         .iter()
@@ -1053,6 +1060,9 @@ mod tests {
         let parsed = parse_json(br#"[["a.w", [2, 3]], ["b", []]]"#).unwrap();
         assert_eq!(parsed, vec![entry("a.w", &[2, 3]), entry("b", &[])]);
         assert!(parse_json(br#"{"a": [1]}"#).is_err());
+        let twice = [entry("w", &[2]), entry("w", &[2])];
+        let e = resolve(ckpt(vec![flat("_flat_param", 4, 2)]), &twice).unwrap_err();
+        assert!(e.message.contains("`w` twice"), "{}", e.message);
         assert!(parse_json(br#"[["a", [-1]]]"#).is_err());
     }
 }
