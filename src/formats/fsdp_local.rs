@@ -1065,4 +1065,71 @@ mod tests {
         assert!(e.message.contains("`w` twice"), "{}", e.message);
         assert!(parse_json(br#"[["a", [-1]]]"#).is_err());
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn shape() -> impl Strategy<Value = Vec<u64>> {
+            prop::collection::vec(0u64..5, 0..4)
+        }
+
+        proptest! {
+            /// Any parameter list that fits a flat parameter split over any world size comes back
+            /// as pieces covering each parameter exactly once, at the bytes of its flat range.
+            #[test]
+            fn resolved_pieces_cover_each_parameter(
+                shapes in prop::collection::vec(shape(), 1..6),
+                world in 1u64..6,
+                orig in any::<bool>(),
+            ) {
+                let shapes: Vec<Vec<u64>> = shapes.into_iter().filter(|s| !s.is_empty()).collect();
+                prop_assume!(!shapes.is_empty());
+                let numels: Vec<u64> = shapes.iter().map(|s| numel(s).unwrap()).collect();
+                let (starts, end) = layout(&numels, if orig { 4 } else { 1 });
+                let total = if orig { end.div_ceil(world) * world } else { end };
+                prop_assume!(total > 0);
+                let shard = total.div_ceil(world);
+                let names: Vec<String> = (0..shapes.len()).map(|i| format!("p{i}")).collect();
+                let mut tensors = Vec::new();
+                if orig {
+                    for (k, n) in names.iter().enumerate() {
+                        // rank 0's slice, as DCP may keep it
+                        let lo = starts[k].min(shard);
+                        let hi = (starts[k] + numels[k]).min(shard);
+                        tensors.push(plain(n, &[hi.saturating_sub(lo)]));
+                    }
+                }
+                tensors.push(flat("_flat_param", total, shard));
+                let reference: Vec<RefEntry> =
+                    names.iter().zip(&shapes).map(|(n, s)| entry(n, s)).collect();
+                // Only use_orig_params=True can be refused: another alignment may fit as well.
+                let out = match resolve(ckpt(tensors), &reference) {
+                    Ok(out) => out,
+                    Err(e) => {
+                        prop_assert!(orig && e.message.contains("alignment"), "{}", e.message);
+                        return Ok(());
+                    }
+                };
+                for (k, t) in out.tensors.iter().enumerate() {
+                    prop_assert_eq!(&t.shape, &shapes[k]);
+                    let boxes: Vec<crate::geometry::Box> = t.pieces.iter().map(|p| crate::geometry::Box {
+                        offsets: p.offsets().to_vec(),
+                        sizes: p.sizes().to_vec(),
+                    }).filter(|b| numel(&b.sizes) != Some(0)).collect();
+                    if numels[k] > 0 {
+                        prop_assert!(crate::geometry::check_coverage(&t.shape, &boxes).is_empty(), "{:?} {:?}", t.shape, boxes);
+                    }
+                    // each piece's first element is where its flat index lies in its rank's piece
+                    let strides = contiguous_strides(&t.shape);
+                    for p in t.pieces.iter().filter(|p| numel(p.sizes()) != Some(0)) {
+                        let flat_index = starts[k] + p.offsets().iter().zip(&strides).map(|(a, b)| a * b).sum::<u64>();
+                        let rank = flat_index / shard;
+                        prop_assert_eq!(p.file().to_str().unwrap(), format!("__{rank}_0.distcp"));
+                        prop_assert_eq!(p.offset(), 1000 + (flat_index - rank * shard) * 4);
+                    }
+                }
+            }
+        }
+    }
 }
