@@ -144,3 +144,46 @@ impl From<crate::pickle::PickleError> for Error {
 macro_rules! bail_invalid {
     ($($arg:tt)*) => { return Err($crate::error::Error::invalid(format!($($arg)*))) };
 }
+
+/// At most this many problems are listed one by one; past it they are only counted.
+const MAX_LISTED: usize = 1000;
+
+thread_local! {
+    /// Where [`recoverable`] puts problems while [`collecting`] runs: (listed, not listed).
+    static SINK: std::cell::RefCell<Option<(Vec<Error>, usize)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run a reader with the problems it can step past collected rather than returned, so that
+/// `verify` lists every broken item of every file, not only the first. A scoped sink keeps one
+/// signature for the readers: every other caller still gets the first error. Problems past the
+/// first thousand are counted in one last error.
+pub fn collecting<T>(read: impl FnOnce() -> Result<T>) -> (Result<T>, Vec<Error>) {
+    let outer = SINK.with(|s| s.borrow_mut().replace((Vec::new(), 0)));
+    let result = read();
+    let (mut listed, more) = SINK
+        .with(|s| std::mem::replace(&mut *s.borrow_mut(), outer))
+        .unwrap_or_default();
+    if more > 0 {
+        listed.push(Error::invalid(format!(
+            "and {more} more problems like these, not listed"
+        )));
+    }
+    (result, listed)
+}
+
+/// A problem a reader can step past (one broken item, one unreadable file among several): kept
+/// for the caller of [`collecting`] when there is one, else returned as the error it is. The
+/// reader then leaves out what the problem concerns.
+pub fn recoverable(err: Error) -> Result<()> {
+    SINK.with(|s| match &mut *s.borrow_mut() {
+        Some((listed, more)) => {
+            if listed.len() < MAX_LISTED {
+                listed.push(err);
+            } else {
+                *more += 1;
+            }
+            Ok(())
+        }
+        None => Err(err),
+    })
+}

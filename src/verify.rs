@@ -173,7 +173,12 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
             return Ok(report);
         }
     }
-    let ckpt = match crate::detect::read(path) {
+    // Readers step past a broken item or file here, so every one of them is listed.
+    let (read, stepped_past) = crate::error::collecting(|| crate::detect::read(path));
+    report
+        .problems
+        .extend(stepped_past.iter().map(Problem::from_error));
+    let ckpt = match read {
         Ok(c) => c,
         Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
         Err(e) => {

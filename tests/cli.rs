@@ -892,3 +892,93 @@ fn a_closed_stderr_drops_messages_without_a_panic() {
         assert_eq!(code(&out), *want, "{shown:?}");
     }
 }
+
+/// The start of the DCP item holding `file`'s piece at `byte_offset`: the last local header of an
+/// `archive/data.pkl` record before it (each tensor item is a whole torch.save archive).
+fn item_start(bytes: &[u8], byte_offset: usize) -> usize {
+    let sig = b"PK\x03\x04";
+    (0..byte_offset)
+        .rev()
+        .find(|&i| bytes[i..].starts_with(sig) && bytes[i + 30..].starts_with(b"archive/data.pkl"))
+        .expect("no item header before the piece")
+}
+
+#[test]
+fn verify_lists_every_broken_item_of_every_rank_file() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("fsdp2_adamw");
+    let report = inspect_json(&dir);
+    let mut broken = Vec::new();
+    for file in ["__0_0.distcp", "__2_0.distcp"] {
+        // The second tensor piece in the file: its item's first header signature is overwritten.
+        let (name, offset) = report["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|t| {
+                t["pieces"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(move |p| (t["name"].as_str().unwrap().to_string(), p))
+            })
+            .filter(|(_, p)| p["file"] == file && p["byte_length"].as_u64() > Some(0))
+            .map(|(n, p)| (n, p["byte_offset"].as_u64().unwrap() as usize))
+            .nth(1)
+            .unwrap();
+        let path = dir.join(file);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = item_start(&bytes, offset);
+        bytes[at..at + 4].copy_from_slice(b"XXXX");
+        std::fs::write(&path, bytes).unwrap();
+        broken.push((file, name, at));
+    }
+    let out = ckpt(&[&"verify", &dir]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
+    assert_eq!(code(&out), 1, "{text}");
+    for (file, name, at) in broken {
+        let line = format!("{file}`, tensor `{name}`, at byte {at}:");
+        assert!(text.contains(&line), "expected `{line}` in: {text}");
+    }
+}
+
+#[test]
+fn verify_lists_the_problems_of_every_split_safetensors_file() {
+    let env = TestEnv::new();
+    let dir = env.copy_fixture("hf_split");
+    // One tensor's entry in the first file names a dtype safetensors does not have.
+    let first = dir.join("model-00001-of-00003.safetensors");
+    let bytes = std::fs::read(&first).unwrap();
+    let at = bytes
+        .windows(13)
+        .position(|w| w == b"\"dtype\":\"F32\"")
+        .unwrap();
+    let mut damaged = bytes.clone();
+    damaged[at + 9..at + 12].copy_from_slice(b"Q32");
+    std::fs::write(&first, damaged).unwrap();
+    // And the last file is cut short.
+    let last = dir.join("model-00003-of-00003.safetensors");
+    let len = std::fs::metadata(&last).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&last)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
+    let out = ckpt(&[&"verify", &dir]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
+    assert_eq!(code(&out), 1, "{text}");
+    let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("error:")).collect();
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("model-00001-of-00003.safetensors")),
+        "{text}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("model-00003-of-00003.safetensors")),
+        "{text}"
+    );
+}

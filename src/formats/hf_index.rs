@@ -101,55 +101,62 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     let mut tensors = Vec::with_capacity(weight_map.len());
     let mut unsupported = Vec::new();
     for (file, names) in &by_file {
-        let file_path = root.join(file);
-        if !file_path.is_file() {
-            return Err(
-                Error::invalid(format!("the index names `{file}`, which does not exist"))
-                    .file(&file_path)
-                    .tensor(names.first().copied().unwrap_or_default())
-                    .hint("the checkpoint is incomplete: copy or download the missing file"),
-            );
-        }
-        let header = safetensors::read_header(&file_path)?;
-        let all_names = header.tensors.iter().map(|t| t.name.as_str());
-        let all_names = all_names.chain(header.unsupported.iter().map(|u| u.name.as_str()));
-        for t_name in all_names.clone() {
-            match mapped.get(t_name) {
-                Some(f) if f == file => {}
-                Some(f) => {
-                    return Err(Error::invalid(format!(
-                        "tensor is in `{file}` but `{}` maps it to `{f}`",
-                        index_name(&index_path)
-                    ))
-                    .file(&file_path)
-                    .tensor(t_name)
-                    .hint("the index and the files come from different saves"))
-                }
-                None => {
-                    return Err(Error::invalid(format!(
-                        "tensor is in `{file}` but missing from `{}`",
-                        index_name(&index_path)
-                    ))
-                    .file(&file_path)
-                    .tensor(t_name)
-                    .hint("the index and the files come from different saves"))
+        // One broken file is a problem of its own; `verify` goes on to the next one.
+        let mut read_file = || -> Result<()> {
+            let file_path = root.join(file);
+            if !file_path.is_file() {
+                return Err(Error::invalid(format!(
+                    "the index names `{file}`, which does not exist"
+                ))
+                .file(&file_path)
+                .tensor(names.first().copied().unwrap_or_default())
+                .hint("the checkpoint is incomplete: copy or download the missing file"));
+            }
+            let header = safetensors::read_header(&file_path)?;
+            let all_names = header.tensors.iter().map(|t| t.name.as_str());
+            let all_names = all_names.chain(header.unsupported.iter().map(|u| u.name.as_str()));
+            for t_name in all_names.clone() {
+                match mapped.get(t_name) {
+                    Some(f) if f == file => {}
+                    Some(f) => {
+                        return Err(Error::invalid(format!(
+                            "tensor is in `{file}` but `{}` maps it to `{f}`",
+                            index_name(&index_path)
+                        ))
+                        .file(&file_path)
+                        .tensor(t_name)
+                        .hint("the index and the files come from different saves"))
+                    }
+                    None => {
+                        return Err(Error::invalid(format!(
+                            "tensor is in `{file}` but missing from `{}`",
+                            index_name(&index_path)
+                        ))
+                        .file(&file_path)
+                        .tensor(t_name)
+                        .hint("the index and the files come from different saves"))
+                    }
                 }
             }
-        }
-        let present: HashSet<&str> = all_names.collect();
-        if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
-            return Err(Error::invalid(format!(
-                "`{}` maps this tensor to `{file}`, which does not hold it",
-                index_name(&index_path)
-            ))
-            .file(&file_path)
-            .tensor(*missing)
-            .hint("the index and the files come from different saves"));
-        }
-        let file_name: std::sync::Arc<Path> = Path::new(file).into();
-        unsupported.extend(safetensors::unsupported(&header, &file_name));
-        for t in &header.tensors {
-            tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
+            let present: HashSet<&str> = all_names.collect();
+            if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
+                return Err(Error::invalid(format!(
+                    "`{}` maps this tensor to `{file}`, which does not hold it",
+                    index_name(&index_path)
+                ))
+                .file(&file_path)
+                .tensor(*missing)
+                .hint("the index and the files come from different saves"));
+            }
+            let file_name: std::sync::Arc<Path> = Path::new(file).into();
+            unsupported.extend(safetensors::unsupported(&header, &file_name));
+            for t in &header.tensors {
+                tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
+            }
+            Ok(())
+        };
+        if let Err(e) = read_file() {
+            crate::error::recoverable(e)?;
         }
     }
 

@@ -80,9 +80,16 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     for slot in slots {
         match slot {
             Slot::Tensor(t) => {
-                let pieces = files
-                    .pieces(&t)
-                    .map_err(|e| e.file(&meta_path).tensor(&t.fqn))?;
+                // Every broken item of the tensor is a problem of its own (see `verify`).
+                let pieces = match files.pieces(&t) {
+                    Ok(pieces) => pieces,
+                    Err(errors) => {
+                        for e in errors {
+                            crate::error::recoverable(e.file(&meta_path).tensor(&t.fqn))?;
+                        }
+                        continue;
+                    }
+                };
                 tensors.push(Tensor {
                     key_path: key_path(&t.fqn),
                     name: t.fqn,
@@ -97,7 +104,13 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                         .file(&meta_path)
                         .tensor(&fqn)
                 })?;
-                let (blob, value) = files.value(&item).map_err(|e| e.tensor(&fqn))?;
+                let (blob, value) = match files.value(&item) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        crate::error::recoverable(e.tensor(&fqn))?;
+                        continue;
+                    }
+                };
                 values.push(NonTensor {
                     key_path: key_path(&fqn),
                     name: fqn,
@@ -446,7 +459,8 @@ impl<'a> Files<'a> {
 
     /// The pieces of a tensor: each chunk's item opened to find its elements. At a million
     /// chunks that is most of the read, and the items are independent, so it runs in parallel.
-    fn pieces(&self, t: &TensorSlot) -> Result<Pieces> {
+    /// On failure, the error of every item that failed, in chunk order.
+    fn pieces(&self, t: &TensorSlot) -> std::result::Result<Pieces, Vec<Error>> {
         let located = (0..t.items.len())
             .into_par_iter()
             .map(|k| {
@@ -458,12 +472,17 @@ impl<'a> Files<'a> {
                 })?;
                 self.locate(&item, t.dtype, t.sizes(k))
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Vec<Result<_>>>();
+        if located.iter().any(|r| r.is_err()) {
+            return Err(located.into_iter().filter_map(|r| r.err()).collect());
+        }
         let mut pieces = Pieces::new(t.size.len());
         pieces.reserve(located.len());
-        for (k, (item, offset, strides, encoding)) in located.into_iter().enumerate() {
+        for (k, (item, offset, strides, encoding)) in located.into_iter().flatten().enumerate() {
             let file = Arc::clone(&self.maps[item.file as usize].0);
-            pieces.push_parts(t.offsets(k), t.sizes(k), file, offset, &strides, encoding)?;
+            pieces
+                .push_parts(t.offsets(k), t.sizes(k), file, offset, &strides, encoding)
+                .map_err(|e| vec![e])?;
         }
         Ok(pieces)
     }
@@ -564,6 +583,21 @@ impl<'a> Files<'a> {
         } else {
             bytes
         };
+        // The item must be an archive torch.load can open: a broken frame fails the load whatever
+        // the value is (a legacy pickle, first byte PROTO, has no frame to check).
+        if bytes.first() != Some(&0x80) {
+            crate::formats::zip::read_entries(bytes).map_err(|e| {
+                let e = e.file(self.path(item));
+                if zstd {
+                    Error {
+                        offset: Some(item.offset),
+                        ..e
+                    }
+                } else {
+                    e.within(item.offset)
+                }
+            })?;
+        }
         // A value that is not plain data (a custom object) is still carried byte for byte.
         let value = torch_save::read(bytes)
             .ok()
