@@ -30,6 +30,11 @@ use crate::verify::{self, VerifyOptions};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Names and shapes for an FSDP1 LOCAL_STATE_DICT checkpoint, in module order: a FULL
+    /// torch.save of model.state_dict(), a JSON list [[name, shape], ...] of
+    /// model.named_parameters(), or a SHARDED checkpoint of the same model.
+    #[arg(long, global = true, value_name = "REF")]
+    shapes_from: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -221,6 +226,7 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+    let _shapes = crate::formats::fsdp_local::ShapesFrom::install(cli.shapes_from);
     match cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Verify(args) => verify(args),
@@ -525,12 +531,13 @@ fn convert(
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
         let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}",
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}{}",
             env!("CARGO_PKG_VERSION"),
             select.include,
             select.exclude,
             select.strip_prefix,
             part.count,
+            crate::formats::fsdp_local::fingerprint(),
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }
