@@ -1,27 +1,7 @@
-//! torch.save archives (`pytorch_model.bin`, `*.pt`, and each tensor item inside a `.distcp`):
-//! `data.pkl` read as data only, tensors located as byte ranges of `data/N` records.
-//!
-//! An archive is a ZIP whose records all sit in one folder (`archive/` for a buffer, the file stem
-//! for a path): `data.pkl`, the pickled object, refers to each storage through a persistent id
-//! `('storage', storage_type, key, location, numel)` whose bytes are the record `data/{key}`.
-//! torch 2.15 names the storage type two ways, and both are read and written here:
-//! - dtypes with a legacy storage class (`torch.FloatStorage`, `torch.BFloat16Storage`, ...) are
-//!   `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)`, with
-//!   `numel` counted in elements;
-//! - the others (float8, float4, complex32, uint16/32/64) are `_rebuild_tensor_v3(..., hooks, dtype)` over
-//!   `torch.storage.UntypedStorage`, with `numel` counted in bytes.
-//!
-//! Reading accepts only the globals that tensors and plain data need (see [`TorchGlobals`]);
-//! nested dicts flatten into key paths, and everything else is kept as a [`Value`].
-//! Writing produces `data.pkl` and the record list; [`crate::formats::zip::layout`] frames them.
+//! Reading: `data.pkl` (or a legacy file's pickles) interpreted as data only, each tensor checked
+//! against its storage record, and the records and calls checked as torch.load checks them.
 
-use std::collections::HashMap;
-
-use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::formats::zip::{self, ZipEntry, ZipRecord};
-use crate::model::{numel, KeyPart};
-use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
+use super::*;
 
 /// One tensor as `data.pkl` describes it: a view into a storage record.
 #[derive(Clone, Debug, PartialEq)]
@@ -1524,168 +1504,6 @@ fn is_python_int(bytes: &[u8]) -> bool {
         && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
 }
 
-/// One leaf to write.
-#[derive(Clone, Debug, PartialEq)]
-pub enum WriteLeaf {
-    /// A contiguous tensor at storage offset 0 over the whole storage `storage_key`, whose record
-    /// holds `numel(shape)` elements of `dtype`.
-    Tensor {
-        dtype: DType,
-        shape: Vec<u64>,
-        storage_key: String,
-    },
-    Value(Value),
-}
-
-/// The `data.pkl` of an archive holding `items`, as protocol 2 like torch.save.
-///
-/// Key paths rebuild nested plain dicts and lists (`KeyPart::IntKey` becomes an int key, as
-/// optimizer state has; a node of `KeyPart::Index` steps becomes a list); one item with an empty path is the whole object (a bare tensor, as in a DCP item). No
-/// items make an empty dict. Paths must be distinct and none may be a prefix of another (see
-/// [`check_key_paths`]); an item that breaks this is left out.
-pub fn data_pkl(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Vec<u8> {
-    let root = match items {
-        [(path, leaf)] if path.is_empty() => leaf_value(leaf),
-        _ => {
-            let mut root = Tree::Dict(Vec::new());
-            for (path, leaf) in items {
-                root.insert(path, leaf);
-            }
-            root.into_value()
-        }
-    };
-    pickle::write(&protocol2_spelling(root), Protocol::V2)
-}
-
-/// Rewrite bytes and sets the way Python's protocol 2 pickler spells them (`_codecs.encode(str,
-/// "latin1")`, `builtins.set([...])`): torch.load's `weights_only` unpickler knows those calls
-/// but not the protocol 3+ opcodes (`BINBYTES`, `ADDITEMS`) a bare [`Value::Bytes`] or
-/// [`Value::Set`] would be written with.
-fn protocol2_spelling(value: Value) -> Value {
-    let all = |items: Vec<Value>| {
-        items
-            .into_iter()
-            .map(protocol2_spelling)
-            .collect::<Vec<_>>()
-    };
-    let pairs = |items: Vec<(Value, Value)>| {
-        items
-            .into_iter()
-            .map(|(k, v)| (protocol2_spelling(k), protocol2_spelling(v)))
-            .collect::<Vec<_>>()
-    };
-    match value {
-        // Latin-1 maps each byte to the code point of the same value, so this is lossless.
-        Value::Bytes(bytes) => Value::reduce(
-            "_codecs",
-            "encode",
-            vec![
-                Value::Str(bytes.iter().map(|&b| char::from(b)).collect()),
-                Value::Str("latin1".into()),
-            ],
-        ),
-        Value::Set(items) => Value::reduce("builtins", "set", vec![Value::List(all(items))]),
-        Value::Tuple(items) => Value::Tuple(all(items)),
-        Value::List(items) => Value::List(all(items)),
-        Value::Dict(items) => Value::Dict(pairs(items)),
-        Value::Object(object) => {
-            let Object {
-                callable,
-                args,
-                new_obj,
-                dict_items,
-                list_items,
-                state,
-            } = *object;
-            Value::Object(Box::new(Object {
-                callable,
-                args: all(args),
-                new_obj,
-                dict_items: pairs(dict_items),
-                list_items: all(list_items),
-                state: state.map(protocol2_spelling),
-            }))
-        }
-        Value::PersistentId(id) => Value::PersistentId(Box::new(protocol2_spelling(*id))),
-        other => other,
-    }
-}
-
-/// Check that `items` describe one object: distinct key paths, none a prefix of another, and an
-/// empty path only when it is the only item.
-pub fn check_key_paths(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Result<()> {
-    let mut paths: Vec<&[KeyPart]> = items.iter().map(|(p, _)| p.as_slice()).collect();
-    if items.len() > 1 && paths.iter().any(|p| p.is_empty()) {
-        return Err(Error::invalid(
-            "a torch.save object cannot be both one bare value and a dict of entries",
-        ));
-    }
-    // After sorting, a path that another starts with comes right before one such path.
-    paths.sort_unstable_by(|a, b| cmp_path(a, b));
-    for pair in paths.windows(2) {
-        if let [a, b] = pair {
-            if b.starts_with(a) {
-                return Err(Error::invalid(format!(
-                    "entry `{}` is both a value and a dict holding `{}`",
-                    join_path(a),
-                    join_path(b)
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The records of an archive in torch's order: `data.pkl`, the small metadata records, each
-/// storage in the order given, then `version` and `.data/serialization_id`. Storage records have
-/// no content: the caller writes their bytes at the offsets [`zip::layout`] gives.
-///
-/// torch names storages `0`, `1`, ... in order of first use in `data.pkl` and writes them in that
-/// order, which `.format_version` 1 promises: `torch.load` with
-/// `torch.utils.serialization.config.load.calculate_storage_offsets` relies on it. Pass storages
-/// keyed and ordered that way for archives every torch reader accepts.
-pub fn records(prefix: &str, data_pkl: Vec<u8>, storages: &[(String, u64)]) -> Vec<ZipRecord> {
-    // torch's id is 20 digits of a hash of every record's CRC plus 20 random digits; nothing reads
-    // it back, and hashing what we know instead keeps our output reproducible.
-    let mut hashed = data_pkl.clone();
-    for (key, len) in storages {
-        hashed.extend_from_slice(key.as_bytes());
-        hashed.extend_from_slice(&len.to_le_bytes());
-    }
-    let serialization_id = format!(
-        "{:020}{:020}",
-        xxhash_rust::xxh3::xxh3_64_with_seed(&hashed, 0),
-        xxhash_rust::xxh3::xxh3_64_with_seed(&hashed, 1)
-    );
-
-    let literal = |name: &str, content: Vec<u8>| ZipRecord {
-        name: format!("{prefix}/{name}"),
-        len: content.len() as u64,
-        content: Some(content),
-    };
-    let mut records = vec![
-        literal("data.pkl", data_pkl),
-        // Format 1: storages are written in key order, so torch may compute their offsets.
-        literal(".format_version", b"1".to_vec()),
-        literal(
-            ".storage_alignment",
-            zip::ALIGNMENT.to_string().into_bytes(),
-        ),
-        literal("byteorder", b"little".to_vec()),
-    ];
-    records.extend(storages.iter().map(|(key, len)| ZipRecord {
-        name: format!("{prefix}/data/{key}"),
-        len: *len,
-        content: None,
-    }));
-    records.push(literal("version", b"3\n".to_vec()));
-    records.push(literal(
-        ".data/serialization_id",
-        serialization_id.into_bytes(),
-    ));
-    records
-}
-
 /// The globals `data.pkl` may name: tensor rebuild functions, storage and dtype names, and the
 /// few classes plain data pickles through. Naming one runs nothing; the tree only records it.
 pub struct TorchGlobals;
@@ -2162,10 +1980,6 @@ fn check_view(offset: u64, shape: &[u64], strides: &[u64], storage_numel: u64) -
     }
 }
 
-fn bad(message: impl Into<String>) -> Error {
-    Error::invalid(format!("malformed `data.pkl`: {}", message.into()))
-}
-
 /// A pickle error as an archive error, its offset moved from the pickle to the archive.
 fn pickle_error(err: PickleError, name: &str, pkl_offset: u64) -> Error {
     let (message, offset) = match &err {
@@ -2188,165 +2002,17 @@ fn pickle_error(err: PickleError, name: &str, pkl_offset: u64) -> Error {
     Error::invalid(message).at(at)
 }
 
-/// A key path as the flattened name the rest of ckpt uses (`model.layers.0.weight`).
-fn join_path(path: &[KeyPart]) -> String {
-    let parts: Vec<String> = path.iter().map(KeyPart::as_name).collect();
-    parts.join(".")
-}
-
-fn cmp_path(a: &[KeyPart], b: &[KeyPart]) -> std::cmp::Ordering {
-    fn rank(p: &KeyPart) -> (u8, &str, i64) {
-        match p {
-            KeyPart::Key(k) => (0, k.as_str(), 0),
-            KeyPart::Index(i) => (1, "", *i),
-            KeyPart::IntKey(i) => (2, "", *i),
-        }
-    }
-    a.iter().map(rank).cmp(b.iter().map(rank))
-}
-
-/// The object being rebuilt from key paths; dicts keep first-insertion order.
-enum Tree<'a> {
-    Leaf(&'a WriteLeaf),
-    Dict(Vec<(&'a KeyPart, Tree<'a>)>),
-}
-
-impl<'a> Tree<'a> {
-    fn insert(&mut self, path: &'a [KeyPart], leaf: &'a WriteLeaf) {
-        let Tree::Dict(items) = self else {
-            return; // a leaf already holds this path's prefix
-        };
-        let Some((first, rest)) = path.split_first() else {
-            return; // an empty path among others: no place for it in a dict
-        };
-        let index = match items.iter().position(|(k, _)| *k == first) {
-            Some(i) => i,
-            None if rest.is_empty() => {
-                items.push((first, Tree::Leaf(leaf)));
-                return;
-            }
-            None => {
-                items.push((first, Tree::Dict(Vec::new())));
-                items.len() - 1
-            }
-        };
-        if let Some((_, child)) = items.get_mut(index) {
-            if !rest.is_empty() {
-                child.insert(rest, leaf);
-            }
-        }
-    }
-
-    fn into_value(self) -> Value {
-        match self {
-            Tree::Leaf(leaf) => leaf_value(leaf),
-            // A node whose steps are all list indices is a list, as `dcp_to_torch_save` rebuilds
-            // it: missing positions are None.
-            Tree::Dict(items) if is_list(&items) => {
-                let len = items
-                    .iter()
-                    .filter_map(|(k, _)| match k {
-                        KeyPart::Index(i) => usize::try_from(*i).ok(),
-                        _ => None,
-                    })
-                    .max()
-                    .map_or(0, |m| m + 1);
-                let mut list = vec![Value::None; len];
-                for (k, v) in items {
-                    if let KeyPart::Index(i) = k {
-                        if let Some(slot) = usize::try_from(*i).ok().and_then(|i| list.get_mut(i)) {
-                            *slot = v.into_value();
-                        }
-                    }
-                }
-                Value::List(list)
-            }
-            Tree::Dict(items) => Value::Dict(
-                items
-                    .into_iter()
-                    .map(|(k, v)| {
-                        let key = match k {
-                            KeyPart::Key(s) => Value::Str(s.clone()),
-                            KeyPart::Index(i) | KeyPart::IntKey(i) => Value::Int(*i),
-                        };
-                        (key, v.into_value())
-                    })
-                    .collect(),
-            ),
-        }
-    }
-}
-
-/// True when every step under a node is a small, non-negative list index. Lists are rebuilt only
-/// up to a million entries: a larger index in hostile metadata stays a dict key.
-fn is_list(items: &[(&KeyPart, Tree)]) -> bool {
-    !items.is_empty()
-        && items
-            .iter()
-            .all(|(k, _)| matches!(k, KeyPart::Index(i) if (0..1_000_000).contains(i)))
-}
-
-fn leaf_value(leaf: &WriteLeaf) -> Value {
-    match leaf {
-        WriteLeaf::Value(v) => v.clone(),
-        WriteLeaf::Tensor {
-            dtype,
-            shape,
-            storage_key,
-        } => tensor_value(*dtype, shape, storage_key),
-    }
-}
-
-/// What torch.save pickles for a contiguous CPU tensor at storage offset 0.
-fn tensor_value(dtype: DType, shape: &[u64], storage_key: &str) -> Value {
-    let numel = numel(shape).unwrap_or(u64::MAX);
-    let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
-    let strides = crate::model::contiguous_strides(shape);
-    // torch keeps legacy storage classes for the dtypes that have one, and uses untyped storages
-    // (sized in bytes) plus `_rebuild_tensor_v3` for the rest.
-    let typed = dtype.storage_class();
-    let (class, storage_numel) = match typed {
-        Some(class) => (Value::global("torch", class), numel),
-        None => (
-            Value::global("torch.storage", "UntypedStorage"),
-            numel.saturating_mul(dtype.size() as u64),
-        ),
-    };
-    let storage = Value::PersistentId(Box::new(Value::Tuple(vec![
-        Value::Str("storage".into()),
-        class,
-        Value::Str(storage_key.to_string()),
-        Value::Str("cpu".into()),
-        int(storage_numel),
-    ])));
-    let backward_hooks = Value::reduce("collections", "OrderedDict", Vec::new());
-    let mut args = vec![
-        storage,
-        Value::Int(0),
-        Value::Tuple(shape.iter().map(|&d| int(d)).collect()),
-        Value::Tuple(strides.iter().map(|&s| int(s)).collect()),
-        Value::Bool(false),
-        backward_hooks,
-    ];
-    let function = if typed.is_some() {
-        "_rebuild_tensor_v2"
-    } else {
-        args.push(Value::global("torch", dtype.torch_name()));
-        "_rebuild_tensor_v3"
-    };
-    Value::reduce("torch._utils", function, args)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::write::tensor_value;
     use super::*;
     use proptest::prelude::*;
 
-    const VIEWS: &[u8] = include_bytes!("testdata/views.pt");
-    const DTYPES: &[u8] = include_bytes!("testdata/dtypes.pt");
-    const BARE: &[u8] = include_bytes!("testdata/bare.pt");
-    const NESTED: &[u8] = include_bytes!("testdata/nested.pt");
-    const LEGACY: &[u8] = include_bytes!("testdata/legacy.pt");
+    const VIEWS: &[u8] = include_bytes!("../testdata/views.pt");
+    const DTYPES: &[u8] = include_bytes!("../testdata/dtypes.pt");
+    const BARE: &[u8] = include_bytes!("../testdata/bare.pt");
+    const NESTED: &[u8] = include_bytes!("../testdata/nested.pt");
+    const LEGACY: &[u8] = include_bytes!("../testdata/legacy.pt");
 
     fn key(k: &str) -> KeyPart {
         KeyPart::Key(k.to_string())
@@ -3278,7 +2944,7 @@ mod tests {
 
     #[test]
     fn legacy_files_are_read_in_place_and_damage_is_refused() {
-        let bytes: &[u8] = include_bytes!("../../fixtures/legacy_torch_save.pt");
+        let bytes: &[u8] = include_bytes!("../../../fixtures/legacy_torch_save.pt");
         let archive = read(bytes).unwrap();
         let tensors = archive
             .leaves
