@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
     for e in &archive.entries {
         assert!(e
             .data_offset
-            .checked_add(e.len)
+            .checked_add(e.stored_len())
             .is_some_and(|end| end <= data.len() as u64));
     }
     for (_, leaf) in &archive.leaves {

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     for e in &entries {
         let end = e
             .data_offset
-            .checked_add(e.len)
+            .checked_add(e.stored_len())
             .expect("entry end overflows");
         assert!(end <= data.len() as u64, "entry past the end: {e:?}");
         spans.push((e.data_offset, end));
