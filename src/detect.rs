@@ -4,14 +4,21 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, hf_index, megatron, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, megatron, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
+/// An FSDP1 LOCAL_STATE_DICT checkpoint is resolved with the `--shapes-from` reference in force
+/// ([`fsdp_local::apply`]).
 pub fn read(path: &Path) -> Result<Checkpoint> {
+    fsdp_local::apply(read_layout(path)?)
+}
+
+/// [`read`] without resolving FSDP1 LOCAL flat parameters: the checkpoint as its files hold it.
+pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     let meta = std::fs::metadata(path)
         .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
     if meta.is_file() {
