@@ -9,7 +9,10 @@ megatron-core on CPU) through ckpt, compared bitwise with what megatron's own
 - `consolidate` to safetensors and to torch.save gives megatron's tensors bit for bit (and the
   torch output, which `torch.load(weights_only=True)` reads, holds `common.pt`'s values, the
   `argparse.Namespace` as the dict of its fields);
-- `reshard` to plain DCP is loaded back by torch's `dcp.load` under torchrun at 2 and 3 ranks;
+- `reshard` to plain DCP is loaded back by torch's `dcp.load` under torchrun at 2 and 3 ranks, and
+  (with the source's `metadata.json` and `common.pt` copied beside it) by megatron-core's own
+  `dist_checkpointing.load` with the TP=2 requests of the model that saved it, or whole tensors;
+  megatron-core 0.16 so loads the 0.15 distributed-optimizer checkpoint it cannot load itself;
 - a `.metadata` whose `all_local_plans` names a class outside the allowed ones is refused.
 """
 
@@ -162,3 +165,24 @@ def test_a_global_outside_the_allowed_ones_is_still_refused(run_ckpt, fixtures_d
     assert proc.returncode == 1, proc.stdout
     refused = "posix.system" if what == "os.system" else "torch.distributed.checkpoint.planner.BytesIOWriteData"
     assert f"`{refused}`" in proc.stderr and "does not allow" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name,mode", [
+    ("megatron_torch_dist", "tp"),
+    ("megatron_torch_dist", "full"),
+    # megatron-core 0.16 cannot load the 0.15 distributed-optimizer save itself; after ckpt it can
+    ("megatron_torch_dist_flat", "full"),
+])
+def test_reshard_is_loaded_back_by_megatron(run_ckpt, fixtures_dir, tmp_path, name, mode):
+    pytest.importorskip("megatron.core")
+    src = fixtures_dir / name
+    out = tmp_path / "resharded"
+    proc = run_ckpt("reshard", src, "-o", out, "--world-size", 3)
+    assert proc.returncode == 0, proc.stderr
+    for f in ("metadata.json", "common.pt"):
+        shutil.copy(src / f, out / f)
+    result = tmp_path / "result.json"
+    proc = run_torchrun(HERE / "torchrun_megatron_load.py", 2, out, fixtures_dir / "expected" / f"{name}.pt",
+                        mode, result)
+    assert result.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(result.read_text())["errors"] == []
