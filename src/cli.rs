@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -47,6 +47,10 @@ enum Command {
     Consolidate(ConsolidateArgs),
     /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
     Reshard(ReshardArgs),
+    /// Print a completion script for bash, zsh, fish, elvish or powershell.
+    ///
+    /// e.g. `ckpt generate-shell-completion bash > ~/.local/share/bash-completion/completions/ckpt`
+    GenerateShellCompletion(CompletionArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -126,6 +130,12 @@ struct ReshardArgs {
     run: RunArgs,
     #[command(flatten)]
     write: WriteArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct CompletionArgs {
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -222,7 +232,18 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
         Command::Verify(args) => verify(args),
         Command::Consolidate(args) => consolidate(args, &cancel),
         Command::Reshard(args) => reshard(args, &cancel),
+        Command::GenerateShellCompletion(args) => completion(args),
     }
+}
+
+/// `ckpt generate-shell-completion SHELL`: the script clap_complete derives from these flags.
+fn completion(args: CompletionArgs) -> Result<i32> {
+    // Generated into memory first: clap_complete panics on a failed write, and a closed stdout
+    // must end quietly like every other command's.
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut Cli::command(), "ckpt", &mut script);
+    to_stdout(|out| out.write_all(&script))?;
+    Ok(0)
 }
 
 /// `ckpt inspect`: the report as a table or as JSON.
