@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, fsdp_local, hf_index, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, megatron, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
@@ -23,6 +23,10 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
         .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
     if meta.is_file() {
         return read_file(path);
+    }
+    // Before DCP: a Megatron directory is a DCP one with more beside it.
+    if megatron::looks_like(path) {
+        return megatron::read(path);
     }
     if dcp::looks_like(path) {
         return dcp::read(path);
@@ -50,6 +54,9 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
 }
 
 fn read_file(path: &Path) -> Result<Checkpoint> {
+    if let Some(dir) = megatron::dir_of(path) {
+        return megatron::read(&dir);
+    }
     if has_ext(path, "safetensors") {
         return safetensors::read(path);
     }

@@ -29,6 +29,9 @@ pub enum Format {
     DcpSafetensors,
     /// A `torch.save` ZIP archive (`pytorch_model.bin`, `*.pt`).
     TorchSave,
+    /// Megatron-core `dist_checkpointing` with the `torch_dist` backend: a DCP directory plus
+    /// `metadata.json` and `common.pt`.
+    MegatronTorchDist,
 }
 
 impl Format {
@@ -40,12 +43,15 @@ impl Format {
             Format::Dcp => "dcp",
             Format::DcpSafetensors => "dcp-safetensors",
             Format::TorchSave => "torch-save",
+            Format::MegatronTorchDist => "megatron-torch-dist",
         }
     }
 
     pub fn state_dict_type(self) -> StateDictType {
         match self {
-            Format::Dcp | Format::DcpSafetensors => StateDictType::Sharded,
+            Format::Dcp | Format::DcpSafetensors | Format::MegatronTorchDist => {
+                StateDictType::Sharded
+            }
             Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
                 StateDictType::Full
             }

@@ -27,6 +27,10 @@ FIXTURE_NAMES = [
     "dtypes_torch_dcp",
 ]
 
+# Fixtures fixtures/generate_megatron.py writes with the real megatron-core (tests/interop/test_megatron.py);
+# PyTorch alone cannot read them back whole (common.pt, and megatron's own classes in the _flat one).
+MEGATRON_FIXTURE_NAMES = ["megatron_torch_dist", "megatron_torch_dist_flat"]
+
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {
     "F64": torch.float64,

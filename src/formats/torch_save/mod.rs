@@ -26,7 +26,9 @@ use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value}
 mod read;
 mod write;
 
-pub use read::{read, read_cached, Archive, Leaf, SavedTensor, TorchGlobals};
+pub use read::{
+    read, read_cached, read_with_extra, Archive, Extra, Leaf, SavedTensor, TorchGlobals,
+};
 pub use write::{check_key_paths, data_pkl, records, WriteLeaf};
 
 fn bad(message: impl Into<String>) -> Error {
