@@ -30,6 +30,8 @@ FIXTURE_NAMES = [
 # Fixtures fixtures/generate_megatron.py writes with the real megatron-core (tests/interop/test_megatron.py);
 # PyTorch alone cannot read them back whole (common.pt, and megatron's own classes in the _flat one).
 MEGATRON_FIXTURE_NAMES = ["megatron_torch_dist", "megatron_torch_dist_flat"]
+# Written by fixtures/generate_agree.py: a legacy (non-zip) torch.save and a deflated one.
+AGREE_FIXTURE_NAMES = ["legacy_torch_save", "deflated_torch_save"]
 
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {

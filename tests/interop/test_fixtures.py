@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ckpt_helpers import (
+    AGREE_FIXTURE_NAMES,
     FIXTURE_NAMES,
     MEGATRON_FIXTURE_NAMES,
     assert_same_state,
@@ -23,8 +24,8 @@ from ckpt_helpers import (
 
 def test_every_fixture_is_committed(fixtures_dir):
     names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
-    assert names == sorted(FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES)
-    for name in FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES:
+    assert names == sorted(FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + AGREE_FIXTURE_NAMES)
+    for name in FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + AGREE_FIXTURE_NAMES:
         assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
 
 

@@ -13,10 +13,8 @@ import sys
 import pytest
 import torch
 
-from ckpt_helpers import assert_same_state, load_expected, load_safetensors
+from ckpt_helpers import AGREE_FIXTURE_NAMES, assert_same_state, load_expected, load_safetensors
 from conftest import FIXTURES_DIR, REPO, run_ckpt
-
-AGREE_FIXTURES = ["legacy_torch_save", "deflated_torch_save"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +26,7 @@ def fresh(tmp_path_factory):
 
 
 @pytest.mark.parametrize("where", ["committed", "fresh"])
-@pytest.mark.parametrize("name", AGREE_FIXTURES)
+@pytest.mark.parametrize("name", AGREE_FIXTURE_NAMES)
 def test_consolidate_gives_what_torch_load_gives(ckpt, fresh, tmp_path, name, where):
     root = FIXTURES_DIR if where == "committed" else fresh
     flat, doc = load_expected(root, name)
