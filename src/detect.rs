@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, hf_index, safetensors};
+use crate::formats::{dcp, hf_index, per_rank, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
@@ -25,6 +25,9 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     }
     if dcp::hf::looks_like(path) {
         return dcp::hf::read(path);
+    }
+    if let Some(files) = per_rank::files_in(path)? {
+        return per_rank::read(&files);
     }
     let entries = list(path)?;
     let safetensors: Vec<&PathBuf> = entries
@@ -123,6 +126,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                 value: Some(v.clone()),
                 raw: None,
             }),
+            Leaf::Sharded(_) => return one_rank_file(path, &name),
             Leaf::Unsupported { dtype } => unsupported.push(Unsupported {
                 name,
                 dtype: dtype.clone(),
@@ -138,6 +142,20 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
         values,
         unsupported,
     })
+}
+
+/// A torch.save file holding DTensor or ShardedTensor values is one rank's part of a sharded save:
+/// read as a per-rank checkpoint when named like one (which says what other files it needs).
+fn one_rank_file(path: &Path, name: &str) -> Result<Checkpoint> {
+    if per_rank::is_rank_file(path) {
+        return per_rank::read(&[path.to_path_buf()]);
+    }
+    Err(Error::invalid(
+        "this file holds DTensor or ShardedTensor values: it is one rank's part of a sharded save",
+    )
+    .file(path)
+    .tensor(name)
+    .hint("name the files by rank (`model_rank0.pt`, ...) and pass the directory that holds every rank's file"))
 }
 
 /// DCP's flattening of a nested key: parts joined with dots.

@@ -29,6 +29,9 @@ pub enum Format {
     DcpSafetensors,
     /// A `torch.save` ZIP archive (`pytorch_model.bin`, `*.pt`).
     TorchSave,
+    /// One `torch.save` file per rank of DTensor, ShardedTensor and plain values
+    /// (`model_world_size_4_rank_0.pt`, `rank0.pt`).
+    PerRankTorchSave,
 }
 
 impl Format {
@@ -40,12 +43,15 @@ impl Format {
             Format::Dcp => "dcp",
             Format::DcpSafetensors => "dcp-safetensors",
             Format::TorchSave => "torch-save",
+            Format::PerRankTorchSave => "per-rank-torch-save",
         }
     }
 
     pub fn state_dict_type(self) -> StateDictType {
         match self {
-            Format::Dcp | Format::DcpSafetensors => StateDictType::Sharded,
+            Format::Dcp | Format::DcpSafetensors | Format::PerRankTorchSave => {
+                StateDictType::Sharded
+            }
             Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
                 StateDictType::Full
             }

@@ -5,6 +5,7 @@
 
 pub mod dcp;
 pub mod hf_index;
+pub mod per_rank;
 pub mod safetensors;
 pub mod torch_save;
 pub mod zip;

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::per_rank;
 use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
 use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
@@ -49,6 +50,8 @@ pub enum Leaf {
     },
     /// Anything that is neither a tensor nor a dict with str/int keys (or an empty dict).
     Value(Value),
+    /// A DTensor or ShardedTensor: one rank's pieces of a sharded tensor (per-rank saves).
+    Sharded(per_rank::ShardedLeaf),
 }
 
 /// A parsed torch.save archive.
@@ -368,6 +371,10 @@ fn check_calls(value: &Value) -> Result<()> {
         Value::PersistentId(id) => check_calls(id),
         Value::Object(object) => {
             let Value::Global(global) = &object.callable else {
+                if per_rank::is_process_group_state(&object.callable) {
+                    object.args.iter().try_for_each(check_calls)?;
+                    return object.state.as_ref().map_or(Ok(()), check_calls);
+                }
                 let what = if object.new_obj {
                     "`NEWOBJ`"
                 } else {
@@ -381,6 +388,7 @@ fn check_calls(value: &Value) -> Result<()> {
             match (global.module.as_str(), global.name.as_str()) {
                 ("torch", "Size") => check_size_args(&object.args)?,
                 ("_codecs", "encode") => check_encode_args(&object.args)?,
+                ("builtins", "getattr") => per_rank::check_getattr(&object.args)?,
                 _ => {}
             }
             object.args.iter().try_for_each(check_calls)?;
@@ -1224,6 +1232,9 @@ pub struct TorchGlobals;
 
 impl Globals for TorchGlobals {
     fn allows(&self, module: &str, name: &str) -> bool {
+        if per_rank::allows_global(module, name) {
+            return true;
+        }
         match module {
             "torch._utils" => matches!(
                 name,
@@ -1323,6 +1334,14 @@ impl Interpreter<'_> {
             let dtype = format!("torch.{name}");
             self.leaves
                 .push((path.clone(), Leaf::Unsupported { dtype }));
+            return Ok(());
+        }
+        let sharded = per_rank::decode(value, &mut |t| match rebuild_function(t) {
+            Some(kind) => self.tensor(t, kind),
+            None => Err(bad("a tensor subclass's local tensor is not a tensor")),
+        });
+        if let Some(leaf) = sharded.map_err(|e| self.locate(e, path))? {
+            self.leaves.push((path.clone(), Leaf::Sharded(leaf)));
             return Ok(());
         }
         if let Some(rebuild) = rebuild_function(value) {
