@@ -9,6 +9,76 @@ use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
 
+/// What ckpt was pointed at: one file or directory, or several files of one per-rank save
+/// (`ckpt inspect ckpt/model_world_size_4_rank_*.pt`).
+#[derive(Clone, Debug)]
+pub struct Input {
+    paths: Vec<PathBuf>,
+    /// The one path, or the directory that holds the files.
+    root: PathBuf,
+}
+
+impl Input {
+    pub fn new(paths: Vec<PathBuf>) -> Result<Input> {
+        let root = match paths.as_slice() {
+            [] => return Err(Error::usage("no checkpoint given")),
+            [one] => one.clone(),
+            many => {
+                for p in many {
+                    if !p.is_file() {
+                        return Err(Error::usage(format!(
+                            "`{}` is not a file: several paths are the files of one per-rank checkpoint",
+                            p.display()
+                        )));
+                    }
+                }
+                match many[0].parent() {
+                    Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+                    _ => PathBuf::from("."),
+                }
+            }
+        };
+        Ok(Input { paths, root })
+    }
+
+    /// One path.
+    pub fn one(path: &Path) -> Input {
+        Input {
+            paths: vec![path.to_path_buf()],
+            root: path.to_path_buf(),
+        }
+    }
+
+    /// The one path, or the directory of the files: what an output must not lie inside.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The single path given, if only one was.
+    pub fn single(&self) -> Option<&Path> {
+        match self.paths.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    pub fn read(&self) -> Result<Checkpoint> {
+        match self.single() {
+            Some(one) => read(one),
+            None => per_rank::read(&self.paths),
+        }
+    }
+
+    /// How messages name it: the path, or the first file and how many others.
+    pub fn display(&self) -> String {
+        match self.paths.as_slice() {
+            [one] => one.display().to_string(),
+            [first, rest @ ..] => format!("{} (and {} more files)", first.display(), rest.len()),
+            [] => String::new(),
+        }
+    }
+}
+
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
 pub fn read(path: &Path) -> Result<Checkpoint> {

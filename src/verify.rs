@@ -124,11 +124,18 @@ impl VerifyReport {
 
 /// Verify the checkpoint at `path`.
 pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
+    verify_input(&crate::detect::Input::one(path), opts)
+}
+
+/// Verify the checkpoint at `path`, or the files of a per-rank checkpoint.
+pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Result<VerifyReport> {
     let mut report = VerifyReport {
-        path: path.display().to_string(),
+        path: input.display(),
         ..VerifyReport::default()
     };
-    if let Some(u) = crate::part_output::unfinished(path) {
+    let unfinished = input.single().and_then(crate::part_output::unfinished);
+    if let Some(u) = unfinished {
+        let path = input.path();
         let missing = u
             .missing
             .iter()
@@ -173,7 +180,7 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
             return Ok(report);
         }
     }
-    let ckpt = match crate::detect::read(path) {
+    let ckpt = match input.read() {
         Ok(c) => c,
         Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
         Err(e) => {

@@ -243,6 +243,24 @@ def test_model_prefix_selects_and_strips_as_for_dcp_app_states(tmp_path):
     assert all(bitwise_equal(got[k], model[k]) for k in model)
 
 
+def test_a_list_of_files_is_one_checkpoint(tmp_path):
+    """`ckpt consolidate dir/model_*.pt -o ...`: the files given, and only those, are the checkpoint
+    (veRL's extra_state files, which hold numpy RNG state ckpt refuses, can be left out this way)."""
+    want, _ = load_expected(FIXTURES_DIR, "per_rank_fsdp2")
+    files = sorted(fixture_path("per_rank_fsdp2").glob("model_world_size_4_rank_*.pt"))
+    assert len(files) == 4
+    out = tmp_path / "model.safetensors"
+    ckpt_ok("consolidate", *files, "-o", out)
+    got = load_safetensors(out)
+    model = {k: v for k, v in want.items() if k.startswith("model.")}
+    assert sorted(got) == sorted(model)
+    assert all(bitwise_equal(got[k], model[k]) for k in model)
+    report = json.loads(ckpt_ok("verify", *files, "--deep", "--json").stdout)
+    assert report["problems"] == [] and sorted(report["checksums"]) == sorted(model)
+    proc = run_ckpt("verify", *files[:3])
+    assert proc.returncode == 1 and "`model_world_size_4_rank_3.pt`" in proc.stdout, proc.stdout
+
+
 def test_consolidated_state_loads_into_an_unsharded_model_optimizer_and_scheduler(tmp_path):
     """What a user does next: the FSDP2 run's model, AdamW and scheduler state, consolidated by
     ckpt, resume a plain single-process run (optimizer state keyed by index, param_groups a list)."""
