@@ -867,6 +867,20 @@ fn per_rank_file_with_getattr_of_another_attribute() {
     }
 }
 
+/// A world size in a file name can be anything: the missing ranks are counted, a few named, and
+/// nothing iterates over (or allocates for) every one of them.
+#[test]
+fn per_rank_file_naming_a_huge_world_size() {
+    let env = TestEnv::new();
+    let rank0 = fixtures().join("per_rank_mesh_2x2/model_rank0.pt");
+    let file = env.write(
+        "huge/model_world_size_99999999999999_rank_0.pt",
+        &std::fs::read(rank0).unwrap(),
+    );
+    assert_refused(&env, file.parent().unwrap(), ALL, &["99999999999998 of"]);
+    assert_refused(&env, &file, ALL, &["99999999999998 of"]);
+}
+
 /// Words one of which any message about a tensor lying about its storage should contain.
 const STORAGE_LIE: &[&str] = &[
     "storage",

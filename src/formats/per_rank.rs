@@ -10,7 +10,7 @@
 //! `rank{R}.pt`, `{prefix}_rank{R}.pt`); the prefix (`model`, `optim`, `extra_state`) becomes the first
 //! segment of every name in it, so one directory is one state dict.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -73,15 +73,15 @@ impl Layout {
         }
     }
 
-    /// The ranks that must have saved a file for this tensor to be whole.
-    fn ranks(&self) -> Vec<u64> {
+    /// The highest rank that must have saved a file for this tensor to be whole.
+    fn last_rank(&self) -> Option<u64> {
         match self {
-            Layout::DTensor { mesh_ranks, .. } => mesh_ranks.clone(),
+            Layout::DTensor { mesh_ranks, .. } => mesh_ranks.iter().max().copied(),
             Layout::ShardedTensor {
                 world_size, shards, ..
             } => match world_size {
-                Some(w) => (0..*w).collect(),
-                None => shards.iter().filter_map(|s| s.2).collect(),
+                Some(w) => w.checked_sub(1),
+                None => shards.iter().filter_map(|s| s.2).max(),
             },
         }
     }
@@ -283,13 +283,13 @@ fn dtensor(
         Some(v) => ints(Some(v), "mesh rank map")?,
         None => Vec::new(),
     };
-    let numel: usize = sizes.iter().product();
+    let numel = sizes.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
     if !mesh_ranks.is_empty() {
-        let at = coordinate
-            .iter()
-            .zip(&sizes)
-            .fold(0usize, |acc, (&c, &s)| acc * s + c);
-        if mesh_ranks.len() != numel || rank.is_some_and(|r| mesh_ranks.get(at) != Some(&r)) {
+        // coordinates are below their sizes, so this stays below `numel`
+        let at = coordinate.iter().zip(&sizes).fold(0usize, |acc, (&c, &s)| {
+            acc.saturating_mul(s).saturating_add(c)
+        });
+        if numel != Some(mesh_ranks.len()) || rank.is_some_and(|r| mesh_ranks.get(at) != Some(&r)) {
             return Err(bad(format!(
                 "mesh of shape {sizes:?} with ranks {mesh_ranks:?} does not place rank {rank:?} at {coordinate:?}"
             )));
@@ -656,7 +656,8 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         .unwrap_or_default();
     let world_size = world_size(&files)?;
     let mut merged = Merged::default();
-    let mut ranks_needed: BTreeMap<u64, (String, PathBuf)> = BTreeMap::new();
+    // The highest rank a mesh or process group names, with the entry and file that name it.
+    let mut last_needed: Option<(u64, String, PathBuf)> = None;
     for f in &files {
         let name = PathBuf::from(f.path.file_name().unwrap_or_default());
         let file: Arc<Path> = name.as_path().into();
@@ -694,10 +695,10 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                             .hint("rename the files after the ranks that saved them"));
                         }
                     }
-                    for r in s.layout.ranks() {
-                        ranks_needed
-                            .entry(r)
-                            .or_insert_with(|| (name.clone(), f.path.clone()));
+                    if let Some(r) = s.layout.last_rank() {
+                        if last_needed.as_ref().is_none_or(|(l, ..)| r > *l) {
+                            last_needed = Some((r, name.clone(), f.path.clone()));
+                        }
                     }
                     let pieces = s
                         .pieces
@@ -724,15 +725,20 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         }
     }
     // A mesh or process group that names a rank beyond the files: that rank's file is missing.
-    if let Some((&r, (name, by))) = ranks_needed.range(world_size as u64..).next() {
+    if let Some((r, name, by)) = last_needed.filter(|(r, ..)| *r >= world_size as u64) {
         let missing: Vec<String> = prefixes(&files)
             .into_iter()
-            .map(|f| format!("`{}`", f.sibling(r as usize)))
+            .map(|f| format!("`{}`", f.sibling(world_size)))
             .collect();
+        let which = if r == world_size as u64 {
+            format!("rank {r}'s file is missing")
+        } else {
+            format!("the files of ranks {world_size} to {r} are missing, the first")
+        };
         return Err(Error::invalid(format!(
-            "rank {r}'s file is missing: {} (the files go up to rank {}, but `{name}` in this file is placed on rank {r} too)",
+            "{which}: {} (the files go up to rank {}, but `{name}` in this file is placed on rank {r})",
             missing.join(", "),
-            world_size - 1
+            world_size.saturating_sub(1)
         ))
         .file(by)
         .hint("pass every rank's file, or the directory that holds them"));
@@ -901,7 +907,11 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
     }
     let world_size = match named.first().and_then(|f| f.world_size) {
         Some(w) => w,
-        None => files.iter().map(|f| f.rank + 1).max().unwrap_or(0),
+        None => files
+            .iter()
+            .map(|f| f.rank.saturating_add(1))
+            .max()
+            .unwrap_or(0),
     };
     for f in files {
         if f.rank >= world_size {
@@ -916,11 +926,14 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
             .filter(|g| g.prefix == f.prefix)
             .map(|g| g.rank)
             .collect();
+        // A few are named; a world size in a name can be anything.
+        let count = world_size - have.len();
         let missing: Vec<String> = (0..world_size)
             .filter(|r| !have.contains(r))
+            .take(8)
             .map(|r| f.sibling(r))
             .collect();
-        if !missing.is_empty() {
+        if count > 0 {
             let dir = f.path.parent().unwrap_or(Path::new("."));
             let listed: Vec<String> = missing.iter().map(|m| format!("`{m}`")).collect();
             let beside = missing.iter().all(|m| dir.join(m).is_file());
@@ -933,9 +946,9 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
                 "every rank's file is needed: copy the missing ones beside the others".to_string()
             };
             let what = if beside { "not given" } else { "missing" };
+            let more = if count > missing.len() { ", ..." } else { "" };
             return Err(Error::invalid(format!(
-                "{} of {world_size} ranks' files are {what}: {}",
-                missing.len(),
+                "{count} of {world_size} ranks' files are {what}: {}{more}",
                 listed.join(", ")
             ))
             .file(dir)
