@@ -28,7 +28,7 @@ FIXTURE_NAMES = [
 ]
 # Per-rank torch.save fixtures (fixtures/generate_per_rank.py, expected/ in the same style), tested
 # by test_per_rank.py: a directory of one file per rank, which torch itself reads rank by rank.
-PER_RANK_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2", "per_rank_fsdp1"]
+PER_RANK_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2", "per_rank_fsdp1", "per_rank_hf_llama"]
 
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {

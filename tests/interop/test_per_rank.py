@@ -40,8 +40,8 @@ from ckpt_helpers import (
 from conftest import free_port, run_ckpt
 
 HERE = Path(__file__).resolve().parent
-DTENSOR_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2"]
-MESH = {"per_rank_fsdp2": [4], "per_rank_mesh_2x2": [2, 2], "per_rank_fsdp1": [4]}
+DTENSOR_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2", "per_rank_hf_llama"]
+MESH = {"per_rank_fsdp2": [4], "per_rank_mesh_2x2": [2, 2], "per_rank_fsdp1": [4], "per_rank_hf_llama": [4]}
 
 
 def fixture_path(name: str, root: Path = FIXTURES_DIR) -> Path:
@@ -84,7 +84,7 @@ def test_torch_reads_dtensor_files_as_expected(name):
 
     want, _ = load_expected(FIXTURES_DIR, name)
     got = {}
-    for f in sorted(fixture_path(name).iterdir()):
+    for f in sorted(fixture_path(name).glob("*.pt")):
         prefix = f.name.split("_world_size_")[0].split("_rank")[0]
         for k, v in flatten_like_dcp({prefix: torch.load(f, weights_only=True)}).items():
             if isinstance(v, DTensor):
@@ -280,6 +280,26 @@ def test_consolidated_state_loads_into_an_unsharded_model_optimizer_and_schedule
     assert optim.param_groups[0]["lr"] == want["optim.param_groups.0.lr"]
     assert bitwise_equal(optim.state[model.head.weight]["exp_avg"], want["optim.state.7.exp_avg"])
     assert sched.last_epoch == want["extra_state.lr_scheduler.last_epoch"]
+
+
+def test_from_pretrained_loads_a_consolidated_fsdp2_transformers_model(tmp_path):
+    """veRL's actor checkpoint: FSDP2 per-rank files beside the model's config.json. Consolidated
+    with the `model.` prefix stripped into a directory, with the config beside it, transformers'
+    `from_pretrained` loads it with no missing or unexpected key, every weight bitwise as saved."""
+    from transformers import LlamaForCausalLM
+
+    src = fixture_path("per_rank_hf_llama")
+    out = tmp_path / "hf"
+    ckpt_ok("consolidate", src, "-o", out, "--include", "model.*", "--strip-prefix", "model.")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    shutil.copy(src / "config.json", out / "config.json")
+    model, info = LlamaForCausalLM.from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
+    assert not any(info.values()), info
+    want, _ = load_expected(FIXTURES_DIR, "per_rank_hf_llama")
+    got = model.state_dict()
+    assert sorted(f"model.{k}" for k in got) == sorted(want)
+    bad = [k for k, v in got.items() if not bitwise_equal(v, want[f"model.{k}"])]
+    assert not bad, bad
 
 
 # --- reshard to DCP -----------------------------------------------------------------------------
