@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use crate::detect::Input;
 use crate::dtype::DType;
@@ -31,6 +31,11 @@ use crate::verify::{self, VerifyOptions};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Names and shapes for an FSDP1 LOCAL_STATE_DICT checkpoint, in module order: a FULL
+    /// torch.save of model.state_dict(), a JSON list [[name, shape], ...] of
+    /// model.named_parameters(), or a SHARDED checkpoint of the same model.
+    #[arg(long, global = true, value_name = "REF")]
+    shapes_from: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -43,6 +48,10 @@ enum Command {
     Consolidate(ConsolidateArgs),
     /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
     Reshard(ReshardArgs),
+    /// Print a completion script for bash, zsh, fish, elvish or powershell.
+    ///
+    /// e.g. `ckpt generate-shell-completion bash > ~/.local/share/bash-completion/completions/ckpt`
+    GenerateShellCompletion(CompletionArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -130,6 +139,12 @@ struct ReshardArgs {
     run: RunArgs,
     #[command(flatten)]
     write: WriteArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct CompletionArgs {
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -220,12 +235,24 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+    let _shapes = crate::formats::fsdp_local::ShapesFrom::install(cli.shapes_from);
     match cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Verify(args) => verify(args),
         Command::Consolidate(args) => consolidate(args, &cancel),
         Command::Reshard(args) => reshard(args, &cancel),
+        Command::GenerateShellCompletion(args) => completion(args),
     }
+}
+
+/// `ckpt generate-shell-completion SHELL`: the script clap_complete derives from these flags.
+fn completion(args: CompletionArgs) -> Result<i32> {
+    // Generated into memory first: clap_complete panics on a failed write, and a closed stdout
+    // must end quietly like every other command's.
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut Cli::command(), "ckpt", &mut script);
+    to_stdout(|out| out.write_all(&script))?;
+    Ok(0)
 }
 
 /// `ckpt inspect`: the report as a table or as JSON.
@@ -516,12 +543,13 @@ fn convert(
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
         let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}",
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}{}",
             env!("CARGO_PKG_VERSION"),
             select.include,
             select.exclude,
             select.strip_prefix,
             part.count,
+            crate::formats::fsdp_local::fingerprint(),
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }

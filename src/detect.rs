@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, hf_index, per_rank, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, per_rank, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
@@ -65,7 +65,7 @@ impl Input {
     pub fn read(&self) -> Result<Checkpoint> {
         match self.single() {
             Some(one) => read(one),
-            None => per_rank::read(&self.paths),
+            None => fsdp_local::apply(per_rank::read(&self.paths)?),
         }
     }
 
@@ -81,7 +81,14 @@ impl Input {
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
+/// An FSDP1 LOCAL_STATE_DICT checkpoint is resolved with the `--shapes-from` reference in force
+/// ([`fsdp_local::apply`]).
 pub fn read(path: &Path) -> Result<Checkpoint> {
+    fsdp_local::apply(read_layout(path)?)
+}
+
+/// [`read`] without resolving FSDP1 LOCAL flat parameters: the checkpoint as its files hold it.
+pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     let meta = std::fs::metadata(path)
         .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
     if meta.is_file() {

@@ -444,8 +444,10 @@ impl Checkpoint {
     }
 
     /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and the
-    /// others, up to a few) with the flag that leaves them out.
+    /// others, up to a few) with the flag that leaves them out, or FSDP1 LOCAL flat parameters
+    /// whose names and shapes were not supplied.
     pub fn check_supported(&self) -> Result<()> {
+        crate::formats::fsdp_local::check_resolved(self)?;
         let Some(first) = self.unsupported.first() else {
             return Ok(());
         };

@@ -4,6 +4,7 @@
 //! around tensor data), which the planner places and the executor writes.
 
 pub mod dcp;
+pub mod fsdp_local;
 pub mod hf_index;
 pub mod per_rank;
 pub mod safetensors;
