@@ -678,10 +678,11 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
             match leaf {
                 Leaf::Tensor(t) => {
                     let piece = piece(&archive, t, &file, vec![0; t.shape.len()]).map_err(err)?;
-                    merged
-                        .tensor(name.clone(), path, t.dtype, &t.shape, false, &f.path)?
-                        .push(piece)
-                        .map_err(err)?;
+                    if let Some(column) =
+                        merged.tensor(name.clone(), path, t.dtype, &t.shape, false, &f.path)?
+                    {
+                        column.push(piece).map_err(err)?;
+                    }
                 }
                 Leaf::Sharded(s) => {
                     if let Some(saved_by) = s.layout.rank() {
@@ -706,10 +707,12 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                         .map(|p| piece(&archive, &p.tensor, &file, p.offsets.clone()))
                         .collect::<Result<Vec<_>>>()
                         .map_err(err)?;
-                    let column =
-                        merged.tensor(name.clone(), path, s.dtype, &s.shape, true, &f.path)?;
-                    for p in pieces {
-                        column.push(p).map_err(err)?;
+                    if let Some(column) =
+                        merged.tensor(name.clone(), path, s.dtype, &s.shape, true, &f.path)?
+                    {
+                        for p in pieces {
+                            column.push(p).map_err(err)?;
+                        }
                     }
                 }
                 Leaf::Value(v) => {
@@ -742,6 +745,19 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         ))
         .file(by)
         .hint("pass every rank's file, or the directory that holds them"));
+    }
+    // FSDP1 LOCAL_STATE_DICT with use_orig_params=True saves each parameter's name with the rank's
+    // own 1-D slice of it, of another length on each rank: beside flat parameters, the first
+    // file's slice is kept (as DCP keeps one rank's), for `--shapes-from` to replace
+    // (crate::formats::fsdp_local); anywhere else, ranks that disagree on a tensor are an error.
+    let flat = merged
+        .tensors
+        .iter()
+        .any(|(t, _)| crate::formats::fsdp_local::is_flat_param(&t.name));
+    if !flat {
+        if let Some((_, first)) = std::mem::take(&mut merged.slices).pop_first() {
+            return Err(first);
+        }
     }
     Ok(Checkpoint {
         root,
@@ -980,6 +996,9 @@ struct Merged {
     values: Vec<(NonTensor, PathBuf)>,
     unsupported: Vec<Unsupported>,
     index: HashMap<String, Slot>,
+    /// Plain 1-D tensors of another length in each file (FSDP1 LOCAL per-parameter slices, whose
+    /// first file's piece is kept), with the error they are if the files hold no flat parameters.
+    slices: std::collections::BTreeMap<String, Error>,
 }
 
 #[derive(Clone, Copy)]
@@ -1000,13 +1019,21 @@ impl Merged {
         shape: &[u64],
         sharded: bool,
         file: &Path,
-    ) -> Result<&mut Pieces> {
+    ) -> Result<Option<&mut Pieces>> {
+        if self.slices.contains_key(&name) {
+            return Ok(None);
+        }
         let kind = |s: bool| if s { "sharded" } else { "plain" };
         let k = match self.index.get(&name).copied() {
             Some(Slot::Tensor(k)) => {
                 let (t, (first, was_sharded)) = &self.tensors[k];
                 if t.dtype != dtype || t.shape != shape || *was_sharded != sharded {
-                    return Err(Error::invalid(format!(
+                    let slice = !sharded
+                        && !*was_sharded
+                        && t.dtype == dtype
+                        && t.shape.len() == 1
+                        && shape.len() == 1;
+                    let err = Error::invalid(format!(
                         "ranks disagree on this tensor: `{}` has a {} {} of shape {:?}, `{}` a {} {dtype} of shape {shape:?}",
                         first.display(),
                         kind(*was_sharded),
@@ -1017,7 +1044,12 @@ impl Merged {
                     ))
                     .file(file)
                     .tensor(&name)
-                    .hint("the files are not of one save: check that they come from the same step"));
+                    .hint("the files are not of one save: check that they come from the same step");
+                    if slice {
+                        self.slices.insert(name, err);
+                        return Ok(None);
+                    }
+                    return Err(err);
                 }
                 k
             }
@@ -1038,7 +1070,7 @@ impl Merged {
                 self.tensors.len() - 1
             }
         };
-        Ok(&mut self.tensors[k].0.pieces)
+        Ok(Some(&mut self.tensors[k].0.pieces))
     }
 
     /// A non-tensor entry: every file that holds it must hold the same value, since ckpt keeps one.

@@ -302,6 +302,31 @@ def test_from_pretrained_loads_a_consolidated_fsdp2_transformers_model(tmp_path)
     assert not bad, bad
 
 
+@pytest.fixture(scope="module")
+def local_saves(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("per_rank_local")
+    proc = run_torchrun(HERE / "per_rank_local_save.py", 4, out)
+    if not (out / "orig_False.ref.pt").is_file():
+        pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out
+
+
+@pytest.mark.parametrize("orig", [True, False])
+def test_fsdp1_local_files_per_rank_resolve_with_shapes_from(local_saves, tmp_path, orig):
+    """FSDP1 LOCAL_STATE_DICT saved per rank (`rank{R}.pt`, a ShardedTensor `_flat_param` and, with
+    use_orig_params=True, each parameter's name holding the rank's own slice): read as a per-rank
+    checkpoint, resolved with `--shapes-from`, consolidated bitwise to what the model held."""
+    ref = local_saves / f"orig_{orig}.ref.pt"
+    src = local_saves / f"orig_{orig}"
+    report = json.loads(ckpt_ok("inspect", src, "--json").stdout)
+    assert report["state_dict_type"] == "LOCAL_STATE_DICT" and report["world_size"] == 4
+    out = tmp_path / f"orig_{orig}.safetensors"
+    ckpt_ok("consolidate", src, "--shapes-from", ref, "-o", out)
+    got, want = load_safetensors(out), torch.load(ref, weights_only=True)
+    assert sorted(got) == sorted(want)
+    assert all(bitwise_equal(got[k], want[k]) for k in want)
+
+
 # --- reshard to DCP -----------------------------------------------------------------------------
 
 
