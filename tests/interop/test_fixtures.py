@@ -31,7 +31,8 @@ def test_every_fixture_is_committed(fixtures_dir):
 def test_fixtures_stay_small(fixtures_dir):
     files = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
     assert sum(f.stat().st_size for f in files) < 2_000_000
-    assert len(files) < 120
+    # per-rank layouts are one small file per rank and prefix (veRL's 3 prefixes x 4 ranks)
+    assert len(files) < 160
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
