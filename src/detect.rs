@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, fsdp_local, hf_index, per_rank, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, megatron, per_rank, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
@@ -94,6 +94,10 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     if meta.is_file() {
         return read_file(path);
     }
+    // Before DCP: a Megatron directory is a DCP one with more beside it.
+    if megatron::looks_like(path) {
+        return megatron::read(path);
+    }
     if dcp::looks_like(path) {
         return dcp::read(path);
     }
@@ -123,6 +127,9 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
 }
 
 fn read_file(path: &Path) -> Result<Checkpoint> {
+    if let Some(dir) = megatron::dir_of(path) {
+        return megatron::read(&dir);
+    }
     if has_ext(path, "safetensors") {
         return safetensors::read(path);
     }

@@ -314,7 +314,13 @@ pub fn human_bytes(n: u64) -> String {
 pub fn render(report: &Report) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let _ = writeln!(s, "format:          {}", report.format);
+    let about = match report.format {
+        "megatron-torch-dist" => {
+            " (Megatron-core dist_checkpointing, torch_dist backend: DCP + common.pt)"
+        }
+        _ => "",
+    };
+    let _ = writeln!(s, "format:          {}{about}", report.format);
     let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
     let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
     let _ = writeln!(s, "world size:      {ws}");

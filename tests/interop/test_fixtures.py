@@ -10,6 +10,7 @@ import torch
 
 from ckpt_helpers import (
     FIXTURE_NAMES,
+    MEGATRON_FIXTURE_NAMES,
     PER_RANK_NAMES,
     assert_same_state,
     dtype_code,
@@ -23,8 +24,8 @@ from ckpt_helpers import (
 
 def test_every_fixture_is_committed(fixtures_dir):
     names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
-    assert names == sorted(FIXTURE_NAMES + PER_RANK_NAMES)
-    for name in FIXTURE_NAMES + PER_RANK_NAMES:
+    assert names == sorted(FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES)
+    for name in FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES:
         assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
 
 
