@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
+use crate::detect::Input;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, IoMode};
@@ -55,7 +56,9 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct InspectArgs {
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    path: Vec<PathBuf>,
     /// Print the stable JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -66,7 +69,9 @@ struct InspectArgs {
 
 #[derive(clap::Args, Debug)]
 struct VerifyArgs {
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    path: Vec<PathBuf>,
     #[arg(long)]
     json: bool,
     /// Read every byte: per-tensor checksums, NaN/Inf warnings.
@@ -87,7 +92,9 @@ struct VerifyArgs {
 
 #[derive(clap::Args, Debug)]
 struct ConsolidateArgs {
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    path: Vec<PathBuf>,
     /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
     /// `--format torch`.
     #[arg(short, long)]
@@ -107,7 +114,9 @@ struct ConsolidateArgs {
 
 #[derive(clap::Args, Debug)]
 struct ReshardArgs {
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    path: Vec<PathBuf>,
     #[arg(short, long)]
     output: PathBuf,
     /// Shorthand for `--mesh N --placements 'S(0)'`.
@@ -248,7 +257,7 @@ fn completion(args: CompletionArgs) -> Result<i32> {
 
 /// `ckpt inspect`: the report as a table or as JSON.
 fn inspect(args: InspectArgs) -> Result<i32> {
-    let ckpt = crate::detect::read(&args.path)?;
+    let ckpt = Input::new(args.path)?.read()?;
     let sel = Selection::new(&args.filters, &[], &[])?;
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {
@@ -279,10 +288,11 @@ fn verify(args: VerifyArgs) -> Result<i32> {
         threads: run.threads,
         io: run.io.into(),
     };
-    let mut report = verify::verify(&path, &opts)?;
+    let input = Input::new(path)?;
+    let mut report = verify::verify_input(&input, &opts)?;
     let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
     if needs_data && report.is_sound() {
-        let ckpt = crate::detect::read(&path)?;
+        let ckpt = input.read()?;
         if let Some(other) = &against {
             let b = crate::detect::read(other)?;
             report
@@ -325,17 +335,17 @@ fn verify(args: VerifyArgs) -> Result<i32> {
             writeln!(
                 out,
                 "{}: {verdict} (unfinished: {} of {} parts done)",
-                path.display(),
+                input.display(),
                 u.done.len(),
                 u.parts
             )
         } else if report.format.is_none() {
-            writeln!(out, "{}: {verdict} (it could not be read)", path.display())
+            writeln!(out, "{}: {verdict} (it could not be read)", input.display())
         } else {
             writeln!(
                 out,
                 "{}: {verdict} ({} tensors, {} pieces, {}{})",
-                path.display(),
+                input.display(),
                 report.tensors,
                 report.pieces,
                 human_bytes(report.bytes),
@@ -386,8 +396,9 @@ fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
             OutputKind::Dir,
         ),
     };
+    let input = Input::new(args.path)?;
     let job = Conversion {
-        input: &args.path,
+        input: &input,
         output: &args.output,
         kind,
         select: &args.select,
@@ -441,8 +452,9 @@ fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
             ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
         }
     };
+    let input = Input::new(args.path)?;
     let job = Conversion {
-        input: &args.path,
+        input: &input,
         output: &args.output,
         kind: OutputKind::Dir,
         select: &args.select,
@@ -489,7 +501,7 @@ impl From<Io> for IoMode {
 /// One conversion as the command line asked for it; the target comes separately because a
 /// reshard's depends on the names left after selection.
 struct Conversion<'a> {
-    input: &'a Path,
+    input: &'a Input,
     output: &'a Path,
     kind: OutputKind,
     select: &'a SelectArgs,
@@ -504,7 +516,7 @@ fn convert(
     target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
 ) -> Result<i32> {
     let Conversion {
-        input: path,
+        input,
         output,
         kind,
         select,
@@ -513,7 +525,7 @@ fn convert(
         ..
     } = *job;
     let started = Instant::now();
-    let ckpt = crate::detect::read(path)?;
+    let ckpt = input.read()?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -541,7 +553,7 @@ fn convert(
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }
-    let staging = Staging::prepare(output, path, kind, write.force)?;
+    let staging = Staging::prepare(output, input.path(), kind, write.force)?;
     let relative = plan.paths();
     let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
@@ -640,10 +652,11 @@ fn convert_part(
             len
         })
         .collect();
-    let fingerprint = crate::part_output::fingerprint(&description, &plan.inputs, job.input)?;
+    let fingerprint =
+        crate::part_output::fingerprint(&description, &plan.inputs, job.input.path())?;
     let out = PartOutput::prepare(
         job.output,
-        job.input,
+        job.input.path(),
         job.kind,
         write.force,
         part,

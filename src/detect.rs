@@ -4,10 +4,80 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, fsdp_local, hf_index, megatron, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, megatron, per_rank, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
+
+/// What ckpt was pointed at: one file or directory, or several files of one per-rank save
+/// (`ckpt inspect ckpt/model_world_size_4_rank_*.pt`).
+#[derive(Clone, Debug)]
+pub struct Input {
+    paths: Vec<PathBuf>,
+    /// The one path, or the directory that holds the files.
+    root: PathBuf,
+}
+
+impl Input {
+    pub fn new(paths: Vec<PathBuf>) -> Result<Input> {
+        let root = match paths.as_slice() {
+            [] => return Err(Error::usage("no checkpoint given")),
+            [one] => one.clone(),
+            many => {
+                for p in many {
+                    if !p.is_file() {
+                        return Err(Error::usage(format!(
+                            "`{}` is not a file: several paths are the files of one per-rank checkpoint",
+                            p.display()
+                        )));
+                    }
+                }
+                match many[0].parent() {
+                    Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+                    _ => PathBuf::from("."),
+                }
+            }
+        };
+        Ok(Input { paths, root })
+    }
+
+    /// One path.
+    pub fn one(path: &Path) -> Input {
+        Input {
+            paths: vec![path.to_path_buf()],
+            root: path.to_path_buf(),
+        }
+    }
+
+    /// The one path, or the directory of the files: what an output must not lie inside.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The single path given, if only one was.
+    pub fn single(&self) -> Option<&Path> {
+        match self.paths.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    pub fn read(&self) -> Result<Checkpoint> {
+        match self.single() {
+            Some(one) => read(one),
+            None => fsdp_local::apply(per_rank::read(&self.paths)?),
+        }
+    }
+
+    /// How messages name it: the path, or the first file and how many others.
+    pub fn display(&self) -> String {
+        match self.paths.as_slice() {
+            [one] => one.display().to_string(),
+            [first, rest @ ..] => format!("{} (and {} more files)", first.display(), rest.len()),
+            [] => String::new(),
+        }
+    }
+}
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
@@ -36,6 +106,9 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     }
     if dcp::hf::looks_like(path) {
         return dcp::hf::read(path);
+    }
+    if let Some(files) = per_rank::files_in(path)? {
+        return per_rank::read(&files);
     }
     let entries = list(path)?;
     let safetensors: Vec<&PathBuf> = entries
@@ -149,6 +222,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                 value: Some(v.clone()),
                 raw: None,
             }),
+            Leaf::Sharded(_) => return one_rank_file(path, &name),
             Leaf::Unsupported { dtype } => unsupported.push(Unsupported {
                 name,
                 dtype: dtype.clone(),
@@ -164,6 +238,20 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
         values,
         unsupported,
     })
+}
+
+/// A torch.save file holding DTensor or ShardedTensor values is one rank's part of a sharded save:
+/// read as a per-rank checkpoint when named like one (which says what other files it needs).
+fn one_rank_file(path: &Path, name: &str) -> Result<Checkpoint> {
+    if per_rank::is_rank_file(path) {
+        return per_rank::read(&[path.to_path_buf()]);
+    }
+    Err(Error::invalid(
+        "this file holds DTensor or ShardedTensor values: it is one rank's part of a sharded save",
+    )
+    .file(path)
+    .tensor(name)
+    .hint("name the files by rank (`model_rank0.pt`, ...) and pass the directory that holds every rank's file"))
 }
 
 /// DCP's flattening of a nested key: parts joined with dots.

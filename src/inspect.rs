@@ -330,9 +330,15 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(s, "world size:      {ws}");
     if let Some(mesh) = &report.mesh {
         let cut: Vec<String> = mesh.iter().map(|n| n.to_string()).collect();
+        // DCP does not record the mesh; per-rank DTensors do, and their pieces follow it.
+        let why = if report.format.starts_with("dcp") {
+            "; DCP does not record the mesh"
+        } else {
+            ""
+        };
         let _ = writeln!(
             s,
-            "mesh (inferred): {} (pieces per cut dim; DCP does not record the mesh)",
+            "mesh (inferred): {} (pieces per cut dim{why})",
             cut.join("x")
         );
     }

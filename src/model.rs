@@ -29,6 +29,9 @@ pub enum Format {
     DcpSafetensors,
     /// A `torch.save` ZIP archive (`pytorch_model.bin`, `*.pt`).
     TorchSave,
+    /// One `torch.save` file per rank of DTensor, ShardedTensor and plain values
+    /// (`model_world_size_4_rank_0.pt`, `rank0.pt`).
+    PerRankTorchSave,
     /// Megatron-core `dist_checkpointing` with the `torch_dist` backend: a DCP directory plus
     /// `metadata.json` and `common.pt`.
     MegatronTorchDist,
@@ -43,15 +46,17 @@ impl Format {
             Format::Dcp => "dcp",
             Format::DcpSafetensors => "dcp-safetensors",
             Format::TorchSave => "torch-save",
+            Format::PerRankTorchSave => "per-rank-torch-save",
             Format::MegatronTorchDist => "megatron-torch-dist",
         }
     }
 
     pub fn state_dict_type(self) -> StateDictType {
         match self {
-            Format::Dcp | Format::DcpSafetensors | Format::MegatronTorchDist => {
-                StateDictType::Sharded
-            }
+            Format::Dcp
+            | Format::DcpSafetensors
+            | Format::PerRankTorchSave
+            | Format::MegatronTorchDist => StateDictType::Sharded,
             Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
                 StateDictType::Full
             }

@@ -297,7 +297,7 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
             }),
             // Megatron keeps tensors in the sharded part; a tensor here would need its own
             // piece of `common.pt`, which nothing writes in practice.
-            Leaf::Tensor(_) | Leaf::Unsupported { .. } => {
+            Leaf::Tensor(_) | Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
                 return Err(Error::invalid(
                     "`common.pt` holds a tensor; ckpt reads only plain values there",
                 )

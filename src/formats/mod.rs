@@ -7,6 +7,7 @@ pub mod dcp;
 pub mod fsdp_local;
 pub mod hf_index;
 pub mod megatron;
+pub mod per_rank;
 pub mod safetensors;
 pub mod torch_save;
 pub mod zip;

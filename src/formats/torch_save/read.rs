@@ -2,6 +2,7 @@
 //! against its storage record, and the records and calls checked as torch.load checks them.
 
 use super::*;
+use crate::formats::per_rank;
 
 /// One tensor as `data.pkl` describes it: a view into a storage record.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,6 +30,8 @@ pub enum Leaf {
     },
     /// Anything that is neither a tensor nor a dict with str/int keys (or an empty dict).
     Value(Value),
+    /// A DTensor or ShardedTensor: one rank's pieces of a sharded tensor (per-rank saves).
+    Sharded(per_rank::ShardedLeaf),
 }
 
 /// A parsed torch.save archive.
@@ -547,6 +550,10 @@ fn check_calls(value: &Value) -> Result<()> {
         Value::PersistentId(id) => check_calls(id),
         Value::Object(object) => {
             let Value::Global(global) = &object.callable else {
+                if per_rank::is_process_group_state(&object.callable) {
+                    object.args.iter().try_for_each(check_calls)?;
+                    return object.state.as_ref().map_or(Ok(()), check_calls);
+                }
                 let what = if object.new_obj {
                     "`NEWOBJ`"
                 } else {
@@ -582,6 +589,7 @@ fn check_calls(value: &Value) -> Result<()> {
                 ("builtins", "bytearray") => check_bytearray_args(&object.args)?,
                 ("builtins", "complex") => check_complex_args(&object.args)?,
                 ("torch", "device") => check_device_args(&object.args)?,
+                ("builtins", "getattr") => per_rank::check_getattr(&object.args)?,
                 _ => {}
             }
             object.args.iter().try_for_each(check_calls)?;
@@ -608,12 +616,18 @@ enum Callable {
 
 fn callable_kind(module: &str, name: &str) -> Callable {
     match (module, name) {
-        ("torch", "Size" | "device")
-        | ("torch.storage", "UntypedStorage")
-        | ("collections", "OrderedDict")
-        | ("builtins", _) => Callable::Class,
-        ("torch._utils", _) | ("_codecs", _) => Callable::Function,
-        _ => Callable::Neither,
+        ("torch._utils" | "torch._tensor" | "_codecs" | "torch.serialization", _)
+        | ("builtins", "getattr") => Callable::Function,
+        ("torch", name)
+            if DType::from_storage_class(name).is_some()
+                || OTHER_STORAGE_CLASSES.contains(&name)
+                || DType::from_torch_name(name).is_some()
+                || OTHER_DTYPES.contains(&name) =>
+        {
+            Callable::Neither
+        }
+        // The classes of TorchGlobals and of the per-rank allow-list.
+        _ => Callable::Class,
     }
 }
 
@@ -642,7 +656,10 @@ fn check_build(module: &str, name: &str, state: &Value) -> Result<()> {
         ("builtins", _) | ("torch", "Size" | "device") => {
             empty(state) || matches!(state, Value::Tuple(t) if t.len() == 2 && t.iter().all(empty))
         }
-        _ => false,
+        // What a function returns: a tensor (whose storage ckpt would not follow), bytes.
+        ("torch._utils" | "torch._tensor" | "_codecs" | "torch.serialization", _) => false,
+        // Dataclasses of other allow-lists (DTensorSpec, ...) take their `__dict__`.
+        _ => true,
     };
     if ok {
         return Ok(());
@@ -1528,6 +1545,9 @@ pub struct TorchGlobals;
 
 impl Globals for TorchGlobals {
     fn allows(&self, module: &str, name: &str) -> bool {
+        if per_rank::allows_global(module, name) {
+            return true;
+        }
         match module {
             "torch._utils" => matches!(
                 name,
@@ -1685,6 +1705,14 @@ impl Interpreter<'_> {
             let dtype = format!("torch.{name}");
             self.leaves
                 .push((path.clone(), Leaf::Unsupported { dtype }));
+            return Ok(());
+        }
+        let sharded = per_rank::decode(value, &mut |t| match rebuild_function(t) {
+            Some(kind) => self.tensor(t, kind),
+            None => Err(bad("a tensor subclass's local tensor is not a tensor")),
+        });
+        if let Some(leaf) = sharded.map_err(|e| self.locate(e, path))? {
+            self.leaves.push((path.clone(), Leaf::Sharded(leaf)));
             return Ok(());
         }
         if let Some(rebuild) = rebuild_function(value) {
