@@ -36,6 +36,7 @@ pub struct Cli {
 enum Command {
     /// Describe a checkpoint: layout, world size, every tensor and non-tensor entry.
     Inspect {
+        #[arg(value_parser = crate::storage::parse_location)]
         path: PathBuf,
         /// Print the stable JSON document instead of a table.
         #[arg(long)]
@@ -46,6 +47,7 @@ enum Command {
     },
     /// Check that a checkpoint is sound. Exit 0 sound, 1 problems found, 2 usage error.
     Verify {
+        #[arg(value_parser = crate::storage::parse_location)]
         path: PathBuf,
         #[arg(long)]
         json: bool,
@@ -53,19 +55,20 @@ enum Command {
         #[arg(long)]
         deep: bool,
         /// Compare the logical tensors with another checkpoint, in any layout.
-        #[arg(long, value_name = "OTHER")]
+        #[arg(long, value_name = "OTHER", value_parser = crate::storage::parse_location)]
         against: Option<PathBuf>,
         /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
         #[arg(long, value_name = "FILE")]
         write_manifest: Option<PathBuf>,
         /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
-        #[arg(long, value_name = "FILE", conflicts_with = "write_manifest")]
+        #[arg(long, value_name = "FILE", conflicts_with = "write_manifest", value_parser = crate::storage::parse_location)]
         manifest: Option<PathBuf>,
         #[command(flatten)]
         run: RunArgs,
     },
     /// Write a FULL state dict: safetensors (one file or Hugging Face split files) or torch.save.
     Consolidate {
+        #[arg(value_parser = crate::storage::parse_location)]
         path: PathBuf,
         /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
         /// `--format torch`.
@@ -85,6 +88,7 @@ enum Command {
     },
     /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
     Reshard {
+        #[arg(value_parser = crate::storage::parse_location)]
         path: PathBuf,
         #[arg(short, long)]
         output: PathBuf,
@@ -248,7 +252,7 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                     write_small_file(file, text.as_bytes())?;
                 }
                 if let Some(file) = &manifest {
-                    let text = std::fs::read(file).map_err(|e| Error::io(file, e))?;
+                    let text = crate::storage::read(file)?;
                     let want: verify::Manifest = serde_json::from_slice(&text).map_err(|e| {
                         Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display()))
                     })?;

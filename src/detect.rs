@@ -8,19 +8,20 @@ use crate::formats::{dcp, hf_index, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
+use crate::storage::{self, Access, Input, Stat};
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
 pub fn read(path: &Path) -> Result<Checkpoint> {
-    let meta = std::fs::metadata(path)
-        .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
-    if meta.is_file() {
-        return read_file(path);
+    match storage::stat(path)? {
+        Some(Stat::File(_)) => return read_file(path),
+        Some(Stat::Dir) => {}
+        None => return Err(Error::usage(format!("`{}` does not exist", path.display()))),
     }
     if dcp::looks_like(path) {
         return dcp::read(path);
     }
-    if path.join(hf_index::INDEX_NAME).is_file() {
+    if storage::is_file(&path.join(hf_index::INDEX_NAME)) {
         return hf_index::read(path);
     }
     if dcp::hf::looks_like(path) {
@@ -35,7 +36,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         return safetensors::read(only);
     }
     for name in ["pytorch_model.bin", "model.pt", "consolidated.pth"] {
-        if path.join(name).is_file() {
+        if storage::is_file(&path.join(name)) {
             return read_file(&path.join(name));
         }
     }
@@ -54,11 +55,11 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
             return dcp::read(dir);
         }
     }
-    let mut magic = [0u8; 4];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
-        .map_err(|e| Error::io(path, e))?;
-    if n >= 2 && (magic.starts_with(b"PK") || magic[0] == 0x80) {
+    let input = Input::open(path, Access::Map)?;
+    let mut magic = [0u8; 2];
+    let n = input.len().min(2) as usize;
+    input.read_at(0, &mut magic[..n])?;
+    if n == 2 && (magic.starts_with(b"PK") || magic[0] == 0x80) {
         return read_torch_save(path);
     }
     Err(Error::invalid("not a checkpoint ckpt knows")
@@ -68,17 +69,9 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
 
 /// A full `torch.save` file: every tensor one piece, every other leaf a value.
 pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let map = if len == 0 {
-        None
-    } else {
-        // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
-        // truncation caveat.
-        Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
-    };
-    let bytes = map.as_deref().unwrap_or(&[]);
-    let archive = torch_save::read(bytes).map_err(|e| e.file(path))?;
+    let input = Input::open(path, Access::Map)?;
+    let bytes = input.zip_view(0, input.len())?;
+    let archive = torch_save::read(&bytes).map_err(|e| e.file(path))?;
     let file_name = PathBuf::from(path.file_name().unwrap_or_default());
     let mut tensors = Vec::new();
     let mut values = Vec::new();
@@ -153,13 +146,7 @@ fn has_ext(path: &Path, ext: &str) -> bool {
 }
 
 fn list(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir, e))?
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    out.sort();
-    Ok(out)
+    storage::list(dir)
 }
 
 /// The error for a directory no reader recognises, pointing at a likely checkpoint inside it.
@@ -168,9 +155,9 @@ fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
     let mut nested: Vec<&PathBuf> = entries
         .iter()
         .filter(|p| {
-            p.is_dir()
+            storage::is_dir(p)
                 && (dcp::looks_like(p)
-                    || p.join(hf_index::INDEX_NAME).is_file()
+                    || storage::is_file(&p.join(hf_index::INDEX_NAME))
                     || dcp::hf::looks_like(p))
         })
         .collect();
