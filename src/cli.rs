@@ -72,7 +72,7 @@ enum Command {
         path: PathBuf,
         /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
         /// `--format torch`.
-        #[arg(short, long)]
+        #[arg(short, long, value_parser = crate::storage::parse_location)]
         output: PathBuf,
         #[arg(long, value_enum)]
         format: Option<FullFormat>,
@@ -90,7 +90,7 @@ enum Command {
     Reshard {
         #[arg(value_parser = crate::storage::parse_location)]
         path: PathBuf,
-        #[arg(short, long)]
+        #[arg(short, long, value_parser = crate::storage::parse_location)]
         output: PathBuf,
         /// Shorthand for `--mesh N --placements 'S(0)'`.
         #[arg(long, conflicts_with = "mesh")]
@@ -502,6 +502,13 @@ fn convert_with(
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, cast));
+    if let Some(part) = write.part.filter(|_| crate::storage::is_remote(output)) {
+        return Err(Error::usage(format!(
+            "--part {part} writes into a shared filesystem; `{}` is in an object store",
+            output.display()
+        ))
+        .hint("run once without --part: the upload's parts already go in parallel"));
+    }
     if let Some(part) = write.part {
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
@@ -522,17 +529,22 @@ fn convert_with(
         };
         return convert_part(&run, &ckpt, &plan, run_args, write, cancel, started);
     }
-    let staging = Staging::prepare(output, path, kind, write.force)?;
-    let relative = plan.paths();
-    let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
     let opts = durable_options(run, &bar, cancel);
-    exec::execute(&plan, &dest, &opts)?;
-    if cancel.load(Ordering::Relaxed) {
-        return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
-    }
-    let final_path = staging.final_path().to_path_buf();
-    staging.commit()?;
+    let final_path = if crate::storage::is_remote(output) {
+        crate::storage::upload::write(&plan, path, output, kind, write.force, &opts)?;
+        output.to_path_buf()
+    } else {
+        let staging = Staging::prepare(output, path, kind, write.force)?;
+        let dest = staging.paths(&plan.paths());
+        exec::execute(&plan, &dest, &opts)?;
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+        }
+        let final_path = staging.final_path().to_path_buf();
+        staging.commit()?;
+        final_path
+    };
     if !write.quiet {
         print_notes(&plan);
         let secs = started.elapsed().as_secs_f64();

@@ -67,7 +67,7 @@ pub struct ExecOptions<'a> {
 }
 
 /// An input, opened once: a mapped or read local file, or an object read with ranged GETs.
-use crate::storage::Input as Source;
+pub use crate::storage::Input as Source;
 
 /// A block of a region: a box of the region whose destination bytes are contiguous.
 #[derive(Clone, Debug)]
@@ -234,23 +234,47 @@ pub fn patch_crcs(
     Ok(())
 }
 
+/// Every input of `plan`, opened once (a run into an object store opens them once for all its
+/// upload parts).
+pub fn open_inputs(plan: &Plan, io: IoMode) -> Result<Vec<Source>> {
+    let access = match io {
+        IoMode::Mmap => Access::Map,
+        IoMode::Read => Access::Read,
+    };
+    plan.inputs
+        .iter()
+        .map(|p| Source::open(p, access))
+        .collect()
+}
+
+/// [`execute_share`] on inputs opened by [`open_inputs`].
+pub fn execute_share_on(
+    plan: &Plan,
+    inputs: &[Source],
+    dest: &[PathBuf],
+    share: &Share,
+    opts: &ExecOptions,
+) -> Result<ShareOutcome> {
+    run_on(plan, inputs, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
+}
+
 fn run(
     plan: &Plan,
     dest: Option<&[PathBuf]>,
     share: Option<&Share>,
     opts: &ExecOptions,
 ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
-    let sources = plan
-        .inputs
-        .iter()
-        .map(|p| {
-            let access = match opts.io {
-                IoMode::Mmap => Access::Map,
-                IoMode::Read => Access::Read,
-            };
-            Source::open(p, access)
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let sources = open_inputs(plan, opts.io)?;
+    run_on(plan, &sources, dest, share, opts)
+}
+
+fn run_on(
+    plan: &Plan,
+    sources: &[Source],
+    dest: Option<&[PathBuf]>,
+    share: Option<&Share>,
+    opts: &ExecOptions,
+) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
     let dest = dest.unwrap_or(&[]);
     opts.progress
         .start(share.map_or_else(|| plan.data_bytes(), Share::len));
@@ -312,7 +336,7 @@ fn run(
                     .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
                     .collect();
                 let (batch, part) = pool
-                    .install(|| run_files(plan, &files, &outputs, &clips, dest, &sources, opts))?;
+                    .install(|| run_files(plan, &files, &outputs, &clips, dest, sources, opts))?;
                 digests.extend(batch);
                 outcome.crcs.extend(part.crcs);
                 outcome.open_slots.extend(part.open_slots);
@@ -331,7 +355,7 @@ fn run(
             .unwrap_or_else(|_| Err(Error::invalid("internal: the metadata writer stopped")));
         copied.and(written)
     })?;
-    for s in &sources {
+    for s in sources {
         let now = s.current_len()?;
         if now != s.len() {
             return Err(Error::invalid(format!(

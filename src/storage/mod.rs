@@ -14,6 +14,7 @@
 //! records (`data.pkl`) are fetched, the tensor bytes left unread.
 
 mod remote;
+pub mod upload;
 
 use std::fs::File;
 use std::ops::Deref;

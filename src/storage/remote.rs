@@ -16,6 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::stream::{StreamExt, TryStreamExt};
 use memmap2::Mmap;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as Key;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreExt, RetryConfig};
 
@@ -33,6 +34,7 @@ const IN_FLIGHT: usize = 8;
 pub(crate) struct Store {
     pub(crate) name: String,
     pub(crate) objects: Arc<dyn ObjectStore>,
+    pub(crate) multipart: Arc<dyn MultipartStore>,
 }
 
 /// A remote location: a bucket's store and a key in it.
@@ -43,7 +45,7 @@ pub struct Remote {
     pub(crate) path: PathBuf,
 }
 
-fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<&'static tokio::runtime::Runtime> {
     static RUNTIME: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
         OnceLock::new();
     RUNTIME
@@ -79,20 +81,26 @@ fn retry() -> RetryConfig {
 }
 
 fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store::Error> {
-    let objects: Arc<dyn ObjectStore> = match scheme {
-        "s3" => Arc::new(
+    fn both<T: ObjectStore + MultipartStore>(
+        s: T,
+    ) -> (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) {
+        let s = Arc::new(s);
+        (s.clone(), s)
+    }
+    let (objects, multipart) = match scheme {
+        "s3" => both(
             object_store::aws::AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry())
                 .build()?,
         ),
-        "gs" => Arc::new(
+        "gs" => both(
             object_store::gcp::GoogleCloudStorageBuilder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry())
                 .build()?,
         ),
-        _ => Arc::new(
+        _ => both(
             object_store::azure::MicrosoftAzureBuilder::from_env()
                 .with_container_name(bucket)
                 .with_retry(retry())
@@ -102,6 +110,7 @@ fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store:
     Ok(Store {
         name: format!("{scheme}://{bucket}"),
         objects,
+        multipart,
     })
 }
 
@@ -170,6 +179,19 @@ impl Remote {
             .collect();
         out.extend(listed.common_prefixes.iter().map(|p| self.path_of(p)));
         Ok(out)
+    }
+
+    /// Every key under this location taken as a directory (`key/...`).
+    pub(crate) fn list_below(&self) -> Result<Vec<Key>> {
+        let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
+        block_on(
+            self.store
+                .objects
+                .list(prefix)
+                .map_ok(|m| m.location)
+                .try_collect(),
+        )?
+        .map_err(|e| store_error(&self.path, e))
     }
 
     pub(crate) fn read_all(&self) -> Result<Vec<u8>> {

@@ -263,3 +263,176 @@ def test_bad_credentials_are_a_clear_error():
         assert "panicked" not in proc.stderr
     finally:
         server.stop()
+
+
+# --- writing to object storage --------------------------------------------------------------
+
+
+def same_tree(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_consolidate_to_s3(s3, source, tmp_path):
+    """Single file (safetensors and torch.save) and split files, from disk and from S3, uploaded
+    byte for byte as a local run writes them."""
+    src = fixture("fsdp2_adamw") if source == "local" else url("fsdp2_adamw")
+    c = s3.client()
+    cases = [
+        ("model.safetensors", []),
+        ("model.pt", ["--format", "torch"]),
+        ("split", ["--max-shard-size", "1KB"]),
+    ]
+    for name, extra in cases:
+        (tmp_path / "want").mkdir(exist_ok=True)
+        local = run(s3, "consolidate", fixture("fsdp2_adamw"), "-o", tmp_path / "want" / name, *extra)
+        assert local.returncode == 0, local.stderr
+        dest = f"out-{source}/{name}"
+        proc = run(s3, "consolidate", src, "-o", f"s3://{BUCKET}/{dest}", *extra)
+        assert proc.returncode == 0, proc.stderr
+        assert f"s3://{BUCKET}/{dest}" in proc.stderr
+        got = tmp_path / "got" / name
+        if name == "split":
+            got.mkdir(parents=True)
+            names = download_tree(c, BUCKET, dest, got)
+            assert "model.safetensors.index.json" in names and len(names) > 2
+            same_tree(tmp_path / "want" / name, got)
+            assert_same_state(load_with_torch(got), load_with_torch(tmp_path / "want" / name), "split")
+        else:
+            got.parent.mkdir(parents=True, exist_ok=True)
+            c.download_file(BUCKET, dest, str(got))
+            assert got.read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+    # Nothing is left behind: no journal of uploads, no incomplete upload.
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET, Prefix=f"out-{source}/").get("Contents", [])]
+    assert not [k for k in keys if "ckpt-uploads" in k], keys
+    assert not c.list_multipart_uploads(Bucket=BUCKET).get("Uploads"), "uploads left open"
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_reshard_to_s3_loads_in_torch(s3, source, tmp_path):
+    src = fixture("fsdp2_adamw") if source == "local" else url("fsdp2_adamw")
+    dest = f"reshard-{source}"
+    proc = run(s3, "reshard", src, "-o", f"s3://{BUCKET}/{dest}", "--world-size", "3")
+    assert proc.returncode == 0, proc.stderr
+    local = run(s3, "reshard", fixture("fsdp2_adamw"), "-o", tmp_path / "want", "--world-size", "3")
+    assert local.returncode == 0, local.stderr
+    got = tmp_path / "got"
+    got.mkdir()
+    download_tree(s3.client(), BUCKET, dest, got)
+    same_tree(tmp_path / "want", got)
+    flat, _ = load_expected(FIXTURES_DIR, "fsdp2_adamw")
+    tensors = {k: v for k, v in flat.items() if hasattr(v, "dtype")}
+    back = load_with_torch(got)  # torch's own DCP reader (dcp_to_torch_save)
+    assert_same_state({k: back[k] for k in tensors}, tensors, "reshard to s3")
+    assert run(s3, "verify", "--deep", f"s3://{BUCKET}/{dest}").returncode == 0
+
+
+def test_existing_output_is_refused_without_force(s3):
+    dest = f"s3://{BUCKET}/forced"
+    assert run(s3, "reshard", fixture("fsdp2_adamw"), "-o", dest, "--world-size", "3").returncode == 0
+    again = run(s3, "reshard", fixture("fsdp2_adamw"), "-o", dest, "--world-size", "2")
+    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    forced = run(s3, "reshard", fixture("fsdp2_adamw"), "-o", dest, "--world-size", "2", "--force")
+    assert forced.returncode == 0, forced.stderr
+    keys = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="forced/")["Contents"])
+    # The old rank file __2_0 is gone with the old output.
+    assert keys == ["forced/.metadata", "forced/__0_0.distcp", "forced/__1_0.distcp"], keys
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A 160 MB FULL safetensors written by safetensors itself: large enough that an upload runs
+    for a while, and that tensors cross upload parts (16 MiB)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layer.{i}.weight": torch.randn(1000, 5000, generator=g) for i in range(8)}, str(path))
+    return path
+
+
+def test_torch_save_crcs_across_upload_parts(s3, big, tmp_path):
+    """torch.save records larger than an upload part: their CRCs are combined from the parts'."""
+    want = tmp_path / "want" / "big.pt"
+    want.parent.mkdir()
+    assert run(s3, "consolidate", big, "-o", want, "--format", "torch").returncode == 0
+    proc = run(s3, "consolidate", big, "-o", f"s3://{BUCKET}/crc/big.pt", "--format", "torch")
+    assert proc.returncode == 0, proc.stderr
+    got = tmp_path / "got.pt"
+    s3.client().download_file(BUCKET, "crc/big.pt", str(got))
+    assert got.read_bytes() == want.read_bytes()
+
+
+def start(server, *args):
+    env = dict(os.environ, NO_COLOR="1", **server.env)
+    return subprocess.Popen(
+        [str(ckpt_path()), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+
+
+def wait_for_journal(client, prefix: str, proc) -> None:
+    deadline = time.monotonic() + 120
+    while not client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("KeyCount"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no upload started"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the run ended before it could be killed"
+
+
+@pytest.mark.parametrize("target", ["file", "dcp"])
+def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path, target):
+    import signal
+
+    c = s3.client()
+    if target == "file":
+        name, args, marker = "killed.safetensors", ["consolidate"], "killed.safetensors"
+    else:
+        name, args, marker = "killed-dcp", ["reshard", "--world-size", "2"], "killed-dcp/.metadata"
+    cmd = [args[0], big, "-o", f"s3://{BUCKET}/{name}", *args[1:]]
+    proc = start(s3, *cmd)
+    wait_for_journal(c, f".{name}.ckpt-uploads/", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    assert marker not in keys, keys
+    open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+    assert any(k.startswith(name) for k in open_uploads), open_uploads
+
+    again = run(s3, *cmd)
+    assert again.returncode == 0, again.stderr
+    open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+    assert not any(k.startswith(name) for k in open_uploads), f"not aborted: {open_uploads}"
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    assert marker in keys and not [k for k in keys if "ckpt-uploads" in k], keys
+    local = tmp_path / "want" / name
+    local.parent.mkdir()
+    assert run(s3, *[str(a).replace(f"s3://{BUCKET}/{name}", str(local)) for a in cmd]).returncode == 0
+    if target == "file":
+        got = tmp_path / "got"
+        c.download_file(BUCKET, name, str(got))
+        assert got.read_bytes() == local.read_bytes()
+    else:
+        got = tmp_path / "got"
+        got.mkdir()
+        download_tree(c, BUCKET, name, got)
+        same_tree(local, got)
+
+
+def test_ctrl_c_aborts_its_uploads(s3, big):
+    import signal
+
+    c = s3.client()
+    proc = start(s3, "consolidate", big, "-o", f"s3://{BUCKET}/interrupted.safetensors")
+    wait_for_journal(c, ".interrupted.safetensors.ckpt-uploads/", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    assert "interrupted.safetensors" not in keys and not [k for k in keys if "interrupted" in k], keys
+    open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+    assert "interrupted.safetensors" not in open_uploads, open_uploads
