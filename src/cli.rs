@@ -58,7 +58,7 @@ enum Command {
         #[arg(long, value_name = "OTHER", value_parser = crate::storage::parse_location)]
         against: Option<PathBuf>,
         /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", value_parser = crate::storage::parse_location)]
         write_manifest: Option<PathBuf>,
         /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
         #[arg(long, value_name = "FILE", conflicts_with = "write_manifest", value_parser = crate::storage::parse_location)]
@@ -249,7 +249,11 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
                 if let Some(file) = &write_manifest {
                     let m = verify::manifest(&ckpt, &opts)?;
                     let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
-                    write_small_file(file, text.as_bytes())?;
+                    if crate::storage::is_remote(file) {
+                        crate::storage::put(file, text.into_bytes())?;
+                    } else {
+                        write_small_file(file, text.as_bytes())?;
+                    }
                 }
                 if let Some(file) = &manifest {
                     let text = crate::storage::read(file)?;

@@ -138,6 +138,13 @@ pub fn read(path: &Path) -> Result<Vec<u8>> {
     }
 }
 
+/// Store a small object (a manifest) at remote location `path` in one PUT: it appears whole or
+/// not at all.
+pub fn put(path: &Path, bytes: Vec<u8>) -> Result<()> {
+    let r = remote(path).ok_or_else(|| Error::usage("internal: not a remote location"))??;
+    r.put(bytes)
+}
+
 /// Map `file` read-only.
 ///
 /// # Safety

@@ -194,6 +194,16 @@ impl Remote {
         .map_err(|e| store_error(&self.path, e))
     }
 
+    pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
+        block_on(
+            self.store
+                .objects
+                .put(&self.key, object_store::PutPayload::from(bytes)),
+        )?
+        .map(|_| ())
+        .map_err(|e| store_error(&self.path, e))
+    }
+
     pub(crate) fn read_all(&self) -> Result<Vec<u8>> {
         let got = block_on(async {
             let r = self.store.objects.get(&self.key).await?;

@@ -45,6 +45,56 @@ pub fn part_size(len: u64) -> u64 {
     MIN_PART.max(len.div_ceil(MAX_PARTS).next_multiple_of(1 << 20))
 }
 
+/// Where file `i` of `plan` (of `len` bytes) is cut into upload parts: `0`, the cuts, `len`.
+/// Cuts are [`part_size`] apart, each moved forward (by less than a part) to the end of a ZIP
+/// record it would cut, with the CRC slots that belong to it: a part that holds a record whole
+/// can be sent as soon as it is computed. A cut that cannot move so far (a record larger than a
+/// part, or a torch.save file whose central directory at the end names every record's CRC)
+/// stays, and the part holding the slot waits for the other parts' CRCs.
+fn part_cuts(plan: &Plan, i: usize, len: u64) -> Result<Vec<u64>> {
+    let size = part_size(len);
+    let file = plan.file(i)?;
+    let mut spans: Vec<(u64, u64)> = file
+        .regions
+        .iter()
+        .filter(|r| !r.crc_slots.is_empty())
+        .map(|r| {
+            let last_slot = r.crc_slots.iter().map(|s| s + 4).max().unwrap_or(0);
+            (r.offset, (r.offset + r.nbytes()).max(last_slot))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut cuts = vec![0];
+    let mut at = 0;
+    let mut k = 0;
+    loop {
+        let mut cut = at + size;
+        if cut >= len {
+            break;
+        }
+        while k < spans.len() && spans[k].1 <= cut {
+            k += 1;
+        }
+        // The spans that contain the cut, merged: the cut moves past all of them or stays.
+        let mut end = cut;
+        let mut j = k;
+        while j < spans.len() && spans[j].0 < end {
+            end = end.max(spans[j].1);
+            j += 1;
+        }
+        if end > cut && end - cut < size {
+            cut = end;
+        }
+        if cut >= len {
+            break;
+        }
+        cuts.push(cut);
+        at = cut;
+    }
+    cuts.push(len);
+    Ok(cuts)
+}
+
 /// Parts uploading at once for `threads` workers (0: one per core): the memory bound is this
 /// many parts of [`part_size`] bytes.
 pub fn in_flight(threads: usize) -> usize {
@@ -313,15 +363,13 @@ pub fn write(
         Ok(runtime()?.spawn(async move { mp.put_part(&key, &id, k, payload).await }))
     };
     for i in (0..n).filter(|&i| !plan.is_streamed(i) && lens[i] > 0) {
-        let size = part_size(lens[i]);
-        let count = lens[i].div_ceil(size) as usize;
-        parts[i] = vec![None; count];
-        for k in 0..count {
+        let cuts = part_cuts(plan, i, lens[i])?;
+        parts[i] = vec![None; cuts.len() - 1];
+        for (k, w) in cuts.windows(2).enumerate() {
             if opts.cancel.load(Ordering::Relaxed) {
                 return Err(Error::new(ErrorKind::Io, "interrupted"));
             }
-            let at = k as u64 * size;
-            let len = size.min(lens[i] - at);
+            let (at, len) = (w[0], w[1] - w[0]);
             let share = Share {
                 part: PartSpec { index: 0, count: 1 },
                 ranges: vec![FileRange {

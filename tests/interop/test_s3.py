@@ -436,3 +436,16 @@ def test_ctrl_c_aborts_its_uploads(s3, big):
     assert "interrupted.safetensors" not in keys and not [k for k in keys if "interrupted" in k], keys
     open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
     assert "interrupted.safetensors" not in open_uploads, open_uploads
+
+
+def test_manifest_in_s3(s3):
+    dest = f"s3://{BUCKET}/manifests/fsdp2.json"
+    wrote = run(s3, "verify", fixture("fsdp2_adamw"), "--write-manifest", dest)
+    assert wrote.returncode == 0, wrote.stderr
+    body = s3.client().get_object(Bucket=BUCKET, Key="manifests/fsdp2.json")["Body"].read()
+    assert json.loads(body)
+    # The same tensors in another layout, read from S3, check against the manifest in S3.
+    same = run(s3, "verify", url("fsdp2_adamw"), "--manifest", dest)
+    assert same.returncode == 0, same.stdout + same.stderr
+    other = run(s3, "verify", url("mesh_2x2"), "--manifest", dest)
+    assert other.returncode == 1, other.stdout + other.stderr
