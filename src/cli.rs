@@ -35,84 +35,96 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Describe a checkpoint: layout, world size, every tensor and non-tensor entry.
-    Inspect {
-        #[arg(value_parser = crate::storage::parse_location)]
-        path: PathBuf,
-        /// Print the stable JSON document instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Only entries whose name matches this glob (repeatable).
-        #[arg(long = "filter", value_name = "GLOB")]
-        filters: Vec<String>,
-    },
+    Inspect(InspectArgs),
     /// Check that a checkpoint is sound. Exit 0 sound, 1 problems found, 2 usage error.
-    Verify {
-        #[arg(value_parser = crate::storage::parse_location)]
-        path: PathBuf,
-        #[arg(long)]
-        json: bool,
-        /// Read every byte: per-tensor checksums, NaN/Inf warnings.
-        #[arg(long)]
-        deep: bool,
-        /// Compare the logical tensors with another checkpoint, in any layout.
-        #[arg(long, value_name = "OTHER", value_parser = crate::storage::parse_location)]
-        against: Option<PathBuf>,
-        /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
-        #[arg(long, value_name = "FILE", value_parser = crate::storage::parse_location)]
-        write_manifest: Option<PathBuf>,
-        /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
-        #[arg(long, value_name = "FILE", conflicts_with = "write_manifest", value_parser = crate::storage::parse_location)]
-        manifest: Option<PathBuf>,
-        #[command(flatten)]
-        run: RunArgs,
-    },
+    Verify(VerifyArgs),
     /// Write a FULL state dict: safetensors (one file or Hugging Face split files) or torch.save.
-    Consolidate {
-        #[arg(value_parser = crate::storage::parse_location)]
-        path: PathBuf,
-        /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
-        /// `--format torch`.
-        #[arg(short, long, value_parser = crate::storage::parse_location)]
-        output: PathBuf,
-        #[arg(long, value_enum)]
-        format: Option<FullFormat>,
-        /// Split into files of at most this size (`5GB`, `500MB`, `2GiB`); implies a directory.
-        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-        max_shard_size: Option<u64>,
-        #[command(flatten)]
-        select: SelectArgs,
-        #[command(flatten)]
-        run: RunArgs,
-        #[command(flatten)]
-        write: WriteArgs,
-    },
+    Consolidate(ConsolidateArgs),
     /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
-    Reshard {
-        #[arg(value_parser = crate::storage::parse_location)]
-        path: PathBuf,
-        #[arg(short, long, value_parser = crate::storage::parse_location)]
-        output: PathBuf,
-        /// Shorthand for `--mesh N --placements 'S(0)'`.
-        #[arg(long, conflicts_with = "mesh")]
-        world_size: Option<usize>,
-        /// Mesh shape, e.g. `4` or `2x4`.
-        #[arg(long, requires = "placements")]
-        mesh: Option<String>,
-        /// One placement per mesh dimension: `S(d)` shards tensor dim d, `R` replicates.
-        #[arg(long)]
-        placements: Option<String>,
-        /// Store tensors matching this glob whole, once (repeatable).
-        #[arg(long, value_name = "GLOB")]
-        replicate: Vec<String>,
-        #[arg(long, value_enum, default_value = "dcp")]
-        format: ShardedFormat,
-        #[command(flatten)]
-        select: SelectArgs,
-        #[command(flatten)]
-        run: RunArgs,
-        #[command(flatten)]
-        write: WriteArgs,
-    },
+    Reshard(ReshardArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct InspectArgs {
+    #[arg(value_parser = crate::storage::parse_location)]
+    path: PathBuf,
+    /// Print the stable JSON document instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Only entries whose name matches this glob (repeatable).
+    #[arg(long = "filter", value_name = "GLOB")]
+    filters: Vec<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct VerifyArgs {
+    #[arg(value_parser = crate::storage::parse_location)]
+    path: PathBuf,
+    #[arg(long)]
+    json: bool,
+    /// Read every byte: per-tensor checksums, NaN/Inf warnings.
+    #[arg(long)]
+    deep: bool,
+    /// Compare the logical tensors with another checkpoint, in any layout.
+    #[arg(long, value_name = "OTHER", value_parser = crate::storage::parse_location)]
+    against: Option<PathBuf>,
+    /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
+    #[arg(long, value_name = "FILE", value_parser = crate::storage::parse_location)]
+    write_manifest: Option<PathBuf>,
+    /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
+    #[arg(long, value_name = "FILE", conflicts_with = "write_manifest", value_parser = crate::storage::parse_location)]
+    manifest: Option<PathBuf>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct ConsolidateArgs {
+    #[arg(value_parser = crate::storage::parse_location)]
+    path: PathBuf,
+    /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
+    /// `--format torch`.
+    #[arg(short, long, value_parser = crate::storage::parse_location)]
+    output: PathBuf,
+    #[arg(long, value_enum)]
+    format: Option<FullFormat>,
+    /// Split into files of at most this size (`5GB`, `500MB`, `2GiB`); implies a directory.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    max_shard_size: Option<u64>,
+    #[command(flatten)]
+    select: SelectArgs,
+    #[command(flatten)]
+    run: RunArgs,
+    #[command(flatten)]
+    write: WriteArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct ReshardArgs {
+    #[arg(value_parser = crate::storage::parse_location)]
+    path: PathBuf,
+    #[arg(short, long, value_parser = crate::storage::parse_location)]
+    output: PathBuf,
+    /// Shorthand for `--mesh N --placements 'S(0)'`.
+    #[arg(long, conflicts_with = "mesh")]
+    world_size: Option<usize>,
+    /// Mesh shape, e.g. `4` or `2x4`.
+    #[arg(long, requires = "placements")]
+    mesh: Option<String>,
+    /// One placement per mesh dimension: `S(d)` shards tensor dim d, `R` replicates.
+    #[arg(long)]
+    placements: Option<String>,
+    /// Store tensors matching this glob whole, once (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    replicate: Vec<String>,
+    #[arg(long, value_enum, default_value = "dcp")]
+    format: ShardedFormat,
+    #[command(flatten)]
+    select: SelectArgs,
+    #[command(flatten)]
+    run: RunArgs,
+    #[command(flatten)]
+    write: WriteArgs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -204,222 +216,222 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
-        Command::Inspect {
-            path,
-            json,
-            filters,
-        } => {
-            let ckpt = crate::detect::read(&path)?;
-            let sel = Selection::new(&filters, &[], &[])?;
-            let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
-            to_stdout(|out| {
-                if json {
-                    serde_json::to_writer_pretty(&mut *out, &report)?;
-                    writeln!(out)
-                } else {
-                    write!(out, "{}", terminal_safe(&crate::inspect::render(&report)))
-                }
-            })?;
-            Ok(0)
+        Command::Inspect(args) => inspect(args),
+        Command::Verify(args) => verify(args),
+        Command::Consolidate(args) => consolidate(args, &cancel),
+        Command::Reshard(args) => reshard(args, &cancel),
+    }
+}
+
+/// `ckpt inspect`: the report as a table or as JSON.
+fn inspect(args: InspectArgs) -> Result<i32> {
+    let ckpt = crate::detect::read(&args.path)?;
+    let sel = Selection::new(&args.filters, &[], &[])?;
+    let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
+    to_stdout(|out| {
+        if args.json {
+            serde_json::to_writer_pretty(&mut *out, &report)?;
+            writeln!(out)
+        } else {
+            write!(out, "{}", terminal_safe(&crate::inspect::render(&report)))
         }
-        Command::Verify {
-            path,
-            json,
-            deep,
-            against,
-            write_manifest,
-            manifest,
-            run,
-        } => {
-            let opts = VerifyOptions {
-                deep,
-                threads: run.threads,
-                io: run.io.into(),
-            };
-            let mut report = verify::verify(&path, &opts)?;
-            let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
-            if needs_data && report.is_sound() {
-                let ckpt = crate::detect::read(&path)?;
-                if let Some(other) = &against {
-                    let b = crate::detect::read(other)?;
-                    report
-                        .problems
-                        .extend(verify::compare(&ckpt, &b, &opts, 20)?);
-                }
-                if let Some(file) = &write_manifest {
-                    let m = verify::manifest(&ckpt, &opts)?;
-                    let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
-                    if crate::storage::is_remote(file) {
-                        crate::storage::put(file, text.into_bytes())?;
-                    } else {
-                        write_small_file(file, text.as_bytes())?;
-                    }
-                }
-                if let Some(file) = &manifest {
-                    let text = crate::storage::read(file)?;
-                    let want: verify::Manifest = serde_json::from_slice(&text).map_err(|e| {
-                        Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display()))
-                    })?;
-                    report.problems.extend(verify::check_manifest(
-                        &want,
-                        &verify::manifest(&ckpt, &opts)?,
-                    ));
-                }
+    })?;
+    Ok(0)
+}
+
+/// `ckpt verify`: the checkpoint's problems, then (if it is sound) the comparisons and manifests
+/// that need its data. Exit 1 when anything was found.
+fn verify(args: VerifyArgs) -> Result<i32> {
+    let VerifyArgs {
+        path,
+        json,
+        deep,
+        against,
+        write_manifest,
+        manifest,
+        run,
+    } = args;
+    let opts = VerifyOptions {
+        deep,
+        threads: run.threads,
+        io: run.io.into(),
+    };
+    let mut report = verify::verify(&path, &opts)?;
+    let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
+    if needs_data && report.is_sound() {
+        let ckpt = crate::detect::read(&path)?;
+        if let Some(other) = &against {
+            let b = crate::detect::read(other)?;
+            report
+                .problems
+                .extend(verify::compare(&ckpt, &b, &opts, 20)?);
+        }
+        if let Some(file) = &write_manifest {
+            let m = verify::manifest(&ckpt, &opts)?;
+            let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
+            if crate::storage::is_remote(file) {
+                crate::storage::put(file, text.into_bytes())?;
+            } else {
+                write_small_file(file, text.as_bytes())?;
             }
-            to_stdout(|out| {
-                if json {
-                    serde_json::to_writer_pretty(&mut *out, &report)?;
-                    return writeln!(out);
-                }
-                for p in &report.problems {
-                    writeln!(out, "{}", terminal_safe(&p.line()))?;
-                    if let Some(hint) = &p.hint {
-                        writeln!(out, "  hint: {}", terminal_safe(hint))?;
-                    }
-                }
-                let verdict = if report.is_sound() {
-                    "sound"
-                } else {
-                    "NOT sound"
-                };
-                if let Some(u) = &report.unfinished {
-                    writeln!(
-                        out,
-                        "{}: {verdict} (unfinished: {} of {} parts done)",
-                        path.display(),
-                        u.done.len(),
-                        u.parts
-                    )
-                } else if report.format.is_none() {
-                    writeln!(out, "{}: {verdict} (it could not be read)", path.display())
-                } else {
-                    writeln!(
-                        out,
-                        "{}: {verdict} ({} tensors, {} pieces, {}{})",
-                        path.display(),
-                        report.tensors,
-                        report.pieces,
-                        human_bytes(report.bytes),
-                        if deep { ", every byte read" } else { "" }
-                    )
-                }
+        }
+        if let Some(file) = &manifest {
+            let text = crate::storage::read(file)?;
+            let want: verify::Manifest = serde_json::from_slice(&text).map_err(|e| {
+                Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display()))
             })?;
-            Ok(if report.is_sound() { 0 } else { 1 })
-        }
-        Command::Consolidate {
-            path,
-            output,
-            format,
-            max_shard_size,
-            select,
-            run,
-            write,
-        } => {
-            let name = output
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default()
-                .to_string();
-            let (target, kind) = match (format, max_shard_size) {
-                (Some(FullFormat::Torch), Some(_)) => {
-                    return Err(Error::usage(
-                        "--max-shard-size applies to safetensors output only",
-                    ))
-                }
-                (Some(FullFormat::Torch), None) => {
-                    (Target::TorchSave { file_name: name }, OutputKind::File)
-                }
-                (_, Some(max)) => (
-                    Target::SafetensorsSplit {
-                        max_shard_bytes: max,
-                    },
-                    OutputKind::Dir,
-                ),
-                (_, None) if name.ends_with(".safetensors") => {
-                    (Target::Safetensors { file_name: name }, OutputKind::File)
-                }
-                (None, None)
-                    if name.ends_with(".bin")
-                        || name.ends_with(".pt")
-                        || name.ends_with(".pth") =>
-                {
-                    (Target::TorchSave { file_name: name }, OutputKind::File)
-                }
-                // Hugging Face's default shard size.
-                (_, None) => (
-                    Target::SafetensorsSplit {
-                        max_shard_bytes: 5_000_000_000,
-                    },
-                    OutputKind::Dir,
-                ),
-            };
-            convert(
-                &path, &output, &target, kind, &select, &run, &write, &cancel,
-            )
-        }
-        Command::Reshard {
-            path,
-            output,
-            world_size,
-            mesh,
-            placements,
-            replicate,
-            format,
-            select,
-            run,
-            write,
-        } => {
-            let (shape, placements) = match (world_size, mesh) {
-                (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
-                (None, Some(m)) => (
-                    parse_mesh(&m)?,
-                    parse_placements(placements.as_deref().unwrap_or_default())?,
-                ),
-                (None, None) => {
-                    return Err(Error::usage(
-                        "give --world-size N or --mesh AxB --placements ...",
-                    ))
-                }
-            };
-            if shape.len() != placements.len() || shape.contains(&0) {
-                return Err(Error::usage(format!(
-                    "the mesh {shape:?} needs one placement per dimension and no zero size, got {} placements",
-                    placements.len()
-                )));
-            }
-            let ckpt_names = Selection::new(&replicate, &[], &[])?;
-            let mut spec = MeshSpec {
-                shape,
-                placements,
-                replicated: Default::default(),
-            };
-            // Resolved after selection (names may be renamed), in `convert`.
-            let target_of = move |ckpt: &crate::model::Checkpoint| {
-                if !replicate.is_empty() {
-                    spec.replicated = ckpt
-                        .tensors
-                        .iter()
-                        .filter(|t| ckpt_names.keeps(&t.name))
-                        .map(|t| t.name.clone())
-                        .collect();
-                }
-                match format {
-                    ShardedFormat::Dcp => Target::Dcp(spec.clone()),
-                    ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec.clone()),
-                }
-            };
-            convert_with(
-                &path,
-                &output,
-                target_of,
-                OutputKind::Dir,
-                &select,
-                &run,
-                &write,
-                &cancel,
-            )
+            report.problems.extend(verify::check_manifest(
+                &want,
+                &verify::manifest(&ckpt, &opts)?,
+            ));
         }
     }
+    to_stdout(|out| {
+        if json {
+            serde_json::to_writer_pretty(&mut *out, &report)?;
+            return writeln!(out);
+        }
+        for p in &report.problems {
+            writeln!(out, "{}", terminal_safe(&p.line()))?;
+            if let Some(hint) = &p.hint {
+                writeln!(out, "  hint: {}", terminal_safe(hint))?;
+            }
+        }
+        let verdict = if report.is_sound() {
+            "sound"
+        } else {
+            "NOT sound"
+        };
+        if let Some(u) = &report.unfinished {
+            writeln!(
+                out,
+                "{}: {verdict} (unfinished: {} of {} parts done)",
+                path.display(),
+                u.done.len(),
+                u.parts
+            )
+        } else if report.format.is_none() {
+            writeln!(out, "{}: {verdict} (it could not be read)", path.display())
+        } else {
+            writeln!(
+                out,
+                "{}: {verdict} ({} tensors, {} pieces, {}{})",
+                path.display(),
+                report.tensors,
+                report.pieces,
+                human_bytes(report.bytes),
+                if deep { ", every byte read" } else { "" }
+            )
+        }
+    })?;
+    Ok(if report.is_sound() { 0 } else { 1 })
+}
+
+/// `ckpt consolidate`: the FULL target follows from `--format`, `--max-shard-size` and the
+/// output's name.
+fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
+    let name = args
+        .output
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .to_string();
+    let (target, kind) = match (args.format, args.max_shard_size) {
+        (Some(FullFormat::Torch), Some(_)) => {
+            return Err(Error::usage(
+                "--max-shard-size applies to safetensors output only",
+            ))
+        }
+        (Some(FullFormat::Torch), None) => {
+            (Target::TorchSave { file_name: name }, OutputKind::File)
+        }
+        (_, Some(max)) => (
+            Target::SafetensorsSplit {
+                max_shard_bytes: max,
+            },
+            OutputKind::Dir,
+        ),
+        (_, None) if name.ends_with(".safetensors") => {
+            (Target::Safetensors { file_name: name }, OutputKind::File)
+        }
+        (None, None)
+            if name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth") =>
+        {
+            (Target::TorchSave { file_name: name }, OutputKind::File)
+        }
+        // Hugging Face's default shard size.
+        (_, None) => (
+            Target::SafetensorsSplit {
+                max_shard_bytes: 5_000_000_000,
+            },
+            OutputKind::Dir,
+        ),
+    };
+    let job = Conversion {
+        input: &args.path,
+        output: &args.output,
+        kind,
+        select: &args.select,
+        run: &args.run,
+        write: &args.write,
+        cancel,
+    };
+    convert(&job, |_| target)
+}
+
+/// `ckpt reshard`: a SHARDED target over a mesh, some tensors possibly replicated whole.
+fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
+    let (shape, placements) = match (args.world_size, &args.mesh) {
+        (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
+        (None, Some(m)) => (
+            parse_mesh(m)?,
+            parse_placements(args.placements.as_deref().unwrap_or_default())?,
+        ),
+        (None, None) => {
+            return Err(Error::usage(
+                "give --world-size N or --mesh AxB --placements ...",
+            ))
+        }
+    };
+    if shape.len() != placements.len() || shape.contains(&0) {
+        return Err(Error::usage(format!(
+            "the mesh {shape:?} needs one placement per dimension and no zero size, got {} placements",
+            placements.len()
+        )));
+    }
+    let replicate = &args.replicate;
+    let ckpt_names = Selection::new(replicate, &[], &[])?;
+    let mut spec = MeshSpec {
+        shape,
+        placements,
+        replicated: Default::default(),
+    };
+    let format = args.format;
+    // Resolved after selection (names may be renamed), in `convert`.
+    let target_of = move |ckpt: &crate::model::Checkpoint| {
+        if !replicate.is_empty() {
+            spec.replicated = ckpt
+                .tensors
+                .iter()
+                .filter(|t| ckpt_names.keeps(&t.name))
+                .map(|t| t.name.clone())
+                .collect();
+        }
+        match format {
+            ShardedFormat::Dcp => Target::Dcp(spec),
+            ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
+        }
+    };
+    let job = Conversion {
+        input: &args.path,
+        output: &args.output,
+        kind: OutputKind::Dir,
+        select: &args.select,
+        run: &args.run,
+        write: &args.write,
+        cancel,
+    };
+    convert(&job, target_of)
 }
 
 /// Write a small file (a manifest) under a temporary name, then rename it into place.
@@ -455,42 +467,32 @@ impl From<Io> for IoMode {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn convert(
-    path: &Path,
-    output: &Path,
-    target: &Target,
+/// One conversion as the command line asked for it; the target comes separately because a
+/// reshard's depends on the names left after selection.
+struct Conversion<'a> {
+    input: &'a Path,
+    output: &'a Path,
     kind: OutputKind,
-    select: &SelectArgs,
-    run: &RunArgs,
-    write: &WriteArgs,
-    cancel: &Arc<AtomicBool>,
-) -> Result<i32> {
-    convert_with(
-        path,
-        output,
-        |_| target.clone(),
-        kind,
-        select,
-        run,
-        write,
-        cancel,
-    )
+    select: &'a SelectArgs,
+    run: &'a RunArgs,
+    write: &'a WriteArgs,
+    cancel: &'a AtomicBool,
 }
 
 /// Read, select, plan, execute into a staging name, commit: the one path every conversion takes.
-#[allow(clippy::too_many_arguments)]
-fn convert_with(
-    path: &Path,
-    output: &Path,
+fn convert(
+    job: &Conversion,
     target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
-    kind: OutputKind,
-    select: &SelectArgs,
-    run_args: &RunArgs,
-    write: &WriteArgs,
-    cancel: &Arc<AtomicBool>,
 ) -> Result<i32> {
-    let run = run_args;
+    let Conversion {
+        input: path,
+        output,
+        kind,
+        select,
+        write,
+        cancel,
+        ..
+    } = *job;
     let started = Instant::now();
     let ckpt = crate::detect::read(path)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
@@ -524,17 +526,10 @@ fn convert_with(
             select.strip_prefix,
             part.count,
         );
-        let run = PartRun {
-            path,
-            output,
-            kind,
-            part,
-            description,
-        };
-        return convert_part(&run, &ckpt, &plan, run_args, write, cancel, started);
+        return convert_part(job, part, &description, &ckpt, &plan, started);
     }
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = durable_options(run, &bar, cancel);
+    let opts = durable_options(job.run, &bar, cancel);
     let final_path = if crate::storage::is_remote(output) {
         crate::storage::upload::write(&plan, path, output, kind, write.force, &opts)?;
         output.to_path_buf()
@@ -611,28 +606,21 @@ fn uncast_note(ckpt: &crate::model::Checkpoint, cast: Option<DType>) -> Option<S
     ))
 }
 
-/// What a partitioned run is, beyond its plan.
-struct PartRun<'a> {
-    path: &'a Path,
-    output: &'a Path,
-    kind: OutputKind,
-    part: PartSpec,
-    description: String,
-}
-
 /// One part of a partitioned run: its share of the bytes into the shared staging area, a marker,
-/// and the commit if it is the last part done.
+/// and the commit if it is the last part done. `description` is everything that changes the
+/// output's bytes, which every part must agree on.
 fn convert_part(
-    job: &PartRun,
+    job: &Conversion,
+    part: PartSpec,
+    description: &str,
     ckpt: &crate::model::Checkpoint,
     plan: &plan::Plan,
-    run: &RunArgs,
-    write: &WriteArgs,
-    cancel: &Arc<AtomicBool>,
     started: Instant,
 ) -> Result<i32> {
-    let part = job.part;
-    let mut description = job.description.clone();
+    let Conversion {
+        write, run, cancel, ..
+    } = *job;
+    let mut description = description.to_string();
     let lens: Vec<u64> = (0..plan.file_count())
         .map(|i| {
             let len = if plan.is_streamed(i) {
@@ -644,10 +632,10 @@ fn convert_part(
             len
         })
         .collect();
-    let fingerprint = crate::part_output::fingerprint(&description, &plan.inputs, job.path)?;
+    let fingerprint = crate::part_output::fingerprint(&description, &plan.inputs, job.input)?;
     let out = PartOutput::prepare(
         job.output,
-        job.path,
+        job.input,
         job.kind,
         write.force,
         part,
