@@ -22,9 +22,11 @@ use object_store::{BackoffConfig, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// Size of a cached block: small reads (headers, ZIP framing) fetch whole blocks, so the framing
-/// of neighbouring small DCP items comes in one GET.
-pub const BLOCK_BYTES: u64 = 256 << 10;
+/// Size of a cached block: small reads (headers, ZIP framing, small tensors) fetch whole blocks,
+/// so the framing of neighbouring DCP items and neighbouring small pieces come in one GET. GETs,
+/// not bytes, are what costs: a request has a latency of its own, and some servers read the whole
+/// object for each ranged GET.
+pub const BLOCK_BYTES: u64 = 4 << 20;
 /// Bytes of blocks kept, over all objects (least recently fetched dropped first).
 pub const CACHE_BYTES: u64 = 64 << 20;
 /// GETs one thread keeps in flight at once.
@@ -298,8 +300,18 @@ pub fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
     let mut got = Vec::new();
     for (o, rs) in by_object {
         let rs = coalesce(rs);
-        let bytes = o.get_ranges(&rs)?;
-        got.extend(rs.iter().zip(bytes).map(|(r, b)| (o.id, r.start, b)));
+        // Small ranges (small tensors, pieces of a few rows) through the block cache: the
+        // neighbours a later unit needs come with them.
+        let (small, large): (Vec<_>, Vec<_>) =
+            rs.into_iter().partition(|r| r.end - r.start < BLOCK_BYTES);
+        o.prefetch(&small)?;
+        for r in small {
+            let mut buf = vec![0u8; (r.end - r.start) as usize];
+            o.read_at(r.start, &mut buf)?;
+            got.push((o.id, r.start, Bytes::from(buf)));
+        }
+        let bytes = o.get_ranges(&large)?;
+        got.extend(large.iter().zip(bytes).map(|(r, b)| (o.id, r.start, b)));
     }
     WINDOW.with(|w| *w.borrow_mut() = got);
     Ok(())
@@ -379,16 +391,29 @@ impl Object {
             return Ok(());
         }
         missing.sort_unstable();
-        let spans: Vec<Range<u64>> = missing
+        // Runs of adjacent missing blocks, each one ranged GET (split by `get_ranges` at 8 MiB).
+        let mut runs: Vec<Range<u64>> = Vec::new();
+        for &b in &missing {
+            match runs.last_mut() {
+                Some(r) if r.end == b => r.end = b + 1,
+                _ => runs.push(b..b + 1),
+            }
+        }
+        let spans: Vec<Range<u64>> = runs
             .iter()
-            .map(|b| b * BLOCK_BYTES..((b + 1) * BLOCK_BYTES).min(self.len))
+            .map(|r| r.start * BLOCK_BYTES..(r.end * BLOCK_BYTES).min(self.len))
             .collect();
         let got = self.get_ranges(&spans)?;
         let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
-        for (b, bytes) in missing.into_iter().zip(got) {
-            c.bytes += bytes.len() as u64;
-            if c.blocks.insert((self.id, b), bytes).is_none() {
-                c.order.push_back((self.id, b));
+        for (run, bytes) in runs.into_iter().zip(got) {
+            for b in run.clone() {
+                let s = ((b - run.start) * BLOCK_BYTES) as usize;
+                let e = (s + BLOCK_BYTES as usize).min(bytes.len());
+                let block = bytes.slice(s.min(e)..e);
+                c.bytes += block.len() as u64;
+                if c.blocks.insert((self.id, b), block).is_none() {
+                    c.order.push_back((self.id, b));
+                }
             }
         }
         while c.bytes > CACHE_BYTES {
