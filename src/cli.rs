@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
+use crate::detect::Input;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, IoMode};
@@ -30,6 +31,11 @@ use crate::verify::{self, VerifyOptions};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Names and shapes for an FSDP1 LOCAL_STATE_DICT checkpoint, in module order: a FULL
+    /// torch.save of model.state_dict(), a JSON list [[name, shape], ...] of
+    /// model.named_parameters(), or a SHARDED checkpoint of the same model.
+    #[arg(long, global = true, value_name = "REF")]
+    shapes_from: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -42,12 +48,17 @@ enum Command {
     Consolidate(ConsolidateArgs),
     /// Write a SHARDED state dict for a new world size or mesh, loadable by `dcp.load`.
     Reshard(ReshardArgs),
+    /// Print a completion script for bash, zsh, fish, elvish or powershell.
+    ///
+    /// e.g. `ckpt generate-shell-completion bash > ~/.local/share/bash-completion/completions/ckpt`
+    GenerateShellCompletion(CompletionArgs),
 }
 
 #[derive(clap::Args, Debug)]
 struct InspectArgs {
-    #[arg(value_parser = crate::storage::parse_location)]
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
+    path: Vec<PathBuf>,
     /// Print the stable JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -58,8 +69,9 @@ struct InspectArgs {
 
 #[derive(clap::Args, Debug)]
 struct VerifyArgs {
-    #[arg(value_parser = crate::storage::parse_location)]
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
+    path: Vec<PathBuf>,
     #[arg(long)]
     json: bool,
     /// Read every byte: per-tensor checksums, NaN/Inf warnings.
@@ -80,8 +92,9 @@ struct VerifyArgs {
 
 #[derive(clap::Args, Debug)]
 struct ConsolidateArgs {
-    #[arg(value_parser = crate::storage::parse_location)]
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
+    path: Vec<PathBuf>,
     /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
     /// `--format torch`.
     #[arg(short, long, value_parser = crate::storage::parse_location)]
@@ -101,8 +114,9 @@ struct ConsolidateArgs {
 
 #[derive(clap::Args, Debug)]
 struct ReshardArgs {
-    #[arg(value_parser = crate::storage::parse_location)]
-    path: PathBuf,
+    /// A checkpoint file or directory, or every rank's file of a per-rank save.
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
+    path: Vec<PathBuf>,
     #[arg(short, long, value_parser = crate::storage::parse_location)]
     output: PathBuf,
     /// Shorthand for `--mesh N --placements 'S(0)'`.
@@ -125,6 +139,12 @@ struct ReshardArgs {
     run: RunArgs,
     #[command(flatten)]
     write: WriteArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct CompletionArgs {
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -215,17 +235,29 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+    let _shapes = crate::formats::fsdp_local::ShapesFrom::install(cli.shapes_from);
     match cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Verify(args) => verify(args),
         Command::Consolidate(args) => consolidate(args, &cancel),
         Command::Reshard(args) => reshard(args, &cancel),
+        Command::GenerateShellCompletion(args) => completion(args),
     }
+}
+
+/// `ckpt generate-shell-completion SHELL`: the script clap_complete derives from these flags.
+fn completion(args: CompletionArgs) -> Result<i32> {
+    // Generated into memory first: clap_complete panics on a failed write, and a closed stdout
+    // must end quietly like every other command's.
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut Cli::command(), "ckpt", &mut script);
+    to_stdout(|out| out.write_all(&script))?;
+    Ok(0)
 }
 
 /// `ckpt inspect`: the report as a table or as JSON.
 fn inspect(args: InspectArgs) -> Result<i32> {
-    let ckpt = crate::detect::read(&args.path)?;
+    let ckpt = Input::new(args.path)?.read()?;
     let sel = Selection::new(&args.filters, &[], &[])?;
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {
@@ -256,10 +288,11 @@ fn verify(args: VerifyArgs) -> Result<i32> {
         threads: run.threads,
         io: run.io.into(),
     };
-    let mut report = verify::verify(&path, &opts)?;
+    let input = Input::new(path)?;
+    let mut report = verify::verify_input(&input, &opts)?;
     let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
     if needs_data && report.is_sound() {
-        let ckpt = crate::detect::read(&path)?;
+        let ckpt = input.read()?;
         if let Some(other) = &against {
             let b = crate::detect::read(other)?;
             report
@@ -306,17 +339,17 @@ fn verify(args: VerifyArgs) -> Result<i32> {
             writeln!(
                 out,
                 "{}: {verdict} (unfinished: {} of {} parts done)",
-                path.display(),
+                input.display(),
                 u.done.len(),
                 u.parts
             )
         } else if report.format.is_none() {
-            writeln!(out, "{}: {verdict} (it could not be read)", path.display())
+            writeln!(out, "{}: {verdict} (it could not be read)", input.display())
         } else {
             writeln!(
                 out,
                 "{}: {verdict} ({} tensors, {} pieces, {}{})",
-                path.display(),
+                input.display(),
                 report.tensors,
                 report.pieces,
                 human_bytes(report.bytes),
@@ -367,8 +400,9 @@ fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
             OutputKind::Dir,
         ),
     };
+    let input = Input::new(args.path)?;
     let job = Conversion {
-        input: &args.path,
+        input: &input,
         output: &args.output,
         kind,
         select: &args.select,
@@ -422,8 +456,9 @@ fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
             ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
         }
     };
+    let input = Input::new(args.path)?;
     let job = Conversion {
-        input: &args.path,
+        input: &input,
         output: &args.output,
         kind: OutputKind::Dir,
         select: &args.select,
@@ -470,7 +505,7 @@ impl From<Io> for IoMode {
 /// One conversion as the command line asked for it; the target comes separately because a
 /// reshard's depends on the names left after selection.
 struct Conversion<'a> {
-    input: &'a Path,
+    input: &'a Input,
     output: &'a Path,
     kind: OutputKind,
     select: &'a SelectArgs,
@@ -485,7 +520,7 @@ fn convert(
     target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
 ) -> Result<i32> {
     let Conversion {
-        input: path,
+        input,
         output,
         kind,
         select,
@@ -494,7 +529,7 @@ fn convert(
         ..
     } = *job;
     let started = Instant::now();
-    let ckpt = crate::detect::read(path)?;
+    let ckpt = input.read()?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -519,22 +554,23 @@ fn convert(
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
         let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}",
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}{}",
             env!("CARGO_PKG_VERSION"),
             select.include,
             select.exclude,
             select.strip_prefix,
             part.count,
+            crate::formats::fsdp_local::fingerprint(),
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
     let opts = durable_options(job.run, &bar, cancel);
     let final_path = if crate::storage::is_remote(output) {
-        crate::storage::upload::write(&plan, path, output, kind, write.force, &opts)?;
+        crate::storage::upload::write(&plan, input.path(), output, kind, write.force, &opts)?;
         output.to_path_buf()
     } else {
-        let staging = Staging::prepare(output, path, kind, write.force)?;
+        let staging = Staging::prepare(output, input.path(), kind, write.force)?;
         let dest = staging.paths(&plan.paths());
         exec::execute(&plan, &dest, &opts)?;
         if cancel.load(Ordering::Relaxed) {
@@ -632,10 +668,11 @@ fn convert_part(
             len
         })
         .collect();
-    let fingerprint = crate::part_output::fingerprint(&description, &plan.inputs, job.input)?;
+    let fingerprint =
+        crate::part_output::fingerprint(&description, &plan.inputs, job.input.path())?;
     let out = PartOutput::prepare(
         job.output,
-        job.input,
+        job.input.path(),
         job.kind,
         write.force,
         part,

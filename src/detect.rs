@@ -4,19 +4,100 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
-use crate::formats::{dcp, hf_index, safetensors};
+use crate::formats::{dcp, fsdp_local, hf_index, megatron, per_rank, safetensors};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
-use crate::storage::{self, Access, Input, Stat};
+use crate::storage::{self, Access, Stat};
+
+/// What ckpt was pointed at: one file or directory, or several files of one per-rank save
+/// (`ckpt inspect ckpt/model_world_size_4_rank_*.pt`).
+#[derive(Clone, Debug)]
+pub struct Input {
+    paths: Vec<PathBuf>,
+    /// The one path, or the directory that holds the files.
+    root: PathBuf,
+}
+
+impl Input {
+    pub fn new(paths: Vec<PathBuf>) -> Result<Input> {
+        let root = match paths.as_slice() {
+            [] => return Err(Error::usage("no checkpoint given")),
+            [one] => one.clone(),
+            many => {
+                for p in many {
+                    if !storage::is_file(p) {
+                        return Err(Error::usage(format!(
+                            "`{}` is not a file: several paths are the files of one per-rank checkpoint",
+                            p.display()
+                        )));
+                    }
+                }
+                match many[0].parent() {
+                    Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+                    _ => PathBuf::from("."),
+                }
+            }
+        };
+        Ok(Input { paths, root })
+    }
+
+    /// One path.
+    pub fn one(path: &Path) -> Input {
+        Input {
+            paths: vec![path.to_path_buf()],
+            root: path.to_path_buf(),
+        }
+    }
+
+    /// The one path, or the directory of the files: what an output must not lie inside.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The single path given, if only one was.
+    pub fn single(&self) -> Option<&Path> {
+        match self.paths.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    pub fn read(&self) -> Result<Checkpoint> {
+        match self.single() {
+            Some(one) => read(one),
+            None => fsdp_local::apply(per_rank::read(&self.paths)?),
+        }
+    }
+
+    /// How messages name it: the path, or the first file and how many others.
+    pub fn display(&self) -> String {
+        match self.paths.as_slice() {
+            [one] => one.display().to_string(),
+            [first, rest @ ..] => format!("{} (and {} more files)", first.display(), rest.len()),
+            [] => String::new(),
+        }
+    }
+}
 
 /// Read whatever checkpoint `path` is: a file (safetensors, torch.save, an index) or a directory
 /// (DCP, DCP's Hugging Face flavour, Hugging Face split files, or one safetensors/torch.save file).
+/// An FSDP1 LOCAL_STATE_DICT checkpoint is resolved with the `--shapes-from` reference in force
+/// ([`fsdp_local::apply`]).
 pub fn read(path: &Path) -> Result<Checkpoint> {
+    fsdp_local::apply(read_layout(path)?)
+}
+
+/// [`read`] without resolving FSDP1 LOCAL flat parameters: the checkpoint as its files hold it.
+pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     match storage::stat(path)? {
         Some(Stat::File(_)) => return read_file(path),
         Some(Stat::Dir) => {}
         None => return Err(Error::usage(format!("`{}` does not exist", path.display()))),
+    }
+    // Before DCP: a Megatron directory is a DCP one with more beside it.
+    if megatron::looks_like(path) {
+        return megatron::read(path);
     }
     if dcp::looks_like(path) {
         return dcp::read(path);
@@ -26,6 +107,9 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     }
     if dcp::hf::looks_like(path) {
         return dcp::hf::read(path);
+    }
+    if let Some(files) = per_rank::files_in(path)? {
+        return per_rank::read(&files);
     }
     let entries = list(path)?;
     let safetensors: Vec<&PathBuf> = entries
@@ -44,6 +128,9 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
 }
 
 fn read_file(path: &Path) -> Result<Checkpoint> {
+    if let Some(dir) = megatron::dir_of(path) {
+        return megatron::read(&dir);
+    }
     if has_ext(path, "safetensors") {
         return safetensors::read(path);
     }
@@ -55,7 +142,7 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
             return dcp::read(dir);
         }
     }
-    let input = Input::open(path, Access::Map)?;
+    let input = storage::Input::open(path, Access::Map)?;
     let mut magic = [0u8; 2];
     let n = input.len().min(2) as usize;
     input.read_at(0, &mut magic[..n])?;
@@ -69,7 +156,7 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
 
 /// A full `torch.save` file: every tensor one piece, every other leaf a value.
 pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
-    let input = Input::open(path, Access::Map)?;
+    let input = storage::Input::open(path, Access::Map)?;
     let bytes = input.zip_view(0, input.len())?;
     let archive = torch_save::read(&bytes).map_err(|e| e.file(path))?;
     let file_name = PathBuf::from(path.file_name().unwrap_or_default());
@@ -116,6 +203,7 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
                 value: Some(v.clone()),
                 raw: None,
             }),
+            Leaf::Sharded(_) => return one_rank_file(path, &name),
             Leaf::Unsupported { dtype } => unsupported.push(Unsupported {
                 name,
                 dtype: dtype.clone(),
@@ -131,6 +219,20 @@ pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
         values,
         unsupported,
     })
+}
+
+/// A torch.save file holding DTensor or ShardedTensor values is one rank's part of a sharded save:
+/// read as a per-rank checkpoint when named like one (which says what other files it needs).
+fn one_rank_file(path: &Path, name: &str) -> Result<Checkpoint> {
+    if per_rank::is_rank_file(path) {
+        return per_rank::read(&[path.to_path_buf()]);
+    }
+    Err(Error::invalid(
+        "this file holds DTensor or ShardedTensor values: it is one rank's part of a sharded save",
+    )
+    .file(path)
+    .tensor(name)
+    .hint("name the files by rank (`model_rank0.pt`, ...) and pass the directory that holds every rank's file"))
 }
 
 /// DCP's flattening of a nested key: parts joined with dots.

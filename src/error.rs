@@ -12,6 +12,10 @@ pub enum ErrorKind {
     Invalid,
     /// The operating system refused a read or write (exit 1).
     Io,
+    /// A consistency check of ckpt's own work failed (a plan that contradicts itself, a value it
+    /// built that cannot be serialized): a bug in ckpt whatever the input, reported as one so that
+    /// nobody goes looking for a fault in their checkpoint (exit 1).
+    Bug,
 }
 
 /// An error that names the file, tensor and byte offset it concerns, with an optional hint.
@@ -44,6 +48,18 @@ impl Error {
     /// A malformed or unsupported checkpoint.
     pub fn invalid(message: impl Into<String>) -> Error {
         Error::new(ErrorKind::Invalid, message)
+    }
+
+    /// A broken invariant of ckpt itself: the message says so and the hint asks for a report.
+    pub fn bug(message: impl Into<String>) -> Error {
+        Error::new(
+            ErrorKind::Bug,
+            format!("internal error, a bug in ckpt: {}", message.into()),
+        )
+        .hint(
+            "the input is not at fault; please report this bug with the command line and \
+             `ckpt --version`",
+        )
     }
 
     pub fn usage(message: impl Into<String>) -> Error {

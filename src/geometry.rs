@@ -94,8 +94,18 @@ pub enum Placement {
 /// applied in order, each `Shard(d)` chunking what the previous ones left of dim `d`. A `Shard(d)` for
 /// a dim the tensor lacks acts as `Replicate`.
 pub fn local_box(shape: &[u64], mesh: &[usize], placements: &[Placement], rank: usize) -> Box {
+    local_box_at(shape, mesh, placements, &mesh_coords(mesh, rank))
+}
+
+/// [`local_box`] of the rank at mesh coordinate `coords` (a DTensor saved per rank records its
+/// coordinate, not its place in a row-major numbering).
+pub fn local_box_at(
+    shape: &[u64],
+    mesh: &[usize],
+    placements: &[Placement],
+    coords: &[usize],
+) -> Box {
     let mut b = Box::whole(shape);
-    let coords = mesh_coords(mesh, rank);
     for (i, p) in placements.iter().enumerate() {
         if let (Placement::Shard(d), Some(&size), Some(&c)) = (p, mesh.get(i), coords.get(i)) {
             if *d < shape.len() {

@@ -29,6 +29,19 @@ pub struct Report<'a> {
     /// Tensors of a dtype ckpt does not support (not in `tensors`); absent when there are none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub unsupported: Vec<UnsupportedReport<'a>>,
+    /// An FSDP1 LOCAL_STATE_DICT checkpoint read without `--shapes-from`; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsdp_local: Option<LocalReport<'a>>,
+}
+
+/// What an FSDP1 LOCAL checkpoint lacks: its tensors are flat parameters, not the model's.
+#[derive(Debug, Serialize)]
+pub struct LocalReport<'a> {
+    /// The `_flat_param` tensors, one per FSDP unit.
+    pub flat_params: Vec<&'a str>,
+    /// Always false: the files hold no parameter names or shapes.
+    pub names_and_shapes: bool,
+    pub hint: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -166,9 +179,19 @@ pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'
             bytes: v.raw.as_ref().map(|b| b.length),
         })
         .collect();
+    let flat = crate::formats::fsdp_local::flat_params(ckpt);
+    let fsdp_local = (!flat.is_empty()).then(|| LocalReport {
+        flat_params: flat.iter().map(|t| t.name.as_str()).collect(),
+        names_and_shapes: false,
+        hint: crate::formats::fsdp_local::SHAPES_HINT,
+    });
     Report {
         format: ckpt.format.name(),
-        state_dict_type: ckpt.format.state_dict_type().name(),
+        state_dict_type: if fsdp_local.is_some() {
+            "LOCAL_STATE_DICT"
+        } else {
+            ckpt.format.state_dict_type().name()
+        },
         world_size: ckpt.world_size,
         mesh: inferred_mesh(ckpt),
         tensor_count: tensors.len(),
@@ -185,6 +208,7 @@ pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'
                 dtype: &u.dtype,
             })
             .collect(),
+        fsdp_local,
     }
 }
 
@@ -290,15 +314,27 @@ pub fn human_bytes(n: u64) -> String {
 pub fn render(report: &Report) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let _ = writeln!(s, "format:          {}", report.format);
+    let about = match report.format {
+        "megatron-torch-dist" => {
+            " (Megatron-core dist_checkpointing, torch_dist backend: DCP + common.pt)"
+        }
+        _ => "",
+    };
+    let _ = writeln!(s, "format:          {}{about}", report.format);
     let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
     let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
     let _ = writeln!(s, "world size:      {ws}");
     if let Some(mesh) = &report.mesh {
         let cut: Vec<String> = mesh.iter().map(|n| n.to_string()).collect();
+        // DCP does not record the mesh; per-rank DTensors do, and their pieces follow it.
+        let why = if report.format.starts_with("dcp") {
+            "; DCP does not record the mesh"
+        } else {
+            ""
+        };
         let _ = writeln!(
             s,
-            "mesh (inferred): {} (pieces per cut dim; DCP does not record the mesh)",
+            "mesh (inferred): {} (pieces per cut dim{why})",
             cut.join("x")
         );
     }
@@ -315,6 +351,15 @@ pub fn render(report: &Report) -> String {
         .collect();
     let _ = writeln!(s, "by dtype:        {}", per.join(", "));
     let _ = writeln!(s, "non-tensors:     {}", report.non_tensors.len());
+    if let Some(local) = &report.fsdp_local {
+        let _ = writeln!(
+            s,
+            "FSDP1 LOCAL:     {} flat parameter{} (one per FSDP unit); the parameters' names and shapes are not in the files (with use_orig_params=True, the tensors named after parameters hold one rank's 1-D slice of each)\nhint: {}",
+            local.flat_params.len(),
+            if local.flat_params.len() == 1 { "" } else { "s" },
+            local.hint
+        );
+    }
     if !report.tensors.is_empty() {
         let rows: Vec<[String; 5]> = report
             .tensors

@@ -12,6 +12,15 @@
 // checks, since tests and the binary each use a subset.)
 #![cfg_attr(not(test), warn(unused_crate_dependencies))]
 
+// ckpt copies with copy_file_range(2), flushes with sync_file_range(2), checks processes and the
+// host name in /proc and opens files with O_NOFOLLOW: said once here, at build time, rather than
+// as a wall of unresolved names from libc.
+#[cfg(not(target_os = "linux"))]
+compile_error!(
+    "ckpt supports Linux only: it copies with copy_file_range(2), flushes with sync_file_range(2) \
+     and reads /proc; build it on Linux, in WSL 2 on Windows or in a Linux container on macOS"
+);
+
 pub mod cast;
 pub mod cli;
 pub mod detect;

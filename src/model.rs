@@ -29,6 +29,12 @@ pub enum Format {
     DcpSafetensors,
     /// A `torch.save` ZIP archive (`pytorch_model.bin`, `*.pt`).
     TorchSave,
+    /// One `torch.save` file per rank of DTensor, ShardedTensor and plain values
+    /// (`model_world_size_4_rank_0.pt`, `rank0.pt`).
+    PerRankTorchSave,
+    /// Megatron-core `dist_checkpointing` with the `torch_dist` backend: a DCP directory plus
+    /// `metadata.json` and `common.pt`.
+    MegatronTorchDist,
 }
 
 impl Format {
@@ -40,12 +46,17 @@ impl Format {
             Format::Dcp => "dcp",
             Format::DcpSafetensors => "dcp-safetensors",
             Format::TorchSave => "torch-save",
+            Format::PerRankTorchSave => "per-rank-torch-save",
+            Format::MegatronTorchDist => "megatron-torch-dist",
         }
     }
 
     pub fn state_dict_type(self) -> StateDictType {
         match self {
-            Format::Dcp | Format::DcpSafetensors => StateDictType::Sharded,
+            Format::Dcp
+            | Format::DcpSafetensors
+            | Format::PerRankTorchSave
+            | Format::MegatronTorchDist => StateDictType::Sharded,
             Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
                 StateDictType::Full
             }
@@ -438,8 +449,10 @@ impl Checkpoint {
     }
 
     /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and the
-    /// others, up to a few) with the flag that leaves them out.
+    /// others, up to a few) with the flag that leaves them out, or FSDP1 LOCAL flat parameters
+    /// whose names and shapes were not supplied.
     pub fn check_supported(&self) -> Result<()> {
+        crate::formats::fsdp_local::check_resolved(self)?;
         let Some(first) = self.unsupported.first() else {
             return Ok(());
         };

@@ -254,7 +254,7 @@ impl PartOutput {
             open_slots: outcome.open_slots,
         };
         let text = serde_json::to_vec(&marker)
-            .map_err(|e| Error::invalid(format!("internal: marker: {e}")))?;
+            .map_err(|e| Error::bug(format!("the part marker cannot be serialized: {e}")))?;
         write_atomic(&self.marker_path(self.part.index), &text)?;
         let missing = self.missing();
         if !missing.is_empty() {
@@ -360,7 +360,7 @@ impl PartOutput {
     fn claim_run(&self, record: &RunRecord) -> Result<RunRecord> {
         let path = self.staging.join(RUN);
         let text = serde_json::to_vec_pretty(record)
-            .map_err(|e| Error::invalid(format!("internal: run record: {e}")))?;
+            .map_err(|e| Error::bug(format!("the run record cannot be serialized: {e}")))?;
         link_new(&path, &text)?;
         let found = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
         serde_json::from_slice(&found).map_err(|e| {

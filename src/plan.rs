@@ -249,9 +249,7 @@ impl Plan<'_> {
                     .src
                     .as_ref()
                     .or(self.dcp.as_ref().map(|d| &d.src))
-                    .ok_or_else(|| {
-                        Error::invalid("internal: a region of a tensor in a plan without one")
-                    })?;
+                    .ok_or_else(|| Error::bug("a region of a tensor in a plan without one"))?;
                 Ok(Cow::Owned(src.fills(*tensor, b, part)))
             }
         }
@@ -542,8 +540,9 @@ impl<'a> Sourcing<'a> {
             return Ok(blob.length);
         }
         let Some(value) = &v.value else {
+            // Every reader keeps a value's original bytes, its decoded value, or both.
             return Err(
-                Error::invalid("non-tensor entry has neither bytes nor a value").tensor(&v.name),
+                Error::bug("non-tensor entry has neither bytes nor a value").tensor(&v.name)
             );
         };
         let pkl =
@@ -778,8 +777,8 @@ fn place_archive(
         }
         let key = record.name.rsplit('/').next().unwrap_or_default();
         let Some(mut region) = region_for(key) else {
-            return Err(Error::invalid(format!(
-                "internal: archive record `{}` has no tensor",
+            return Err(Error::bug(format!(
+                "archive record `{}` has no tensor",
                 record.name
             )));
         };
@@ -1297,6 +1296,54 @@ mod tests {
                 "{start:?} {sizes:?}"
             );
         }
+    }
+
+    /// The planner's consistency checks blame ckpt, not the checkpoint: a non-tensor entry no
+    /// reader makes (neither its bytes nor a value), and the fills of a tensor region asked of a
+    /// plan that has no tensors to take them from.
+    #[test]
+    fn broken_invariants_are_reported_as_bugs() {
+        let ckpt = Checkpoint {
+            root: PathBuf::from("/nonexistent"),
+            format: crate::model::Format::Dcp,
+            world_size: None,
+            tensors: vec![tensor_of_boxes(&[4], &[(vec![0], vec![4])])],
+            values: vec![NonTensor {
+                name: "step".into(),
+                key_path: Vec::new(),
+                value: None,
+                raw: None,
+            }],
+            unsupported: Vec::new(),
+        };
+        let mesh = MeshSpec {
+            shape: vec![2],
+            placements: vec![Placement::Shard(0)],
+            replicated: BTreeSet::new(),
+        };
+        let Err(err) = plan(&ckpt, &Target::Dcp(mesh), &PlanOptions::default()) else {
+            panic!("planned a value with nothing to write");
+        };
+        assert_eq!(err.kind, crate::ErrorKind::Bug);
+        assert_eq!(err.tensor.as_deref(), Some("step"));
+        let text = err.to_string();
+        assert!(text.contains("a bug in ckpt"), "{text}");
+        assert!(text.contains("please report"), "{text}");
+
+        let region = Region {
+            name: "t".into(),
+            offset: 0,
+            dtype: DType::F32,
+            shape: vec![4],
+            source: RegionSource::Tensor {
+                tensor: 0,
+                b: Box::whole(&[4]),
+            },
+            crc_slots: Vec::new(),
+        };
+        let err = Plan::default().fills(&region, None).unwrap_err();
+        assert_eq!(err.kind, crate::ErrorKind::Bug);
+        assert!(err.to_string().contains("a bug in ckpt"));
     }
 
     #[test]

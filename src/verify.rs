@@ -124,11 +124,18 @@ impl VerifyReport {
 
 /// Verify the checkpoint at `path`.
 pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
+    verify_input(&crate::detect::Input::one(path), opts)
+}
+
+/// Verify the checkpoint at `path`, or the files of a per-rank checkpoint.
+pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Result<VerifyReport> {
     let mut report = VerifyReport {
-        path: path.display().to_string(),
+        path: input.display(),
         ..VerifyReport::default()
     };
-    if let Some(u) = crate::part_output::unfinished(path) {
+    let unfinished = input.single().and_then(crate::part_output::unfinished);
+    if let Some(u) = unfinished {
+        let path = input.path();
         let missing = u
             .missing
             .iter()
@@ -173,7 +180,7 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
             return Ok(report);
         }
     }
-    let ckpt = match crate::detect::read(path) {
+    let ckpt = match input.read() {
         Ok(c) => c,
         Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
         Err(e) => {
@@ -212,8 +219,87 @@ pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
             }
             Err(e) => report.problems.push(Problem::from_error(&e)),
         }
+        match replica_problems(&ckpt, opts) {
+            Ok(problems) => report.problems.extend(problems),
+            Err(e) => report.problems.push(Problem::from_error(&e)),
+        }
     }
     Ok(report)
+}
+
+/// Pieces saved more than once (a plain or replicated tensor in every rank's file) must hold the
+/// same bytes: ckpt writes the first copy, so a copy that differs is data the output loses. Each
+/// copy is digested as a tensor of its own.
+fn replica_problems(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Vec<Problem>> {
+    // (tensor, piece of the first copy, piece of this copy) for every copy after the first
+    let mut copies = Vec::new();
+    let mut tensors = Vec::new();
+    for (ti, t) in ckpt.tensors.iter().enumerate() {
+        let mut first: BTreeMap<(&[u64], &[u64]), usize> = BTreeMap::new();
+        for (k, p) in t.pieces.iter().enumerate() {
+            if let Some(&f) = first.get(&(p.offsets(), p.sizes())) {
+                copies.push((ti, f, k));
+            } else {
+                first.insert((p.offsets(), p.sizes()), k);
+            }
+        }
+    }
+    if copies.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut wanted = std::collections::BTreeSet::new();
+    for &(ti, f, k) in &copies {
+        wanted.insert((ti, f));
+        wanted.insert((ti, k));
+    }
+    for &(ti, k) in &wanted {
+        let t = &ckpt.tensors[ti];
+        let mut piece = t.pieces.get(k).to_piece();
+        piece.offsets = vec![0; piece.offsets.len()];
+        tensors.push(crate::model::Tensor {
+            name: format!("{ti}/{k}"),
+            key_path: Vec::new(),
+            dtype: t.dtype,
+            shape: piece.sizes.clone(),
+            pieces: crate::model::Pieces::single(piece)?,
+        });
+    }
+    let copy_ckpt = Checkpoint {
+        root: ckpt.root.clone(),
+        format: ckpt.format,
+        world_size: ckpt.world_size,
+        tensors,
+        values: Vec::new(),
+        unsupported: Vec::new(),
+    };
+    let digests: BTreeMap<String, u64> = digests(&copy_ckpt, opts)?
+        .into_iter()
+        .map(|(name, d)| (name, d.xxh3))
+        .collect();
+    let mut problems = Vec::new();
+    for (ti, f, k) in copies {
+        if digests.get(&format!("{ti}/{f}")) == digests.get(&format!("{ti}/{k}")) {
+            continue;
+        }
+        let t = &ckpt.tensors[ti];
+        let (a, b) = (t.pieces.get(f), t.pieces.get(k));
+        problems.push(Problem {
+            hint: Some(format!(
+                "each file holds its own copy and ckpt writes the first, from `{}`",
+                a.file().display()
+            )),
+            ..Problem::error(format!(
+                "copies of the piece at offsets {:?} differ: `{}` and `{}` hold different bytes",
+                a.offsets(),
+                a.file().display(),
+                b.file().display()
+            ))
+            .tensor(&t.name)
+            .file(b.file())
+            .at(b.offset())
+        });
+    }
+    Ok(problems)
 }
 
 /// Per-tensor digests of a checkpoint's logical bytes, in tensor order.

@@ -761,6 +761,45 @@ fn inspect_infers_the_mesh_from_how_tensors_are_cut() {
     assert_eq!(got["world_size"], 4);
 }
 
+/// `ckpt generate-shell-completion SHELL` prints a script that completes every subcommand and
+/// their flags; bash's is also loaded into a real bash, which must register it for `ckpt`.
+#[test]
+fn shell_completions_name_the_subcommands_and_flags() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let out = ckpt(&[&"generate-shell-completion", &shell]);
+        assert_eq!(code(&out), 0, "{shell}: {}", stderr(&out));
+        let script = String::from_utf8(out.stdout).unwrap();
+        for word in [
+            "inspect",
+            "verify",
+            "consolidate",
+            "reshard",
+            "max-shard-size",
+            "world-size",
+        ] {
+            assert!(script.contains(word), "{shell}: no `{word}` in\n{script}");
+        }
+    }
+    let env = TestEnv::new();
+    let script = env.write(
+        "ckpt.bash",
+        &ckpt(&[&"generate-shell-completion", &"bash"]).stdout,
+    );
+    if let Ok(out) = Command::new("bash")
+        .arg("-c")
+        .arg("source \"$1\" && complete -p ckpt")
+        .arg("bash")
+        .arg(&script)
+        .output()
+    {
+        let shown = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(shown.contains("ckpt"), "{shown}");
+    }
+    let bad = ckpt(&[&"generate-shell-completion", &"tcsh"]);
+    assert_eq!(code(&bad), 2);
+}
+
 /// Run ckpt with its stdout (and with `stderr_too`, its stderr) on a pipe whose read end is
 /// already closed, as `ckpt ... | head` (`ckpt ... 2>&1 | head`) is once `head` has what it wants.
 fn ckpt_into_closed_pipe(args: &[&dyn AsRef<std::ffi::OsStr>], stderr_too: bool) -> Output {
@@ -843,6 +882,7 @@ fn a_closed_stdout_ends_the_output_without_a_panic() {
         (vec![&"--version"], 0),
         (vec![&"help", &"reshard"], 0),
         (vec![&"inspect", &"--help"], 0),
+        (vec![&"generate-shell-completion", &"zsh"], 0),
     ];
     for (args, want) in &runs {
         let out = ckpt_into_closed_pipe(args, false);

@@ -826,6 +826,61 @@ fn torch_save_bin_with_a_forbidden_global_inside_a_tensor() {
     assert!(!env.path("pwned").exists());
 }
 
+/// A per-rank file may name `getattr` only as ShardedTensor's `__getstate__` pickles it,
+/// `getattr(ShardedTensor, "ProcessGroupState")`: any other attribute, called or instantiated,
+/// is refused (and nothing is ever called).
+#[test]
+fn per_rank_file_with_getattr_of_another_attribute() {
+    let env = TestEnv::new();
+    let sharded = global(
+        "torch.distributed._shard.sharded_tensor.api",
+        "ShardedTensor",
+    );
+    let getattr = |attr: &str| {
+        reduce(
+            global("builtins", "getattr"),
+            vec![sharded.clone(), s(attr)],
+        )
+    };
+    let called = reduce(getattr("__reduce_ex__"), vec![Value::Int(2)]);
+    let made = Value::Object(Box::new(Object {
+        callable: getattr("__subclasses__"),
+        args: Vec::new(),
+        new_obj: true,
+        dict_items: Vec::new(),
+        list_items: Vec::new(),
+        state: None,
+    }));
+    for (i, value) in [called, made, getattr("__init__")].into_iter().enumerate() {
+        let tensor = Rebuild::f32(&[4]).value();
+        let pkl = pickle::write(
+            &ordered_dict(vec![(s("w"), tensor), (s("x"), value)]),
+            Protocol::V2,
+        );
+        let file = env.write(
+            &format!("ranks{i}/rank0.pt"),
+            &torch_save(&pkl, &[("0", f32_bytes(&[0.0; 4]))]),
+        );
+        let needles = ["getattr", "not a class or function"];
+        assert_refused(&env, &file, ALL, &needles);
+        assert_refused(&env, file.parent().unwrap(), ALL, &needles);
+    }
+}
+
+/// A world size in a file name can be anything: the missing ranks are counted, a few named, and
+/// nothing iterates over (or allocates for) every one of them.
+#[test]
+fn per_rank_file_naming_a_huge_world_size() {
+    let env = TestEnv::new();
+    let rank0 = fixtures().join("per_rank_mesh_2x2/model_rank0.pt");
+    let file = env.write(
+        "huge/model_world_size_99999999999999_rank_0.pt",
+        &std::fs::read(rank0).unwrap(),
+    );
+    assert_refused(&env, file.parent().unwrap(), ALL, &["99999999999998 of"]);
+    assert_refused(&env, &file, ALL, &["99999999999998 of"]);
+}
+
 /// Words one of which any message about a tensor lying about its storage should contain.
 const STORAGE_LIE: &[&str] = &[
     "storage",

@@ -130,3 +130,13 @@ fn mutated_split_never_panics() {
 fn mutated_torch_save_never_panics() {
     fuzz_fixture("torch_save.bin");
 }
+
+#[test]
+fn mutated_per_rank_dtensor_files_never_panic() {
+    fuzz_fixture("per_rank_mesh_2x2");
+}
+
+#[test]
+fn mutated_per_rank_sharded_tensor_files_never_panic() {
+    fuzz_fixture("per_rank_fsdp1");
+}

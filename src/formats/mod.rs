@@ -4,7 +4,10 @@
 //! around tensor data), which the planner places and the executor writes.
 
 pub mod dcp;
+pub mod fsdp_local;
 pub mod hf_index;
+pub mod megatron;
+pub mod per_rank;
 pub mod safetensors;
 pub mod torch_save;
 pub mod zip;

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::per_rank;
 use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
 use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
@@ -49,6 +50,8 @@ pub enum Leaf {
     },
     /// Anything that is neither a tensor nor a dict with str/int keys (or an empty dict).
     Value(Value),
+    /// A DTensor or ShardedTensor: one rank's pieces of a sharded tensor (per-rank saves).
+    Sharded(per_rank::ShardedLeaf),
 }
 
 /// A parsed torch.save archive.
@@ -105,7 +108,21 @@ fn cmp_joined(name: &[u8], prefix: &[u8], suffix: &str) -> std::cmp::Ordering {
 
 /// Read the torch.save archive that spans exactly `bytes`. Error offsets are relative to `bytes`.
 pub fn read(bytes: &[u8]) -> Result<Archive> {
-    read_with(bytes, false)
+    read_with(bytes, false, None)
+}
+
+/// A class beyond [`TorchGlobals`] that one kind of file pickles, and how it becomes plain data:
+/// `plain` gets each object of an allowed extra class and returns what stands in its place,
+/// before anything else looks at the tree (Megatron's `common.pt` holds an `argparse.Namespace`,
+/// read as the dict of its fields). Nothing is run either way.
+pub struct Extra<'a> {
+    pub globals: &'a dyn Globals,
+    pub plain: &'a dyn Fn(&Object) -> Option<Value>,
+}
+
+/// [`read`] of an archive that may also name the classes of `extra`.
+pub fn read_with_extra(bytes: &[u8], extra: &Extra<'_>) -> Result<Archive> {
+    read_with(bytes, false, Some(extra))
 }
 
 /// [`read`] for many small archives alike: DCP stores each chunk as one, and a checkpoint of a
@@ -113,7 +130,7 @@ pub fn read(bytes: &[u8]) -> Result<Archive> {
 /// name, is interpreted once per thread and reused for every archive with the same `data.pkl`
 /// bytes and the same record names and lengths; the ZIP structure of each is still read whole.
 pub fn read_cached(bytes: &[u8]) -> Result<Archive> {
-    read_with(bytes, true)
+    read_with(bytes, true, None)
 }
 
 /// Interpreted leaves by [`leaves_key`], per thread; cleared when full. Keys are hundreds of
@@ -141,7 +158,7 @@ fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
     key
 }
 
-fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
+fn read_with(bytes: &[u8], cached: bool, extra: Option<&Extra<'_>>) -> Result<Archive> {
     // Every pickle starts with PROTO (0x80) from protocol 2 on; the legacy format is a pickle.
     if bytes.first() == Some(&0x80) {
         return Err(Error::invalid(
@@ -217,8 +234,12 @@ fn read_with(bytes: &[u8], cached: bool) -> Result<Archive> {
             return Ok(Archive { leaves, ..archive });
         }
     }
-    let value = pickle::read(pkl_bytes, &TorchGlobals, Limits::default())
-        .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
+    let value = match extra {
+        None => pickle::read(pkl_bytes, &TorchGlobals, Limits::default()),
+        Some(extra) => pickle::read(pkl_bytes, &WithExtra(extra.globals), Limits::default())
+            .map(|v| replace_objects(v, extra.plain)),
+    }
+    .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
     // After the reader, so a hostile pickle meets its limits and names first.
     if let Some((opcode, at)) = opcode_torch_refuses(pkl_bytes) {
         return Err(Error::invalid(format!(
@@ -368,6 +389,10 @@ fn check_calls(value: &Value) -> Result<()> {
         Value::PersistentId(id) => check_calls(id),
         Value::Object(object) => {
             let Value::Global(global) = &object.callable else {
+                if per_rank::is_process_group_state(&object.callable) {
+                    object.args.iter().try_for_each(check_calls)?;
+                    return object.state.as_ref().map_or(Ok(()), check_calls);
+                }
                 let what = if object.new_obj {
                     "`NEWOBJ`"
                 } else {
@@ -381,6 +406,7 @@ fn check_calls(value: &Value) -> Result<()> {
             match (global.module.as_str(), global.name.as_str()) {
                 ("torch", "Size") => check_size_args(&object.args)?,
                 ("_codecs", "encode") => check_encode_args(&object.args)?,
+                ("builtins", "getattr") => per_rank::check_getattr(&object.args)?,
                 _ => {}
             }
             object.args.iter().try_for_each(check_calls)?;
@@ -1224,6 +1250,9 @@ pub struct TorchGlobals;
 
 impl Globals for TorchGlobals {
     fn allows(&self, module: &str, name: &str) -> bool {
+        if per_rank::allows_global(module, name) {
+            return true;
+        }
         match module {
             "torch._utils" => matches!(
                 name,
@@ -1248,6 +1277,61 @@ impl Globals for TorchGlobals {
             "builtins" => matches!(name, "set" | "frozenset" | "bytearray" | "complex"),
             _ => false,
         }
+    }
+}
+
+/// [`TorchGlobals`] and the classes of an [`Extra`].
+struct WithExtra<'a>(&'a dyn Globals);
+
+impl Globals for WithExtra<'_> {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        TorchGlobals.allows(module, name) || self.0.allows(module, name)
+    }
+}
+
+/// `value` with every object `plain` turns into data replaced by it, depth first.
+fn replace_objects(value: Value, plain: &dyn Fn(&Object) -> Option<Value>) -> Value {
+    let each = |items: Vec<Value>| -> Vec<Value> {
+        items
+            .into_iter()
+            .map(|v| replace_objects(v, plain))
+            .collect()
+    };
+    match value {
+        Value::Tuple(items) => Value::Tuple(each(items)),
+        Value::List(items) => Value::List(each(items)),
+        Value::Set(items) => Value::Set(each(items)),
+        Value::Dict(items) => Value::Dict(
+            items
+                .into_iter()
+                .map(|(k, v)| (replace_objects(k, plain), replace_objects(v, plain)))
+                .collect(),
+        ),
+        Value::Object(object) => match plain(&object) {
+            Some(v) => replace_objects(v, plain),
+            None => {
+                let Object {
+                    callable,
+                    args,
+                    new_obj,
+                    dict_items,
+                    list_items,
+                    state,
+                } = *object;
+                Value::Object(Box::new(Object {
+                    callable,
+                    args: each(args),
+                    new_obj,
+                    dict_items: dict_items
+                        .into_iter()
+                        .map(|(k, v)| (replace_objects(k, plain), replace_objects(v, plain)))
+                        .collect(),
+                    list_items: each(list_items),
+                    state: state.map(|s| replace_objects(s, plain)),
+                }))
+            }
+        },
+        other => other,
     }
 }
 
@@ -1323,6 +1407,14 @@ impl Interpreter<'_> {
             let dtype = format!("torch.{name}");
             self.leaves
                 .push((path.clone(), Leaf::Unsupported { dtype }));
+            return Ok(());
+        }
+        let sharded = per_rank::decode(value, &mut |t| match rebuild_function(t) {
+            Some(kind) => self.tensor(t, kind),
+            None => Err(bad("a tensor subclass's local tensor is not a tensor")),
+        });
+        if let Some(leaf) = sharded.map_err(|e| self.locate(e, path))? {
+            self.leaves.push((path.clone(), Leaf::Sharded(leaf)));
             return Ok(());
         }
         if let Some(rebuild) = rebuild_function(value) {

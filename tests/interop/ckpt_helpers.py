@@ -26,6 +26,13 @@ FIXTURE_NAMES = [
     "dtypes_torch_save",
     "dtypes_torch_dcp",
 ]
+# Per-rank torch.save fixtures (fixtures/generate_per_rank.py, expected/ in the same style), tested
+# by test_per_rank.py: a directory of one file per rank, which torch itself reads rank by rank.
+PER_RANK_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2", "per_rank_fsdp1", "per_rank_hf_llama"]
+
+# Fixtures fixtures/generate_megatron.py writes with the real megatron-core (tests/interop/test_megatron.py);
+# PyTorch alone cannot read them back whole (common.pt, and megatron's own classes in the _flat one).
+MEGATRON_FIXTURE_NAMES = ["megatron_torch_dist", "megatron_torch_dist_flat"]
 
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {

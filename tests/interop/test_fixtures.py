@@ -10,6 +10,8 @@ import torch
 
 from ckpt_helpers import (
     FIXTURE_NAMES,
+    MEGATRON_FIXTURE_NAMES,
+    PER_RANK_NAMES,
     assert_same_state,
     dtype_code,
     expected_non_tensors,
@@ -22,15 +24,16 @@ from ckpt_helpers import (
 
 def test_every_fixture_is_committed(fixtures_dir):
     names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
-    assert names == sorted(FIXTURE_NAMES)
-    for name in FIXTURE_NAMES:
+    assert names == sorted(FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES)
+    for name in FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES:
         assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
 
 
 def test_fixtures_stay_small(fixtures_dir):
     files = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
     assert sum(f.stat().st_size for f in files) < 2_000_000
-    assert len(files) < 120
+    # per-rank layouts are one small file per rank and prefix (veRL's 3 prefixes x 4 ranks)
+    assert len(files) < 160
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

@@ -7,7 +7,7 @@ A FULL safetensors of 2048 bf16 tensors [512, 64] (128 MiB of known data) is res
   (c) PyTorch's `FileSystemReader(dir).read_metadata()` reads it: 2048 tensors of 512 chunks each;
   (d) PyTorch's `dcp_to_torch_save` converts it, and its tensors equal the input bitwise.
 
-Every step runs as a child process under benches/rss.py; its wall time and peak anonymous memory
+Every step runs as a child process under scripts/rss.py; its wall time and peak anonymous memory
 (RssAnon of the process tree, sampled) are printed, never asserted on: scripts/bench --pieces is
 where memory and time are judged. (d) dominates the module's time (PyTorch loads every piece as its
 own torch.save item: minutes on a 2-core machine).
@@ -57,10 +57,10 @@ def release_bin() -> Path:
 
 
 def measured(name: str, cmd: list, logs: Path, timeout: float, report: list) -> tuple[int, str]:
-    """Run `cmd` under benches/rss.py; record (name, wall s, peak RssAnon MiB, rc) in `report`.
+    """Run `cmd` under scripts/rss.py; record (name, wall s, peak RssAnon MiB, rc) in `report`.
     Returns (exit code, the command's stdout+stderr)."""
     log = logs / f"{name.replace(' ', '_')}.log"
-    argv = [sys.executable, str(REPO / "benches" / "rss.py"), "--log", str(log), "--", *map(str, cmd)]
+    argv = [sys.executable, str(REPO / "scripts" / "rss.py"), "--log", str(log), "--", *map(str, cmd)]
     env = dict(os.environ, NO_COLOR="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -73,7 +73,7 @@ def measured(name: str, cmd: list, logs: Path, timeout: float, report: list) -> 
     try:
         j = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        pytest.fail(f"{name}: benches/rss.py gave no result ({proc.returncode}): {out!r}\n{text[-4000:]}")
+        pytest.fail(f"{name}: scripts/rss.py gave no result ({proc.returncode}): {out!r}\n{text[-4000:]}")
     report.append((name, j["wall_s"], j["rss_anon_kib"] / 1024, j["rc"]))
     return j["rc"], text
 
@@ -228,7 +228,7 @@ def test_torch_dcp_to_torch_save(scale):
     out = scale.root / "torch.pt"
     rc, text = measured(
         "torch dcp_to_torch_save",
-        [sys.executable, REPO / "benches" / "torch_convert.py", "dcp_to_torch_save", scale.sharded, out],
+        [sys.executable, REPO / "scripts" / "torch_convert.py", "dcp_to_torch_save", scale.sharded, out],
         scale.logs,
         TORCH_TIMEOUT,
         scale.report,

@@ -103,6 +103,10 @@ pub struct Rest {
     pub planner_data: Vec<(String, Vec<KeyPart>)>,
     /// `version`, e.g. "1.0.0".
     pub version: Option<String>,
+    /// Megatron-core's `mcore_data`: for each tensor it saved reformulated (a distributed
+    /// optimizer's `flattened_range` pieces), `nd_reformulated_orig_global_shape`, the shape the
+    /// tensor had before (see `formats::megatron`).
+    pub orig_shapes: Vec<(String, Vec<u64>)>,
 }
 
 /// Parse `.metadata` bytes, handing entries and storage records to `sink` as they are read.
@@ -125,7 +129,7 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
             (e, _) => pickle_error(e),
         })?;
     let root = graph.root();
-    let state = object_state(root, &[META, OLD_META], "Metadata").ok_or_else(|| {
+    let state = metadata_state(root).ok_or_else(|| {
         Error::invalid(format!(
             "the pickle holds {}, not a DCP `Metadata`",
             describe(root)
@@ -171,11 +175,52 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
         },
     };
 
+    let orig_shapes = match state.get("mcore_data").filter(|v| !v.is_none()) {
+        None => Vec::new(),
+        Some(v) => mcore_orig_shapes(v)?,
+    };
+
     Ok(Rest {
         planner_data,
         version,
+        orig_shapes,
     })
 }
+
+/// The state of the pickle's root: DCP's `Metadata`, or megatron-core 0.15's subclass of it.
+fn metadata_state(root: View<'_>) -> Option<View<'_>> {
+    object_state(root, &[META, OLD_META], "Metadata")
+        .or_else(|| object_state(root, &[MCORE], "MCoreMetadata"))
+}
+
+/// `mcore_data`: `{fqn: {"nd_reformulated_orig_global_shape": (ints)}}`; entries without that
+/// key (megatron stores `{}` for tensors it did not reformulate) are skipped.
+fn mcore_orig_shapes(value: View<'_>) -> Result<Vec<(String, Vec<u64>)>> {
+    let items = dict_items(value).ok_or_else(|| {
+        Error::invalid(format!("`mcore_data` is {}, not a dict", describe(value)))
+    })?;
+    let mut out = Vec::new();
+    for (k, v) in items {
+        let Some(fqn) = k.as_str() else {
+            bail_invalid!("an `mcore_data` key is {}, not a string", describe(k));
+        };
+        let Some(shape) = v.get(ORIG_SHAPE) else {
+            continue;
+        };
+        let shape = torch_size_of(shape).ok_or_else(|| {
+            Error::invalid(format!(
+                "`mcore_data` gives `{ORIG_SHAPE}` as {}, not a tuple of sizes",
+                describe(shape)
+            ))
+            .tensor(fqn)
+        })?;
+        out.push((fqn.to_string(), shape));
+    }
+    Ok(out)
+}
+
+/// The `mcore_data` key megatron-core (0.10 to 0.15) records a reformulated tensor's shape under.
+const ORIG_SHAPE: &str = "nd_reformulated_orig_global_shape";
 
 /// What the `.metadata` writer needs, item by item: an owned [`DcpMetadata`], or a plan that
 /// derives millions of chunks from mesh geometry as they are written, so they are never all in
@@ -345,6 +390,11 @@ const OLD_META: &str = "torch.distributed._shard.checkpoint.metadata";
 /// `TensorProperties` and its memory-format enum lived here until DCP got its own copy (torch 2.2).
 const SHARDED_TENSOR_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
 const FS: &str = "torch.distributed.checkpoint.filesystem";
+/// `SavePlan` and its parts: Megatron-core stores every rank's plan in `Metadata.all_local_plans`.
+const PLANNER: &str = "torch.distributed.checkpoint.planner";
+/// megatron-core 0.13 to 0.15 pickle their subclasses of `Metadata` and `SavePlan` (which add an
+/// `mcore_data` dict) from here.
+const MCORE: &str = "megatron.core.dist_checkpointing.strategies.torch";
 const OLD_FS: &str = "torch.distributed._shard.checkpoint.filesystem";
 
 /// Every dtype torch 2.15 has. All are names of data-only objects, so allowing them is harmless, and
@@ -400,8 +450,10 @@ const TORCH_DTYPES: &[&str] = &[
 ];
 
 /// The globals a DCP `.metadata` may name: DCP's own classes, `torch.Size`, dtypes and layouts,
-/// and the `pathlib` classes `StorageMeta.checkpoint_id` pickles as (`pathlib._local` is where
-/// Python 3.13 defined them).
+/// the `pathlib` classes `StorageMeta.checkpoint_id` pickles as (`pathlib._local` is where
+/// Python 3.13 defined them), and the planner dataclasses (plus megatron-core's two subclasses)
+/// that Megatron's `all_local_plans` holds. All are plain dataclasses and an enum, read as data;
+/// ckpt reads nothing from the plans.
 pub struct DcpGlobals;
 
 impl Globals for DcpGlobals {
@@ -420,6 +472,11 @@ impl Globals for DcpGlobals {
             ),
             SHARDED_TENSOR_META => matches!(name, "TensorProperties" | "MEM_FORMAT_ENCODING"),
             FS | OLD_FS => name == "_StorageInfo",
+            PLANNER => matches!(
+                name,
+                "SavePlan" | "WriteItem" | "WriteItemType" | "TensorWriteData"
+            ),
+            MCORE => matches!(name, "MCoreMetadata" | "MCoreSavePlan"),
             "torch" => name == "Size" || TORCH_DTYPES.contains(&name),
             "torch.serialization" => name == "_get_layout",
             "collections" => name == "OrderedDict",
@@ -455,6 +512,7 @@ impl Globals for DcpGlobals {
             ),
             SHARDED_TENSOR_META => name == "TensorProperties",
             FS | OLD_FS => name == "_StorageInfo",
+            MCORE => name == "MCoreMetadata",
             "collections" => name == "OrderedDict",
             _ => false,
         }
@@ -526,8 +584,11 @@ impl Taken<'_> {
 
 impl pickle::Consumer for Taken<'_> {
     fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
-        let is_metadata =
-            matches!(owner.class(), Some((m, "Metadata")) if m == META || m == OLD_META);
+        let is_metadata = match owner.class() {
+            Some((m, "Metadata")) => m == META || m == OLD_META,
+            Some((m, "MCoreMetadata")) => m == MCORE,
+            _ => false,
+        };
         is_metadata && (key == "state_dict_metadata" || key == "storage_data")
     }
 
@@ -1731,6 +1792,86 @@ mod tests {
         assert!(err.hint.is_some());
         let err = parse(&metadata_calling("builtins", "eval", vec![])).unwrap_err();
         assert!(err.message.contains("`builtins.eval`"), "{err}");
+    }
+
+    /// A `Metadata` whose `all_local_plans` holds one `SavePlan` with `item` among its items.
+    fn metadata_with_plan_item(item: Value) -> Vec<u8> {
+        let write_item = new_obj(
+            PLANNER,
+            "WriteItem",
+            Some(Value::Dict(vec![
+                field(
+                    "type",
+                    Value::reduce(PLANNER, "WriteItemType", vec![int(2)]),
+                ),
+                field(
+                    "tensor_data",
+                    new_obj(
+                        PLANNER,
+                        "TensorWriteData",
+                        Some(Value::Dict(vec![field("size", torch_size(&[4]))])),
+                    ),
+                ),
+            ])),
+        );
+        let plan = new_obj(
+            PLANNER,
+            "SavePlan",
+            Some(Value::Dict(vec![field(
+                "items",
+                Value::List(vec![write_item, item]),
+            )])),
+        );
+        let meta = new_obj(
+            META,
+            "Metadata",
+            Some(Value::Dict(vec![
+                field("state_dict_metadata", Value::Dict(Vec::new())),
+                field("all_local_plans", Value::List(vec![plan])),
+            ])),
+        );
+        pickle::write(&meta, Protocol::V4)
+    }
+
+    #[test]
+    fn megatrons_plans_are_read_and_any_other_global_beside_them_refused() {
+        let chunk = new_obj(META, "ChunkStorageMetadata", None);
+        parse(&metadata_with_plan_item(chunk)).unwrap();
+        for (module, name) in [
+            (PLANNER, "BytesIOWriteData"),
+            (PLANNER, "LoadPlan"),
+            (MCORE, "MCoreLoadPlanner"),
+            ("posix", "system"),
+        ] {
+            let bytes = metadata_with_plan_item(Value::reduce(module, name, Vec::new()));
+            let err = parse(&bytes).unwrap_err();
+            assert!(err.message.contains(&format!("`{module}.{name}`")), "{err}");
+        }
+    }
+
+    #[test]
+    fn megatron_0_15_metadata_gives_the_original_shapes() {
+        let bytes = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/megatron_torch_dist_flat/.metadata"
+        ))
+        .unwrap();
+        let mut collected = Collect::default();
+        let rest = parse_into(&bytes, &mut collected).unwrap();
+        assert_eq!(collected.entries.len(), 2);
+        assert_eq!(
+            rest.orig_shapes,
+            [
+                (
+                    "optimizer.state.exp_avg.decoder.linear_proj.weight".to_string(),
+                    vec![6, 4]
+                ),
+                (
+                    "optimizer.state.exp_avg.decoder.linear_qkv.weight".to_string(),
+                    vec![4, 3]
+                ),
+            ]
+        );
     }
 
     #[test]

@@ -36,8 +36,17 @@ pub fn looks_like(dir: &Path) -> bool {
     storage::is_file(&dir.join(METADATA))
 }
 
+/// Megatron's `nd_reformulated_orig_global_shape` of each tensor that has one, by fqn.
+pub type OrigShapes = Vec<(String, Vec<u64>)>;
+
 /// Read a DCP directory into the model.
 pub fn read(dir: &Path) -> Result<Checkpoint> {
+    read_with_orig_shapes(dir).map(|(ckpt, _)| ckpt)
+}
+
+/// [`read`], and the original shapes megatron-core's `mcore_data` records for tensors it saved
+/// reformulated (see `formats::megatron`), which that reader puts back.
+pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
     let meta_path = dir.join(METADATA);
     let meta = Input::open(&meta_path, Access::Map)?;
     let len = meta.len();
@@ -104,14 +113,15 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             }),
         }
     }
-    Ok(Checkpoint {
+    let ckpt = Checkpoint {
         root: dir.to_path_buf(),
         format: Format::Dcp,
         world_size,
         tensors,
         values,
         unsupported,
-    })
+    };
+    Ok((ckpt, rest.orig_shapes))
 }
 
 /// Where an item's bytes are: `_StorageInfo`, with its file numbered.

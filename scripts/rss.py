@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one command; print its wall time and peak memory as one JSON line.
 
-    benches/rss.py [--interval 0.01] [--log FILE] -- CMD ARGS...
+    scripts/rss.py [--interval 0.01] [--log FILE] -- CMD ARGS...
 
 The command's stdout and stderr go to FILE (default /dev/null), so this script's stdout is only
 the JSON line.

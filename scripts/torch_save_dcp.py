@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a SHARDED DCP checkpoint with PyTorch itself, for benchmarking ckpt on torch's own files.
 
-    torchrun --standalone --nproc_per_node=N benches/torch_save_dcp.py FULL.safetensors OUT_DIR
+    torchrun --standalone --nproc_per_node=N scripts/torch_save_dcp.py FULL.safetensors OUT_DIR
 
 Every rank reads only its Shard(0) slice of each tensor of FULL.safetensors (DTensor's chunking:
 ceil(dim0 / N) rows per rank, trailing ranks possibly empty), wraps it as a DTensor on a 1-D mesh

@@ -1,0 +1,440 @@
+//! Megatron-core `dist_checkpointing` directories saved with the `torch_dist` backend (the format
+//! of Megatron-LM and NeMo): `metadata.json` (`{"sharded_backend": "torch_dist", ...}`), a DCP
+//! `.metadata` + `__{rank}_{k}.distcp`, and `common.pt`, a torch.save of the state every rank
+//! shares (`iteration`, `args`, ...).
+//!
+//! The sharded part is read as the DCP it is (`formats::dcp`), with Megatron's names and stored
+//! shapes: a layer-stacked weight stays stacked on its leading layers axis. One thing is undone:
+//! megatron-core 0.10 to 0.15 save a distributed optimizer's `flattened_range` pieces of a tensor
+//! of shape `[X, Y, Z]` whose TP-local pieces are `[x, y, z]` as a tensor of shape
+//! `[X/x, Y/y, Z/z, x*y*z]` (the grid of local blocks, then each block flattened), recording the
+//! original shape in `mcore_data` (`nd_reformulated_orig_global_shape`). Each such piece (a run of
+//! one block's flattened elements) is put back as the boxes of the original shape it covers, so
+//! the tensor is read, consolidated and resharded in its original shape. That is a plain reshape
+//! only when the first cut axis is the first axis of size above one (TP on dim 0); with TP on a
+//! later dim the blocks interleave, which this mapping handles the same way.
+//!
+//! `common.pt`'s values become non-tensor entries under their own names (`iteration`,
+//! `args.lr`). Its `argparse.Namespace` (`args`) is read as the dict of its fields: the data-only
+//! reader allows that one class for this file and keeps only the field values, so the entries
+//! are plain data that `torch.load(weights_only=True)` reads back (a dict, no longer a Namespace).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::formats::dcp;
+use crate::formats::torch_save::{self, Extra, Leaf};
+use crate::model::{contiguous_strides, numel, Checkpoint, Format, NonTensor, Pieces, Tensor};
+use crate::pickle::{Globals, Object, Value};
+
+/// The file that says a directory is a Megatron `dist_checkpointing` checkpoint.
+pub const CONFIG: &str = "metadata.json";
+/// The torch.save file of the state every rank shares.
+pub const COMMON: &str = "common.pt";
+/// `metadata.json` and `common.pt` are a few hundred bytes; anything this large is not one.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// True when `dir` holds a `metadata.json` naming the `torch_dist` backend.
+pub fn looks_like(dir: &Path) -> bool {
+    matches!(backend(dir), Ok(Some(b)) if b == "torch_dist")
+}
+
+/// The `sharded_backend` that `metadata.json` names, `None` when there is no such file.
+fn backend(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join(CONFIG);
+    let Ok(meta) = std::fs::metadata(&path) else {
+        return Ok(None);
+    };
+    if !meta.is_file() || meta.len() > MAX_CONFIG_BYTES {
+        return Ok(None);
+    }
+    let text = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let json: serde_json::Value = match serde_json::from_slice(&text) {
+        Ok(v) => v,
+        Err(_) => return Ok(None),
+    };
+    Ok(json
+        .get("sharded_backend")
+        .and_then(|b| b.as_str())
+        .map(str::to_string))
+}
+
+/// Read a Megatron `torch_dist` directory into the model.
+pub fn read(dir: &Path) -> Result<Checkpoint> {
+    let (mut ckpt, orig_shapes) = dcp::read_with_orig_shapes(dir)?;
+    ckpt.format = Format::MegatronTorchDist;
+    let meta_path = dir.join(dcp::METADATA);
+    let orig: HashMap<&str, &[u64]> = orig_shapes
+        .iter()
+        .map(|(fqn, shape)| (fqn.as_str(), shape.as_slice()))
+        .collect();
+    for t in &mut ckpt.tensors {
+        if let Some(shape) = orig.get(t.name.as_str()) {
+            restore_shape(t, shape).map_err(|e| e.file(&meta_path).tensor(&t.name))?;
+        }
+    }
+    let common = dir.join(COMMON);
+    if common.is_file() {
+        let values = common_values(&common)?;
+        let taken: std::collections::HashSet<&str> = ckpt
+            .tensors
+            .iter()
+            .map(|t| t.name.as_str())
+            .chain(ckpt.values.iter().map(|v| v.name.as_str()))
+            .collect();
+        if let Some(v) = values.iter().find(|v| taken.contains(v.name.as_str())) {
+            return Err(Error::invalid(
+                "`common.pt` has an entry of the same name as one in `.metadata`",
+            )
+            .file(&common)
+            .tensor(&v.name));
+        }
+        ckpt.values.extend(values);
+    }
+    Ok(ckpt)
+}
+
+/// Put a reformulated tensor (see the module docs) back into its original `shape`.
+fn restore_shape(t: &mut Tensor, orig: &[u64]) -> Result<()> {
+    let n = orig.len();
+    let stored = t.shape.clone();
+    let refuse = |why: String| {
+        Error::invalid(format!(
+            "`mcore_data` says this tensor had shape {orig:?}, but it is stored as {stored:?}: {why}"
+        ))
+        .hint("the checkpoint's `.metadata` and its data disagree; read it with the megatron-core version that wrote it")
+    };
+    if stored.len() != n + 1 {
+        return Err(refuse(format!(
+            "a reformulated tensor has one more dim than its original ({} dims)",
+            n + 1
+        )));
+    }
+    if numel(&stored) != numel(orig) {
+        return Err(refuse(format!(
+            "they hold {} and {} elements",
+            numel(&stored).map_or("too many".into(), |v| v.to_string()),
+            numel(orig).map_or("too many".into(), |v| v.to_string())
+        )));
+    }
+    // The local block: the original shape over the grid of blocks.
+    let mut block = Vec::with_capacity(n);
+    for (d, (&o, &g)) in orig.iter().zip(&stored).enumerate() {
+        if g == 0 || o % g != 0 {
+            return Err(refuse(format!(
+                "dim {d} ({o}) is not a whole number of {g} blocks"
+            )));
+        }
+        block.push(o / g);
+    }
+    let block_len = numel(&block).unwrap_or(u64::MAX);
+    if block_len != stored[n] {
+        return Err(refuse(format!(
+            "its blocks of {block:?} hold {block_len} elements, not {}",
+            stored[n]
+        )));
+    }
+    let size = t.dtype.size() as u64;
+    let mut pieces = Pieces::new(n);
+    for p in t.pieces.iter() {
+        let (offsets, sizes) = (p.offsets(), p.sizes());
+        let where_ = || format!("the piece at offsets {offsets:?}");
+        if sizes[..n].iter().any(|&s| s != 1) {
+            return Err(refuse(format!(
+                "{} spans more than one block ({sizes:?})",
+                where_()
+            )));
+        }
+        if sizes[n] > 1 && p.strides()[n] != 1 {
+            return Err(refuse(format!("{} is not stored contiguously", where_())));
+        }
+        let start = offsets[n];
+        let end = start.saturating_add(sizes[n]);
+        if end > block_len {
+            return Err(refuse(format!(
+                "{} runs past its block of {block_len} elements",
+                where_()
+            )));
+        }
+        let corner: Vec<u64> = offsets[..n]
+            .iter()
+            .zip(&block)
+            .map(|(&b, &x)| b * x)
+            .collect();
+        for (local, box_sizes) in flat_range_boxes(&block, start, end) {
+            let first = flat_index(&block, &local);
+            let global: Vec<u64> = local.iter().zip(&corner).map(|(l, c)| l + c).collect();
+            pieces.push_parts(
+                &global,
+                &box_sizes,
+                Arc::clone(p.file()),
+                p.offset() + (first - start) * size,
+                &contiguous_strides(&box_sizes),
+                p.encoding(),
+            )?;
+        }
+    }
+    t.shape = orig.to_vec();
+    t.pieces = pieces;
+    Ok(())
+}
+
+/// Row-major index of `at` in `shape`.
+fn flat_index(shape: &[u64], at: &[u64]) -> u64 {
+    at.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
+}
+
+/// The boxes (offsets, sizes) of `shape` that the row-major elements `start..end` fill, in
+/// order: each box is contiguous in that order, so its elements are one run of the source. At
+/// most `2 * ndim - 1` boxes.
+fn flat_range_boxes(shape: &[u64], mut start: u64, end: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
+    let n = shape.len();
+    let mut out = Vec::new();
+    if n == 0 {
+        if start < end {
+            out.push((Vec::new(), Vec::new()));
+        }
+        return out;
+    }
+    while start < end {
+        // The widest run of whole trailing dims that starts at `start` and fits before `end`.
+        let mut k = 0;
+        let mut run = 1u64;
+        while k + 1 < n {
+            let d = n - 1 - k;
+            let bigger = run * shape[d];
+            if start % bigger != 0 || start + bigger > end {
+                break;
+            }
+            run = bigger;
+            k += 1;
+        }
+        let d = n - 1 - k;
+        let at = (start / run) % shape[d];
+        let count = ((end - start) / run).min(shape[d] - at);
+        let mut offsets = vec![0u64; n];
+        let mut rest = start;
+        for i in (0..n).rev() {
+            offsets[i] = rest % shape[i];
+            rest /= shape[i];
+        }
+        let mut sizes = vec![1u64; n];
+        sizes[d] = count;
+        sizes[d + 1..].copy_from_slice(&shape[d + 1..]);
+        out.push((offsets, sizes));
+        start += count * run;
+    }
+    out
+}
+
+/// `argparse.Namespace`, the one class `common.pt` may name beyond torch.save's own.
+struct NamespaceGlobal;
+
+impl Globals for NamespaceGlobal {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        module == "argparse" && name == "Namespace"
+    }
+}
+
+/// A `Namespace` as the dict of its fields: `Namespace(**kw)` pickles as NEWOBJ of the class
+/// with no arguments, then BUILD with the fields' dict.
+fn namespace_fields(object: &Object) -> Option<Value> {
+    let (module, name) = object.callable.as_global()?;
+    if module != "argparse" || name != "Namespace" {
+        return None;
+    }
+    match &object.state {
+        Some(state @ Value::Dict(_)) => Some(state.clone()),
+        None => Some(Value::Dict(Vec::new())),
+        // Any other state is not what argparse writes; left as an object, it is refused below.
+        Some(_) => None,
+    }
+}
+
+/// `common.pt`'s entries: plain values (and any tensor, as torch.save files have them).
+fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .len();
+    if len > MAX_CONFIG_BYTES.saturating_mul(256) {
+        return Err(Error::invalid(format!(
+            "`common.pt` is {len} bytes, more than ckpt accepts"
+        ))
+        .file(path));
+    }
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let extra = Extra {
+        globals: &NamespaceGlobal,
+        plain: &namespace_fields,
+    };
+    let archive = torch_save::read_with_extra(&bytes, &extra).map_err(|e| e.file(path))?;
+    let mut out = Vec::new();
+    for (key_path, leaf) in archive.leaves {
+        // A `common.pt` of `{}` (nothing but sharded state saved) is one empty leaf: no entry.
+        if key_path.is_empty() && matches!(&leaf, Leaf::Value(Value::Dict(d)) if d.is_empty()) {
+            continue;
+        }
+        let name = crate::detect::flat_name(&key_path);
+        match leaf {
+            Leaf::Value(Value::Object(o)) => {
+                let class = o
+                    .callable
+                    .as_global()
+                    .map_or("an object".to_string(), |(m, n)| format!("`{m}.{n}`"));
+                return Err(Error::invalid(format!(
+                    "`common.pt` holds {class}, which ckpt does not read as data"
+                ))
+                .file(path)
+                .tensor(&name));
+            }
+            Leaf::Value(v) => out.push(NonTensor {
+                name,
+                key_path,
+                value: Some(v),
+                raw: None,
+            }),
+            // Megatron keeps tensors in the sharded part; a tensor here would need its own
+            // piece of `common.pt`, which nothing writes in practice.
+            Leaf::Tensor(_) | Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
+                return Err(Error::invalid(
+                    "`common.pt` holds a tensor; ckpt reads only plain values there",
+                )
+                .file(path)
+                .tensor(&name)
+                .hint("leave common.pt aside (move it out of the directory) to convert the sharded tensors"))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Paths `detect` should also try: a `.metadata` or `metadata.json` inside such a directory.
+pub fn dir_of(file: &Path) -> Option<PathBuf> {
+    let dir = file.parent()?;
+    let name = file.file_name()?;
+    (name == CONFIG || name == dcp::METADATA || name == COMMON)
+        .then(|| dir.to_path_buf())
+        .filter(|d| looks_like(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element of `shape` in row-major order, as the boxes give them.
+    fn covered(shape: &[u64], start: u64, end: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (offsets, sizes) in flat_range_boxes(shape, start, end) {
+            let count = numel(&sizes).unwrap();
+            for i in 0..count {
+                let mut rest = i;
+                let mut at = vec![0; sizes.len()];
+                for d in (0..sizes.len()).rev() {
+                    at[d] = offsets[d] + rest % sizes[d];
+                    rest /= sizes[d];
+                }
+                out.push(flat_index(shape, &at));
+            }
+        }
+        out
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name)
+    }
+
+    #[test]
+    fn real_files_are_detected_and_reformulated_tensors_get_their_shape_back() {
+        let plain = read(&fixture("megatron_torch_dist")).unwrap();
+        assert_eq!(plain.format, Format::MegatronTorchDist);
+        let stacked = plain
+            .tensors
+            .iter()
+            .find(|t| t.name == "decoder.layers.mlp.linear_fc2.weight")
+            .unwrap();
+        assert_eq!(stacked.shape, [3, 5, 6]);
+        let args: Vec<&str> = plain
+            .values
+            .iter()
+            .filter(|v| v.name.starts_with("args."))
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "args.tensor_model_parallel_size",
+                "args.num_layers",
+                "args.lr",
+                "args.model"
+            ]
+        );
+
+        let flat = read(&fixture("megatron_torch_dist_flat")).unwrap();
+        let shapes: Vec<(&str, &[u64])> = flat
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                (
+                    "optimizer.state.exp_avg.decoder.linear_proj.weight",
+                    &[6u64, 4][..]
+                ),
+                (
+                    "optimizer.state.exp_avg.decoder.linear_qkv.weight",
+                    &[4, 3][..]
+                ),
+            ]
+        );
+        // As plain DCP the same directory keeps the stored, reformulated shapes.
+        let dcp = dcp::read(&fixture("megatron_torch_dist_flat")).unwrap();
+        assert_eq!(dcp.tensors[0].shape, [1, 2, 12]);
+        assert!(looks_like(&fixture("megatron_torch_dist")));
+        assert!(!looks_like(&fixture("fsdp2_adamw")));
+    }
+
+    #[test]
+    fn an_original_shape_that_does_not_fit_is_a_clear_error() {
+        let stored = dcp::read(&fixture("megatron_torch_dist_flat")).unwrap();
+        let t = &stored.tensors[0];
+        for (orig, says) in [
+            (&[6u64, 5][..], "elements"),
+            (&[24][..], "one more dim"),
+            (&[8, 3][..], "not a whole number of 2 blocks"),
+        ] {
+            let mut copy = t.clone();
+            let err = restore_shape(&mut copy, orig).unwrap_err().to_string();
+            assert!(err.contains(says), "{orig:?}: {err}");
+            assert!(err.contains("[1, 2, 12]"), "{err}");
+        }
+    }
+
+    #[test]
+    fn flat_ranges_become_few_boxes_in_order() {
+        let shape = [3, 4, 5];
+        for start in 0..60 {
+            for end in start..=60 {
+                let boxes = flat_range_boxes(&shape, start, end);
+                assert!(boxes.len() <= 5, "{start}..{end}: {boxes:?}");
+                assert_eq!(
+                    covered(&shape, start, end),
+                    (start..end).collect::<Vec<_>>()
+                );
+            }
+        }
+        assert_eq!(
+            flat_range_boxes(&[6, 2], 5, 12),
+            vec![(vec![2, 1], vec![1, 1]), (vec![3, 0], vec![3, 2])]
+        );
+        assert_eq!(
+            flat_range_boxes(&[6, 2], 0, 12),
+            vec![(vec![0, 0], vec![6, 2])]
+        );
+    }
+}

@@ -1,0 +1,110 @@
+"""The pip route: `pyproject.toml` (maturin, `bindings = "bin"`) builds a wheel that holds the
+`ckpt` binary; installed into a fresh venv it puts `ckpt` on that venv's PATH, and that `ckpt` is
+the project's program (same version, same output, byte for byte, on the quick start).
+
+The wheel is built with cargo's release profile in the repository's target directory (or
+$CARGO_TARGET_DIR), so after `cargo build --release` (scripts/test does one) only the binary is
+linked again: a few seconds, not a build from scratch."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_helpers import FIXTURES_DIR, REPO
+from conftest import run_ckpt
+
+
+def pinned(name: str) -> str:
+    """`name==X` as tests/interop/requirements.txt pins it."""
+    for line in (REPO / "tests" / "interop" / "requirements.txt").read_text().splitlines():
+        spec = line.split("#", 1)[0].strip()
+        if spec.split("==")[0].strip().lower() == name:
+            return spec
+    raise AssertionError(f"{name} is not pinned in tests/interop/requirements.txt")
+
+
+def maturin() -> Path:
+    """The test venv's maturin (the build backend), installed at its pin if missing; skip when it
+    cannot be had."""
+    exe = Path(sys.executable).parent / "maturin"
+    if not exe.is_file():
+        spec = pinned("maturin")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", spec], capture_output=True, text=True
+        )
+        if proc.returncode != 0 or not exe.is_file():
+            pytest.skip(f"maturin cannot be installed ({spec}): {proc.stderr.strip()[-500:]}")
+    return exe
+
+
+def cargo_version() -> str:
+    text = (REPO / "Cargo.toml").read_text()
+    return re.search(r'^version = "([^"]+)"', text, re.M).group(1)
+
+
+def test_the_wheel_installs_ckpt_on_a_fresh_venvs_path(tmp_path):
+    # maturin's build backend runs the `maturin` executable found on PATH.
+    env = dict(
+        os.environ,
+        CARGO_TARGET_DIR=os.environ.get("CARGO_TARGET_DIR", str(REPO / "target")),
+        PATH=f"{maturin().parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    wheels = tmp_path / "wheels"
+    # What `pip install .` does, minus the download of maturin into an isolated build env: pip
+    # reads pyproject.toml's build backend (maturin, release profile) and builds the wheel.
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", str(wheels), str(REPO)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert build.returncode == 0, f"pip wheel failed:\n{build.stdout[-3000:]}\n{build.stderr[-6000:]}"
+    (wheel,) = wheels.glob("*.whl")
+    version = cargo_version()
+    assert wheel.name.startswith(f"ckpt-{version}-py3-none-"), wheel.name
+
+    # A venv of its own, with nothing in it but what the wheel brings.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    bin_dir = venv / "bin"
+    assert not (bin_dir / "ckpt").exists()
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install",
+         "--quiet", "--no-index", "--no-deps", str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert install.returncode == 0, install.stderr
+
+    # `ckpt` found through PATH, as after `source venv/bin/activate`.
+    path_env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", NO_COLOR="1")
+
+    def venv_ckpt(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["ckpt", *map(str, args)], capture_output=True, text=True, env=path_env, cwd=tmp_path)
+
+    got = venv_ckpt("--version")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == f"ckpt {version}"
+
+    dcp = FIXTURES_DIR / "fsdp2_adamw"
+    got = venv_ckpt("inspect", dcp, "--json")
+    want = run_ckpt("inspect", dcp, "--json")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == want.stdout
+    assert '"format": "dcp"' in got.stdout
+
+    # The README's quick start, from the venv, gives the bytes the project's own binary gives.
+    quick = ["consolidate", dcp, "--include", "model.*", "--strip-prefix", "model.", "--quiet", "-o"]
+    got = venv_ckpt(*quick, tmp_path / "wheel.safetensors")
+    assert got.returncode == 0, got.stderr
+    want = run_ckpt(*quick, tmp_path / "project.safetensors")
+    assert want.returncode == 0, want.stderr
+    assert (tmp_path / "wheel.safetensors").read_bytes() == (tmp_path / "project.safetensors").read_bytes()
