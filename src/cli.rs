@@ -57,7 +57,7 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct InspectArgs {
     /// A checkpoint file or directory, or every rank's file of a per-rank save.
-    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
     path: Vec<PathBuf>,
     /// Print the stable JSON document instead of a table.
     #[arg(long)]
@@ -70,7 +70,7 @@ struct InspectArgs {
 #[derive(clap::Args, Debug)]
 struct VerifyArgs {
     /// A checkpoint file or directory, or every rank's file of a per-rank save.
-    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
     path: Vec<PathBuf>,
     #[arg(long)]
     json: bool,
@@ -78,13 +78,13 @@ struct VerifyArgs {
     #[arg(long)]
     deep: bool,
     /// Compare the logical tensors with another checkpoint, in any layout.
-    #[arg(long, value_name = "OTHER")]
+    #[arg(long, value_name = "OTHER", value_parser = crate::storage::parse_location)]
     against: Option<PathBuf>,
     /// Record per-tensor checksums (xxh3) in FILE, for a later `--manifest` check.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = crate::storage::parse_location)]
     write_manifest: Option<PathBuf>,
     /// Check the tensors against a manifest written by `--write-manifest`, in any layout.
-    #[arg(long, value_name = "FILE", conflicts_with = "write_manifest")]
+    #[arg(long, value_name = "FILE", conflicts_with = "write_manifest", value_parser = crate::storage::parse_location)]
     manifest: Option<PathBuf>,
     #[command(flatten)]
     run: RunArgs,
@@ -93,11 +93,11 @@ struct VerifyArgs {
 #[derive(clap::Args, Debug)]
 struct ConsolidateArgs {
     /// A checkpoint file or directory, or every rank's file of a per-rank save.
-    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
     path: Vec<PathBuf>,
     /// `NAME.safetensors` for one file, a directory for split files, `NAME.bin`/`.pt` with
     /// `--format torch`.
-    #[arg(short, long)]
+    #[arg(short, long, value_parser = crate::storage::parse_location)]
     output: PathBuf,
     #[arg(long, value_enum)]
     format: Option<FullFormat>,
@@ -115,9 +115,9 @@ struct ConsolidateArgs {
 #[derive(clap::Args, Debug)]
 struct ReshardArgs {
     /// A checkpoint file or directory, or every rank's file of a per-rank save.
-    #[arg(required = true, num_args = 1.., value_name = "PATH")]
+    #[arg(required = true, num_args = 1.., value_name = "PATH", value_parser = crate::storage::parse_location)]
     path: Vec<PathBuf>,
-    #[arg(short, long)]
+    #[arg(short, long, value_parser = crate::storage::parse_location)]
     output: PathBuf,
     /// Shorthand for `--mesh N --placements 'S(0)'`.
     #[arg(long, conflicts_with = "mesh")]
@@ -302,10 +302,14 @@ fn verify(args: VerifyArgs) -> Result<i32> {
         if let Some(file) = &write_manifest {
             let m = verify::manifest(&ckpt, &opts)?;
             let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
-            write_small_file(file, text.as_bytes())?;
+            if crate::storage::is_remote(file) {
+                crate::storage::put(file, text.into_bytes())?;
+            } else {
+                write_small_file(file, text.as_bytes())?;
+            }
         }
         if let Some(file) = &manifest {
-            let text = std::fs::read(file).map_err(|e| Error::io(file, e))?;
+            let text = crate::storage::read(file)?;
             let want: verify::Manifest = serde_json::from_slice(&text).map_err(|e| {
                 Error::usage(format!("`{}` is not a ckpt manifest: {e}", file.display()))
             })?;
@@ -539,6 +543,13 @@ fn convert(
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, cast));
+    if let Some(part) = write.part.filter(|_| crate::storage::is_remote(output)) {
+        return Err(Error::usage(format!(
+            "--part {part} writes into a shared filesystem; `{}` is in an object store",
+            output.display()
+        ))
+        .hint("run once without --part: the upload's parts already go in parallel"));
+    }
     if let Some(part) = write.part {
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
@@ -553,17 +564,22 @@ fn convert(
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }
-    let staging = Staging::prepare(output, input.path(), kind, write.force)?;
-    let relative = plan.paths();
-    let dest = staging.paths(&relative);
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
     let opts = durable_options(job.run, &bar, cancel);
-    exec::execute(&plan, &dest, &opts)?;
-    if cancel.load(Ordering::Relaxed) {
-        return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
-    }
-    let final_path = staging.final_path().to_path_buf();
-    staging.commit()?;
+    let final_path = if crate::storage::is_remote(output) {
+        crate::storage::upload::write(&plan, input.path(), output, kind, write.force, &opts)?;
+        output.to_path_buf()
+    } else {
+        let staging = Staging::prepare(output, input.path(), kind, write.force)?;
+        let dest = staging.paths(&plan.paths());
+        exec::execute(&plan, &dest, &opts)?;
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+        }
+        let final_path = staging.final_path().to_path_buf();
+        staging.commit()?;
+        final_path
+    };
     if !write.quiet {
         print_notes(&plan);
         let secs = started.elapsed().as_secs_f64();

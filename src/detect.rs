@@ -8,6 +8,7 @@ use crate::formats::{dcp, fsdp_local, hf_index, megatron, per_rank, safetensors}
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
+use crate::storage::{self, Access, Stat};
 
 /// What ckpt was pointed at: one file or directory, or several files of one per-rank save
 /// (`ckpt inspect ckpt/model_world_size_4_rank_*.pt`).
@@ -25,7 +26,7 @@ impl Input {
             [one] => one.clone(),
             many => {
                 for p in many {
-                    if !p.is_file() {
+                    if !storage::is_file(p) {
                         return Err(Error::usage(format!(
                             "`{}` is not a file: several paths are the files of one per-rank checkpoint",
                             p.display()
@@ -89,10 +90,10 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
 
 /// [`read`] without resolving FSDP1 LOCAL flat parameters: the checkpoint as its files hold it.
 pub fn read_layout(path: &Path) -> Result<Checkpoint> {
-    let meta = std::fs::metadata(path)
-        .map_err(|_| Error::usage(format!("`{}` does not exist", path.display())))?;
-    if meta.is_file() {
-        return read_file(path);
+    match storage::stat(path)? {
+        Some(Stat::File(_)) => return read_file(path),
+        Some(Stat::Dir) => {}
+        None => return Err(Error::usage(format!("`{}` does not exist", path.display()))),
     }
     // Before DCP: a Megatron directory is a DCP one with more beside it.
     if megatron::looks_like(path) {
@@ -101,7 +102,7 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
     if dcp::looks_like(path) {
         return dcp::read(path);
     }
-    if path.join(hf_index::INDEX_NAME).is_file() {
+    if storage::is_file(&path.join(hf_index::INDEX_NAME)) {
         return hf_index::read(path);
     }
     if dcp::hf::looks_like(path) {
@@ -119,7 +120,7 @@ pub fn read_layout(path: &Path) -> Result<Checkpoint> {
         return safetensors::read(only);
     }
     for name in ["pytorch_model.bin", "model.pt", "consolidated.pth"] {
-        if path.join(name).is_file() {
+        if storage::is_file(&path.join(name)) {
             return read_file(&path.join(name));
         }
     }
@@ -141,11 +142,11 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
             return dcp::read(dir);
         }
     }
-    let mut magic = [0u8; 4];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
-        .map_err(|e| Error::io(path, e))?;
-    if n >= 2 && (magic.starts_with(b"PK") || magic[0] == 0x80) {
+    let input = storage::Input::open(path, Access::Map)?;
+    let mut magic = [0u8; 2];
+    let n = input.len().min(2) as usize;
+    input.read_at(0, &mut magic[..n])?;
+    if n == 2 && (magic.starts_with(b"PK") || magic[0] == 0x80) {
         return read_torch_save(path);
     }
     Err(Error::invalid("not a checkpoint ckpt knows")
@@ -155,17 +156,9 @@ fn read_file(path: &Path) -> Result<Checkpoint> {
 
 /// A full `torch.save` file: every tensor one piece, every other leaf a value.
 pub fn read_torch_save(path: &Path) -> Result<Checkpoint> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let map = if len == 0 {
-        None
-    } else {
-        // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
-        // truncation caveat.
-        Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
-    };
-    let bytes = map.as_deref().unwrap_or(&[]);
-    let archive = torch_save::read(bytes).map_err(|e| e.file(path))?;
+    let input = storage::Input::open(path, Access::Map)?;
+    let bytes = input.zip_view(0, input.len())?;
+    let archive = torch_save::read(&bytes).map_err(|e| e.file(path))?;
     let file_name = PathBuf::from(path.file_name().unwrap_or_default());
     let mut tensors = Vec::new();
     let mut values = Vec::new();
@@ -267,13 +260,7 @@ fn has_ext(path: &Path, ext: &str) -> bool {
 }
 
 fn list(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir, e))?
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    out.sort();
-    Ok(out)
+    storage::list(dir)
 }
 
 /// The error for a directory no reader recognises, pointing at a likely checkpoint inside it.
@@ -282,9 +269,9 @@ fn no_layout(dir: &Path, entries: &[PathBuf]) -> Error {
     let mut nested: Vec<&PathBuf> = entries
         .iter()
         .filter(|p| {
-            p.is_dir()
+            storage::is_dir(p)
                 && (dcp::looks_like(p)
-                    || p.join(hf_index::INDEX_NAME).is_file()
+                    || storage::is_file(&p.join(hf_index::INDEX_NAME))
                     || dcp::hf::looks_like(p))
         })
         .collect();

@@ -13,7 +13,6 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use memmap2::Mmap;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +21,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::model::{contiguous_strides, Encoding};
 use crate::part::Share;
 use crate::plan::{FilePlan, Fill, Plan, Region};
+use crate::storage::Access;
 
 /// Largest destination run one work unit gathers.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -66,60 +66,8 @@ pub struct ExecOptions<'a> {
     pub durable: bool,
 }
 
-/// An input file, opened once.
-struct Source {
-    path: PathBuf,
-    file: File,
-    len: u64,
-    map: Option<Mmap>,
-}
-
-impl Source {
-    fn open(path: &Path, io: IoMode) -> Result<Source> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        let map = if io == IoMode::Mmap && len > 0 {
-            // SAFETY: the map is read-only and lives no longer than this run. ckpt never writes its
-            // inputs (the output module refuses outputs inside them); a file truncated by another
-            // process while mapped would fault, which is why sizes are re-checked at the end and
-            // `--io read` exists for filesystems where that is a risk.
-            Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?)
-        } else {
-            None
-        };
-        Ok(Source {
-            path: path.to_path_buf(),
-            file,
-            len,
-            map,
-        })
-    }
-
-    /// Fill `buf` from `offset`; the caller has checked the range against `len`.
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        if let Some(map) = &self.map {
-            let start = usize::try_from(offset).ok();
-            let src = start.and_then(|s| map.get(s..s.checked_add(buf.len())?));
-            return match src {
-                Some(src) => {
-                    buf.copy_from_slice(src);
-                    Ok(())
-                }
-                None => Err(Error::invalid("read past the end of the file")
-                    .file(&self.path)
-                    .at(offset)),
-            };
-        }
-        self.file.read_exact_at(buf, offset).map_err(|e| {
-            let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                Error::invalid("file ended early: did it change during the run?")
-            } else {
-                Error::io(&self.path, e)
-            };
-            e.file(&self.path).at(offset)
-        })
-    }
-}
+/// An input, opened once: a mapped or read local file, or an object read with ranged GETs.
+pub use crate::storage::Input as Source;
 
 /// A block of a region: a box of the region whose destination bytes are contiguous.
 #[derive(Clone, Debug)]
@@ -286,17 +234,47 @@ pub fn patch_crcs(
     Ok(())
 }
 
+/// Every input of `plan`, opened once (a run into an object store opens them once for all its
+/// upload parts).
+pub fn open_inputs(plan: &Plan, io: IoMode) -> Result<Vec<Source>> {
+    let access = match io {
+        IoMode::Mmap => Access::Map,
+        IoMode::Read => Access::Read,
+    };
+    plan.inputs
+        .iter()
+        .map(|p| Source::open(p, access))
+        .collect()
+}
+
+/// [`execute_share`] on inputs opened by [`open_inputs`].
+pub fn execute_share_on(
+    plan: &Plan,
+    inputs: &[Source],
+    dest: &[PathBuf],
+    share: &Share,
+    opts: &ExecOptions,
+) -> Result<ShareOutcome> {
+    run_on(plan, inputs, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
+}
+
 fn run(
     plan: &Plan,
     dest: Option<&[PathBuf]>,
     share: Option<&Share>,
     opts: &ExecOptions,
 ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
-    let sources = plan
-        .inputs
-        .iter()
-        .map(|p| Source::open(p, opts.io))
-        .collect::<Result<Vec<_>>>()?;
+    let sources = open_inputs(plan, opts.io)?;
+    run_on(plan, &sources, dest, share, opts)
+}
+
+fn run_on(
+    plan: &Plan,
+    sources: &[Source],
+    dest: Option<&[PathBuf]>,
+    share: Option<&Share>,
+    opts: &ExecOptions,
+) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
     let dest = dest.unwrap_or(&[]);
     opts.progress
         .start(share.map_or_else(|| plan.data_bytes(), Share::len));
@@ -358,7 +336,7 @@ fn run(
                     .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
                     .collect();
                 let (batch, part) = pool
-                    .install(|| run_files(plan, &files, &outputs, &clips, dest, &sources, opts))?;
+                    .install(|| run_files(plan, &files, &outputs, &clips, dest, sources, opts))?;
                 digests.extend(batch);
                 outcome.crcs.extend(part.crcs);
                 outcome.open_slots.extend(part.open_slots);
@@ -377,16 +355,14 @@ fn run(
             .unwrap_or_else(|_| Err(Error::invalid("internal: the metadata writer stopped")));
         copied.and(written)
     })?;
-    for s in &sources {
-        let now = std::fs::metadata(&s.path)
-            .map_err(|e| Error::io(&s.path, e))?
-            .len();
-        if now != s.len {
+    for s in sources {
+        let now = s.current_len()?;
+        if now != s.len() {
             return Err(Error::invalid(format!(
                 "input changed size during the run ({} bytes, now {now})",
-                s.len
+                s.len()
             ))
-            .file(&s.path)
+            .file(s.path())
             .hint("let the writer finish, then run ckpt again"));
         }
     }
@@ -416,6 +392,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
             };
             let (at, unit_len) = u.bytes_in(r, &rstrides);
             let buf = &mut region[at as usize..(at + unit_len) as usize];
+            fetch_remote(&fills, r, &u, &rstrides, sources)?;
             for fill in fills.iter() {
                 written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
             }
@@ -698,7 +675,7 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
         .get(fill.input)
         .ok_or_else(|| Error::invalid("internal: bad input index"))?;
     let limit = match fill.encoding {
-        Encoding::Raw => src.len,
+        Encoding::Raw => src.len(),
         // The decoded length is checked when the item is decompressed.
         Encoding::Zstd { .. } | Encoding::Deflate { .. } => u64::MAX,
     };
@@ -707,9 +684,9 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
         Some(end) if end <= limit => Ok(()),
         _ => Err(Error::invalid(format!(
             "data runs past the end of the file ({} bytes)",
-            src.len
+            src.len()
         ))
-        .file(&src.path)
+        .file(src.path())
         .tensor(&region.name)
         .at(fill.offset)
         .hint("the file is truncated or the metadata is wrong: run `ckpt verify`")),
@@ -863,6 +840,7 @@ fn run_unit(
             whole.resize(len as usize, 0);
         }
         let buf = &mut whole[..len as usize];
+        fetch_remote(&fills, r, u, &rstrides, sources)?;
         let mut written = 0u64;
         for fill in fills.iter() {
             written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
@@ -959,6 +937,40 @@ fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
     })
 }
 
+/// Fetch the source bytes of unit `u` that lie in objects: for each plain fill, the byte range
+/// covering its part of the unit, coalesced and fetched concurrently into this thread's window,
+/// from which [`gather`] then copies as it does from a map. A range much larger than the unit (a
+/// strided view read across) is left to ranged reads as the copy asks for it.
+fn fetch_remote(
+    fills: &[Fill],
+    r: &Region,
+    u: &Unit,
+    rstrides: &[u64],
+    sources: &[Source],
+) -> Result<()> {
+    let mut ranges = Vec::new();
+    for fill in fills {
+        let Some(object) = sources.get(fill.input).and_then(Source::object) else {
+            continue;
+        };
+        if fill.encoding != Encoding::Raw {
+            continue;
+        }
+        let Some(sp) = span(fill, r, u, rstrides) else {
+            continue;
+        };
+        let se = fill.dtype.size() as u64;
+        let last: u64 = (0..sp.outer)
+            .map(|d| (sp.ext[d] - 1) * fill.strides[d])
+            .sum();
+        let end = sp.src0 + se * (last + sp.run);
+        if end - sp.src0 <= 4 * BLOCK_BYTES && end <= object.len() {
+            ranges.push((object, sp.src0..end));
+        }
+    }
+    crate::storage::fetch_window(&ranges)
+}
+
 /// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
 /// of destination bytes written.
 fn gather(
@@ -1030,10 +1042,12 @@ fn direct_runs<'a>(
         let Some(sp) = span(fill, r, u, rstrides) else {
             continue;
         };
-        if sp.outer != 0 || fill.dtype != r.dtype || fill.encoding != Encoding::Raw {
+        let src = sources.get(fill.input)?;
+        let plain = sp.outer == 0 && fill.dtype == r.dtype && fill.encoding == Encoding::Raw;
+        if !plain || src.is_remote() {
             return None;
         }
-        runs.push((sources.get(fill.input)?, sp.src0, sp.dst0, sp.run * de));
+        runs.push((src, sp.src0, sp.dst0, sp.run * de));
     }
     runs.sort_by_key(|r| r.2);
     Some(runs)
@@ -1061,7 +1075,7 @@ fn copy_direct(
         copy_range(src, src_offset, out, out_path, dest_offset, len)?;
         return Ok(0);
     }
-    let mapped = src.map.as_ref().and_then(|map| {
+    let mapped = src.map().and_then(|map| {
         let start = usize::try_from(src_offset).ok()?;
         map.get(start..start.checked_add(usize::try_from(len).ok()?)?)
     });
@@ -1204,6 +1218,9 @@ fn copy_range(
     len: u64,
 ) -> Result<()> {
     use std::os::fd::AsRawFd;
+    let file_in = src
+        .file()
+        .ok_or_else(|| Error::invalid("internal: a kernel copy from an object").file(src.path()))?;
     let mut left = len;
     while left > 0 {
         let mut off_in = src_offset as libc::loff_t;
@@ -1213,7 +1230,7 @@ fn copy_range(
         // plain integers the kernel updates; no memory of ours is read or written.
         let n = unsafe {
             libc::copy_file_range(
-                src.file.as_raw_fd(),
+                file_in.as_raw_fd(),
                 &mut off_in,
                 out.as_raw_fd(),
                 &mut off_out,
@@ -1230,7 +1247,7 @@ fn copy_range(
         if n == 0 {
             return Err(
                 Error::invalid("file ended early: did it change during the run?")
-                    .file(&src.path)
+                    .file(src.path())
                     .at(src_offset),
             );
         }
@@ -1274,7 +1291,7 @@ impl FillSource<'_> {
                     }
                     None => Err(
                         Error::invalid("tensor data lies outside its decompressed item")
-                            .file(&s.path)
+                            .file(s.path())
                             .at(*item),
                     ),
                 }
@@ -1321,7 +1338,7 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
             } else {
                 crate::formats::dcp::decompress_prefix(&item, needed)
             }
-            .map_err(|e| e.file(&src.path).at(item_offset))?;
+            .map_err(|e| e.file(src.path()).at(item_offset))?;
             *cell = Some(((fill.input, item_offset), decoded));
         }
         Ok(FillSource::Decoded(src, item_offset))

@@ -37,6 +37,7 @@ pub mod part_output;
 pub mod pickle;
 pub mod plan;
 pub mod select;
+pub mod storage;
 pub mod verify;
 
 pub use error::{Error, ErrorKind, Result};

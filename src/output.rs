@@ -108,14 +108,17 @@ pub(crate) fn resolve(
     };
     let (parent, missing) = resolve_dir(&parent)?;
     let final_path = parent.join(name);
-    let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
-    if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
-        return Err(Error::usage(format!(
-            "the output `{}` is, contains or lies inside the input `{}`",
-            out.display(),
-            input.display()
-        ))
-        .hint("write the output somewhere else: ckpt never modifies its input"));
+    // A remote input cannot be, contain or lie inside a local output.
+    if !crate::storage::is_remote(input) {
+        let input = input.canonicalize().map_err(|e| Error::io(input, e))?;
+        if final_path == input || final_path.starts_with(&input) || input.starts_with(&final_path) {
+            return Err(Error::usage(format!(
+                "the output `{}` is, contains or lies inside the input `{}`",
+                out.display(),
+                input.display()
+            ))
+            .hint("write the output somewhere else: ckpt never modifies its input"));
+        }
     }
     if final_path.symlink_metadata().is_ok() && !force {
         return Err(Error::usage(format!("`{}` already exists", out.display()))

@@ -361,9 +361,10 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
                 continue;
             }
             let len = *file_lens.entry(&**p.file()).or_insert_with(|| {
-                std::fs::metadata(ckpt.path_of(p.file()))
-                    .ok()
-                    .map(|m| m.len())
+                match crate::storage::stat(&ckpt.path_of(p.file())) {
+                    Ok(Some(crate::storage::Stat::File(len))) => Some(len),
+                    _ => None,
+                }
             });
             let elem = t.dtype.size() as u64;
             let end = p
@@ -403,9 +404,10 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
     }
     for v in &ckpt.values {
         if let Some(blob) = &v.raw {
-            let len = std::fs::metadata(ckpt.path_of(&blob.file))
-                .ok()
-                .map(|m| m.len());
+            let len = match crate::storage::stat(&ckpt.path_of(&blob.file)) {
+                Ok(Some(crate::storage::Stat::File(len))) => Some(len),
+                _ => None,
+            };
             if len.is_none_or(|len| blob.offset.saturating_add(blob.length) > len) {
                 problems.push(
                     Problem::error("value bytes run past the end of the file")

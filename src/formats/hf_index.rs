@@ -13,13 +13,14 @@ use crate::formats::safetensors::{
     self, first_duplicate, json_error, python_json_string, Entries, MAX_HEADER_SIZE,
 };
 use crate::model::{Checkpoint, Format};
+use crate::storage::{self, Stat};
 
 /// The index file name `transformers` and `huggingface_hub` write.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
 
 /// Names of Hugging Face split safetensors files (`model-00001-of-00003.safetensors`) in `dir`.
 fn split_files_in(dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
+    let Ok(entries) = storage::list(dir) else {
         return Vec::new();
     };
     // `<prefix>-<index>-of-<count>.safetensors`, index and count of at least 5 digits.
@@ -33,8 +34,8 @@ fn split_files_in(dir: &Path) -> Vec<String> {
         matches!((count, of, index), (Some(c), Some("of"), Some(i)) if digits(c) && digits(i))
     };
     let mut names: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
+        .iter()
+        .filter_map(|e| e.file_name()?.to_str().map(str::to_string))
         .filter(|n| is_split(n))
         .collect();
     names.sort();
@@ -47,11 +48,12 @@ const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 /// Read a split checkpoint. `path` is the directory holding [`INDEX_NAME`], or an index file
 /// itself (any name, e.g. `diffusion_pytorch_model.safetensors.index.json`).
 pub fn read(path: &Path) -> Result<Checkpoint> {
-    let index_path = if path.is_dir() {
+    let stat = storage::stat(path)?;
+    let index_path = if stat == Some(Stat::Dir) {
         let index = path.join(INDEX_NAME);
-        if !index.is_file() {
+        if !storage::is_file(&index) {
             let err = Error::usage(format!("directory has no `{INDEX_NAME}`")).file(path);
-            return Err(if path.join(BIN_INDEX_NAME).is_file() {
+            return Err(if storage::is_file(&path.join(BIN_INDEX_NAME)) {
                 err.hint(format!(
                     "`{BIN_INDEX_NAME}` indexes torch.save files; only safetensors indexes are read, \
                      so pass each `.bin` file on its own"
@@ -61,7 +63,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             });
         }
         index
-    } else if path.is_file() {
+    } else if matches!(stat, Some(Stat::File(_))) {
         path.to_path_buf()
     } else {
         return Err(Error::usage("no such file or directory").file(path));
@@ -104,7 +106,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         // One broken file is a problem of its own; `verify` goes on to the next one.
         let mut read_file = || -> Result<()> {
             let file_path = root.join(file);
-            if !file_path.is_file() {
+            if !storage::is_file(&file_path) {
                 return Err(Error::invalid(format!(
                     "the index names `{file}`, which does not exist"
                 ))
@@ -180,9 +182,15 @@ fn index_name(index_path: &Path) -> String {
 
 /// Parse the index JSON into `(tensor, file)` pairs in file order.
 fn read_weight_map(index_path: &Path) -> Result<Vec<(String, String)>> {
-    let len = std::fs::metadata(index_path)
-        .map_err(|e| Error::io(index_path, e))?
-        .len();
+    let len = match storage::stat(index_path)? {
+        Some(Stat::File(len)) => len,
+        _ => {
+            return Err(Error::io(
+                index_path,
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            ))
+        }
+    };
     // An index is a few MB even for the largest models; a bigger one is not an index.
     if len > MAX_HEADER_SIZE {
         return Err(Error::invalid(format!(
@@ -190,7 +198,7 @@ fn read_weight_map(index_path: &Path) -> Result<Vec<(String, String)>> {
         ))
         .file(index_path));
     }
-    let bytes = std::fs::read(index_path).map_err(|e| Error::io(index_path, e))?;
+    let bytes = storage::read(index_path)?;
     // `Entries` keeps duplicate tensor names, which a plain map would silently merge.
     #[derive(serde::Deserialize)]
     struct Index {

@@ -20,8 +20,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::fs::File;
-use std::io::Read;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,6 +35,7 @@ use crate::model::{
     contiguous_strides, numel, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
     Unsupported,
 };
+use crate::storage::{Access, Input};
 
 /// Largest header the `safetensors` crate accepts; anything larger is corruption, and the cap keeps
 /// a bad length from making us allocate gigabytes.
@@ -104,8 +103,8 @@ impl Header {
 
 /// Read and validate the header of the safetensors file at `path`, without reading tensor data.
 pub fn read_header(path: &Path) -> Result<Header> {
-    let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let file = Input::open(path, Access::Read)?;
+    let file_len = file.len();
     if file_len < LEN_PREFIX {
         return Err(Error::invalid(format!(
             "file is {file_len} bytes, too short for a safetensors header"
@@ -114,12 +113,11 @@ pub fn read_header(path: &Path) -> Result<Header> {
         .hint("a safetensors file starts with an 8-byte header length; this one is truncated or not safetensors"));
     }
     let mut prefix = [0u8; LEN_PREFIX as usize];
-    file.read_exact(&mut prefix)
-        .map_err(|e| Error::io(path, e))?;
+    file.read_at(0, &mut prefix)?;
     let header_len =
         check_header_len(u64::from_le_bytes(prefix), file_len).map_err(|e| e.file(path))?;
     let mut json = vec![0u8; header_len];
-    file.read_exact(&mut json).map_err(|e| Error::io(path, e))?;
+    file.read_at(LEN_PREFIX, &mut json)?;
     parse_header(&json, file_len).map_err(|e| e.file(path))
 }
 

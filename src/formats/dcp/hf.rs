@@ -17,6 +17,7 @@ use crate::formats::safetensors::{
     self, first_duplicate, python_json_string, Entries, DCP_SHARDING_INFO,
 };
 use crate::model::{Checkpoint, Format, Pieces, Tensor, Unsupported};
+use crate::storage;
 
 /// `__metadata__` key torch writes with the value [`DCP_VERSION`].
 const DCP_VERSION_KEY: &str = "DCP_VERSION";
@@ -25,12 +26,16 @@ const DCP_VERSION: &str = "1.0";
 
 /// True when `dir` holds at least one `shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors` file.
 pub fn looks_like(dir: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir(dir) else {
+    let Ok(entries) = storage::list(dir) else {
         return false;
     };
-    entries
-        .flatten()
-        .any(|e| e.file_name().to_str().and_then(parse_file_name).is_some() && e.path().is_file())
+    entries.iter().any(|e| {
+        e.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(parse_file_name)
+            .is_some()
+            && storage::is_file(e)
+    })
 }
 
 /// The name torch gives the file of `rank` (0-based) for output file `index` (1-based) of
@@ -113,7 +118,7 @@ struct ShardingEntry {
 
 /// Read a directory of rank files as a sharded checkpoint.
 pub fn read(dir: &Path) -> Result<Checkpoint> {
-    if !dir.is_dir() {
+    if !storage::is_dir(dir) {
         return Err(Error::usage("not a directory").file(dir));
     }
     let files = list_files(dir)?;
@@ -256,13 +261,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 /// torch's reader would read it as part of the checkpoint, so leaving it out would change meaning.
 fn list_files(dir: &Path) -> Result<Vec<(String, ShardName)>> {
     let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let entry = entry.map_err(|e| Error::io(dir, e))?;
-        let path = entry.path();
-        if !path.is_file() {
+    for path in storage::list(dir)? {
+        let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+            continue;
+        };
+        // Only names that could be ours are looked at: a stat per object costs a request.
+        if !name.to_ascii_lowercase().ends_with(".safetensors") || !storage::is_file(&path) {
             continue;
         }
-        let name = entry.file_name().to_string_lossy().into_owned();
         match parse_file_name(&name) {
             Some(shard) => files.push((name, shard)),
             None if name.to_ascii_lowercase().ends_with(".safetensors") => {

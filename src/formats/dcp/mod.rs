@@ -8,11 +8,9 @@ pub mod hf;
 pub mod metadata;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
-use memmap2::Mmap;
 use rayon::prelude::*;
 
 use crate::dtype::DType;
@@ -21,6 +19,7 @@ use crate::formats::torch_save::{self, Leaf};
 use crate::model::{
     Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor, Unsupported,
 };
+use crate::storage::{self, Access, Input, Stat, View};
 use metadata::DcpEntry;
 
 /// Name of the metadata file in a DCP directory.
@@ -34,7 +33,7 @@ pub const ZSTD: &str = "stream.zstd/1";
 
 /// True when `dir` holds a `.metadata` file.
 pub fn looks_like(dir: &Path) -> bool {
-    dir.join(METADATA).is_file()
+    storage::is_file(&dir.join(METADATA))
 }
 
 /// Megatron's `nd_reformulated_orig_global_shape` of each tensor that has one, by fqn.
@@ -49,29 +48,22 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 /// reformulated (see `formats::megatron`), which that reader puts back.
 pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
     let meta_path = dir.join(METADATA);
-    let len = std::fs::metadata(&meta_path)
-        .map_err(|e| Error::io(&meta_path, e))?
-        .len();
+    let meta = Input::open(&meta_path, Access::Map)?;
+    let len = meta.len();
     if len > MAX_METADATA_BYTES {
         return Err(Error::invalid(format!(
             "`.metadata` is {len} bytes, more than ckpt accepts"
         ))
         .file(&meta_path));
     }
-    // Mapped, not read: at millions of pieces the file is hundreds of megabytes, and the graph
-    // the pickle reader builds borrows its strings from these bytes.
-    let file = File::open(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
-    let map = if len == 0 {
-        None
-    } else {
-        // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the
-        // truncation caveat.
-        Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&meta_path, e))?)
-    };
+    // Mapped, not read (a remote one is fetched whole): at millions of pieces the file is
+    // hundreds of megabytes, and the graph the pickle reader builds borrows its strings from
+    // these bytes.
+    let bytes = meta.bytes(0, len)?;
     let mut built = Builder::default();
-    let rest = metadata::parse_into(map.as_deref().unwrap_or(&[]), &mut built)
-        .map_err(|e| e.file(&meta_path))?;
-    drop(map);
+    let rest = metadata::parse_into(&bytes, &mut built).map_err(|e| e.file(&meta_path))?;
+    drop(bytes);
+    drop(meta);
     built.apply_pending();
     let paths: HashMap<&str, &[KeyPart]> = rest
         .planner_data
@@ -381,9 +373,9 @@ fn world_size(dir: &Path, names: &[String]) -> Option<usize> {
             .ok()
     };
     let mut highest: Option<usize> = names.iter().filter_map(|n| rank(n)).max();
-    if let Ok(list) = std::fs::read_dir(dir) {
-        for entry in list.flatten() {
-            if let Some(name) = entry.file_name().to_str() {
+    if let Ok(list) = storage::list(dir) {
+        for entry in list {
+            if let Some(name) = entry.file_name().and_then(|n| n.to_str()) {
                 highest = highest.max(rank(name));
             }
         }
@@ -391,11 +383,12 @@ fn world_size(dir: &Path, names: &[String]) -> Option<usize> {
     highest.map(|r| r + 1)
 }
 
-/// The `.distcp` files of one checkpoint, each mapped once, and what their items are.
+/// The `.distcp` files of one checkpoint, each opened (mapped, when local) once, and what their
+/// items are.
 struct Files<'a> {
     dir: &'a Path,
-    /// By [`Item::file`]: the file's name as pieces share it, and its bytes (`None` when empty).
-    maps: Vec<(Arc<Path>, Option<Mmap>)>,
+    /// By [`Item::file`]: the file's name as pieces share it, and the file.
+    maps: Vec<(Arc<Path>, Input)>,
     /// By [`Item::transform`].
     transforms: &'a [Vec<String>],
 }
@@ -441,10 +434,11 @@ impl<'a> Files<'a> {
         }
     }
 
-    /// The bytes of one item, checked against the file's length.
-    fn bytes(&self, item: &Item) -> Result<&[u8]> {
-        let map = match self.maps.get(item.file as usize) {
-            Some((_, map)) => map.as_deref().unwrap_or(&[]),
+    /// The bytes of one item, checked against the file's length: the whole item, or (`zip`) a
+    /// view of it for the ZIP reader, which for a remote file holds only the archive's framing.
+    fn bytes(&self, item: &Item, zip: bool) -> Result<View<'_>> {
+        let input = match self.maps.get(item.file as usize) {
+            Some((_, input)) => input,
             None => {
                 return Err(
                     Error::invalid("internal: item in a file that was not mapped")
@@ -454,12 +448,13 @@ impl<'a> Files<'a> {
         };
         let end = item.offset.checked_add(item.length);
         match end {
-            Some(end) if end <= map.len() as u64 => Ok(&map[item.offset as usize..end as usize]),
+            Some(end) if end <= input.len() && zip => input.zip_view(item.offset, item.length),
+            Some(end) if end <= input.len() => input.bytes(item.offset, item.length),
             _ => Err(Error::invalid(format!(
                 "item of {} bytes at offset {} runs past the end of the file ({} bytes)",
                 item.length,
                 item.offset,
-                map.len()
+                input.len()
             ))
             .file(self.path(item))
             .at(item.offset)
@@ -508,7 +503,8 @@ impl<'a> Files<'a> {
         // Named only in errors: building the path for each of a million items costs time.
         let path = || self.path(item);
         let zstd = self.is_zstd(item)?;
-        let bytes = self.bytes(item)?;
+        let view = self.bytes(item, !zstd)?;
+        let bytes: &[u8] = &view;
         let decoded;
         let archive_bytes: &[u8] = if zstd {
             // A chunk's archive holds its storage plus a little framing; a storage much larger
@@ -585,7 +581,8 @@ impl<'a> Files<'a> {
     /// A non-tensor item: its raw bytes, and its value when it is plain data.
     fn value(&self, item: &Item) -> Result<(Blob, Option<crate::pickle::Value>)> {
         let zstd = self.is_zstd(item)?;
-        let bytes = self.bytes(item)?;
+        let view = self.bytes(item, false)?;
+        let bytes: &[u8] = &view;
         let decoded;
         let bytes: &[u8] = if zstd {
             decoded = decompress(bytes, MAX_VALUE_BYTES)?;
@@ -635,23 +632,25 @@ const POPULATE_ITEM_BYTES: u64 = 64 << 10;
 /// mapped in one go rather than faulted in one by one (about a tenth less CPU time for a
 /// consolidation of a million pieces, measured on a busy machine). Files of large items are left to fault: only their framing is read
 /// here, and reading all of them now would read the data twice.
-fn map_file(dir: &Path, name: &str, items: u64) -> Result<Option<Mmap>> {
+fn map_file(dir: &Path, name: &str, items: u64) -> Result<Input> {
     let path = dir.join(safe_relative_path(name)?);
-    let file = File::open(&path).map_err(|e| {
-        Error::io(&path, e).hint("a rank's file is missing: was the checkpoint copied completely?")
-    })?;
-    let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
-    if len == 0 {
-        return Ok(None);
-    }
-    let mut options = memmap2::MmapOptions::new();
-    if len <= items.saturating_mul(POPULATE_ITEM_BYTES) {
-        options.populate();
-    }
-    // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
-    // caveat.
-    let map = unsafe { options.map(&file) }.map_err(|e| Error::io(&path, e))?;
-    Ok(Some(map))
+    let missing =
+        |e: Error| e.hint("a rank's file is missing: was the checkpoint copied completely?");
+    let len = match storage::stat(&path).map_err(missing)? {
+        Some(Stat::File(len)) => len,
+        _ => {
+            return Err(missing(Error::io(
+                &path,
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            )))
+        }
+    };
+    let access = if len <= items.saturating_mul(POPULATE_ITEM_BYTES) {
+        Access::MapPopulated
+    } else {
+        Access::Map
+    };
+    Input::open(&path, access).map_err(missing)
 }
 
 /// The first `len` bytes of a zstd item (fewer if it is shorter).

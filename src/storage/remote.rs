@@ -1,0 +1,710 @@
+//! Objects behind object_store: stores built from the environment, one tokio runtime, ranged
+//! GETs through a bounded block cache, and sparse images of ZIP archives.
+//!
+//! object_store is async; ckpt's workers are rayon threads. Each blocking call runs its future
+//! on the calling thread with [`block_on`], while the runtime's two threads drive the sockets,
+//! so every worker has its own requests in flight and no worker waits for another's.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::{StreamExt, TryStreamExt};
+use memmap2::Mmap;
+use object_store::multipart::MultipartStore;
+use object_store::path::Path as Key;
+use object_store::{BackoffConfig, ObjectStore, ObjectStoreExt, RetryConfig};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Size of a cached block: small reads (headers, ZIP framing, small tensors) fetch whole blocks,
+/// so the framing of neighbouring DCP items and neighbouring small pieces come in one GET. GETs,
+/// not bytes, are what costs: a request has a latency of its own, and some servers read the whole
+/// object for each ranged GET.
+pub const BLOCK_BYTES: u64 = 4 << 20;
+/// Bytes of blocks kept, over all objects (least recently fetched dropped first).
+pub const CACHE_BYTES: u64 = 64 << 20;
+/// GETs one thread keeps in flight at once.
+const IN_FLIGHT: usize = 8;
+
+/// A bucket's store, built once per bucket from the environment.
+pub(crate) struct Store {
+    pub(crate) name: String,
+    pub(crate) objects: Arc<dyn ObjectStore>,
+    pub(crate) multipart: Arc<dyn MultipartStore>,
+}
+
+/// A remote location: a bucket's store and a key in it.
+#[derive(Clone)]
+pub struct Remote {
+    pub(crate) store: Arc<Store>,
+    pub(crate) key: Key,
+    pub(crate) path: PathBuf,
+}
+
+pub(crate) fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
+        OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("ckpt-io")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start the I/O runtime: {e}")))
+}
+
+/// Run `fut` to completion on this thread, the runtime driving its I/O.
+pub(crate) fn block_on<F: std::future::Future>(fut: F) -> Result<F::Output> {
+    Ok(runtime()?.block_on(fut))
+}
+
+/// How often and how long a request is retried (throttling, 5xx, dropped connections), with
+/// exponential backoff; then the error names the object and the status.
+fn retry() -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            base: 2.0,
+        },
+        max_retries: 5,
+        retry_timeout: Duration::from_secs(60),
+    }
+}
+
+fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store::Error> {
+    fn both<T: ObjectStore + MultipartStore>(
+        s: T,
+    ) -> (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) {
+        let s = Arc::new(s);
+        (s.clone(), s)
+    }
+    let (objects, multipart) = match scheme {
+        "s3" => both(
+            object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry())
+                .build()?,
+        ),
+        "gs" => both(
+            object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry())
+                .build()?,
+        ),
+        _ => both(
+            object_store::azure::MicrosoftAzureBuilder::from_env()
+                .with_container_name(bucket)
+                .with_retry(retry())
+                .build()?,
+        ),
+    };
+    Ok(Store {
+        name: format!("{scheme}://{bucket}"),
+        objects,
+        multipart,
+    })
+}
+
+impl Remote {
+    pub(crate) fn new(scheme: &str, bucket: &str, key: &str, path: &Path) -> Result<Remote> {
+        static STORES: OnceLock<Mutex<HashMap<String, Arc<Store>>>> = OnceLock::new();
+        let name = format!("{scheme}://{bucket}");
+        let mut stores = STORES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let store = match stores.get(&name) {
+            Some(s) => s.clone(),
+            None => {
+                let s = Arc::new(build(scheme, bucket).map_err(|e| {
+                    Error::usage(format!("cannot use `{name}`: {e}")).hint(
+                        "set AWS_REGION, AWS_ENDPOINT_URL (and AWS_ALLOW_HTTP=true for http://) and credentials as for the AWS CLI",
+                    )
+                })?);
+                stores.insert(name, s.clone());
+                s
+            }
+        };
+        let key =
+            Key::parse(key).map_err(|e| Error::usage(format!("`{}`: {e}", path.display())))?;
+        Ok(Remote {
+            store,
+            key,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The location of `key` in the same store.
+    pub(crate) fn path_of(&self, key: &Key) -> PathBuf {
+        PathBuf::from(format!("{}/{}", self.store.name, key))
+    }
+
+    pub(crate) fn stat(&self) -> Result<Option<super::Stat>> {
+        if !self.key.as_ref().is_empty() {
+            match block_on(self.store.objects.head(&self.key))? {
+                Ok(meta) => return Ok(Some(super::Stat::File(meta.size))),
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(store_error(&self.path, e)),
+            }
+        }
+        let listed = block_on(async {
+            let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
+            let mut objects = self.store.objects.list(prefix);
+            objects.next().await.transpose()
+        })?;
+        match listed {
+            Ok(Some(_)) => Ok(Some(super::Stat::Dir)),
+            Ok(None) => Ok(None),
+            Err(e) => Err(store_error(&self.path, e)),
+        }
+    }
+
+    pub(crate) fn list(&self) -> Result<Vec<PathBuf>> {
+        let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
+        let listed = block_on(self.store.objects.list_with_delimiter(prefix))?
+            .map_err(|e| store_error(&self.path, e))?;
+        let mut out: Vec<PathBuf> = listed
+            .objects
+            .iter()
+            .map(|o| self.path_of(&o.location))
+            .collect();
+        out.extend(listed.common_prefixes.iter().map(|p| self.path_of(p)));
+        Ok(out)
+    }
+
+    /// Every key under this location taken as a directory (`key/...`).
+    pub(crate) fn list_below(&self) -> Result<Vec<Key>> {
+        let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
+        block_on(
+            self.store
+                .objects
+                .list(prefix)
+                .map_ok(|m| m.location)
+                .try_collect(),
+        )?
+        .map_err(|e| store_error(&self.path, e))
+    }
+
+    pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
+        block_on(
+            self.store
+                .objects
+                .put(&self.key, object_store::PutPayload::from(bytes)),
+        )?
+        .map(|_| ())
+        .map_err(|e| store_error(&self.path, e))
+    }
+
+    pub(crate) fn read_all(&self) -> Result<Vec<u8>> {
+        let got = block_on(async {
+            let r = self.store.objects.get(&self.key).await?;
+            r.bytes().await
+        })?;
+        got.map(|b| b.to_vec())
+            .map_err(|e| store_error(&self.path, e))
+    }
+
+    pub(crate) fn open(self) -> Result<Object> {
+        static IDS: AtomicU64 = AtomicU64::new(0);
+        let meta = block_on(self.store.objects.head(&self.key))?
+            .map_err(|e| store_error(&self.path, e))?;
+        Ok(Object {
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            len: meta.size,
+            at: self,
+        })
+    }
+}
+
+/// The error for a failed request: the object, and what the store said (status and code).
+pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
+    let not_found = matches!(e, object_store::Error::NotFound { .. });
+    let text = e.to_string();
+    let err = Error::new(ErrorKind::Io, format!("object store: {text}")).file(path);
+    if not_found {
+        return err.hint("check the bucket and key: nothing is stored there");
+    }
+    if text.contains("NoSuchBucket") {
+        return err.hint("the bucket does not exist: create it, or check the URL");
+    }
+    if [
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403",
+    ]
+    .iter()
+    .any(|s| text.contains(s))
+    {
+        return err.hint(
+            "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or the profile's credentials)",
+        );
+    }
+    if text.contains("onnect") || text.contains("error sending request") {
+        return err.hint("check AWS_ENDPOINT_URL and that the store is reachable");
+    }
+    err
+}
+
+/// An object opened for ranged reads.
+pub struct Object {
+    id: u64,
+    len: u64,
+    at: Remote,
+}
+
+/// Blocks of objects, least recently fetched dropped first, at most [`CACHE_BYTES`] in all.
+#[derive(Default)]
+struct Cache {
+    blocks: HashMap<(u64, u64), Bytes>,
+    order: VecDeque<(u64, u64)>,
+    bytes: u64,
+}
+
+fn cache() -> &'static Mutex<Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+thread_local! {
+    /// The source ranges of the unit this thread is gathering: (object id, start, bytes).
+    static WINDOW: RefCell<Vec<(u64, u64, Bytes)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Fetch `ranges` (object, byte range) for the unit about to be gathered on this thread,
+/// coalesced and many in flight, replacing the previous unit's: reads inside them are then
+/// served from memory. Memory: the ranges' bytes, about one unit.
+pub fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
+    WINDOW.with(|w| w.borrow_mut().clear());
+    if ranges.is_empty() {
+        return Ok(());
+    }
+    let mut by_object: Vec<(&Object, Vec<Range<u64>>)> = Vec::new();
+    for (o, r) in ranges {
+        match by_object.iter_mut().find(|(x, _)| x.id == o.id) {
+            Some((_, rs)) => rs.push(r.clone()),
+            None => by_object.push((o, vec![r.clone()])),
+        }
+    }
+    let mut got = Vec::new();
+    for (o, rs) in by_object {
+        let rs = coalesce(rs);
+        // Small ranges (small tensors, pieces of a few rows) through the block cache: the
+        // neighbours a later unit needs come with them.
+        let (small, large): (Vec<_>, Vec<_>) =
+            rs.into_iter().partition(|r| r.end - r.start < BLOCK_BYTES);
+        o.prefetch(&small)?;
+        for r in small {
+            let mut buf = vec![0u8; (r.end - r.start) as usize];
+            o.read_at(r.start, &mut buf)?;
+            got.push((o.id, r.start, Bytes::from(buf)));
+        }
+        let bytes = o.get_ranges(&large)?;
+        got.extend(large.iter().zip(bytes).map(|(r, b)| (o.id, r.start, b)));
+    }
+    WINDOW.with(|w| *w.borrow_mut() = got);
+    Ok(())
+}
+
+/// Sorted ranges with overlapping or adjacent ones (gaps under 64 KiB) merged.
+fn coalesce(mut rs: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    rs.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(rs.len());
+    for r in rs {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end + (64 << 10) => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+impl Object {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Ranges fetched concurrently, at most [`IN_FLIGHT`] at a time, large ones in 8 MiB
+    /// pieces so that they too come in parallel.
+    fn get_ranges(&self, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        const PIECE: u64 = 8 << 20;
+        let mut pieces = Vec::new();
+        for (i, r) in ranges.iter().enumerate() {
+            let mut s = r.start;
+            while s < r.end {
+                let e = (s + PIECE).min(r.end);
+                pieces.push((i, s..e));
+                s = e;
+            }
+        }
+        let store = &self.at.store.objects;
+        let key = &self.at.key;
+        let fetched: std::result::Result<Vec<Bytes>, object_store::Error> = block_on(async {
+            futures::stream::iter(pieces.iter().map(|(_, r)| store.get_range(key, r.clone())))
+                .buffered(IN_FLIGHT)
+                .try_collect()
+                .await
+        })?;
+        let fetched = fetched.map_err(|e| store_error(&self.at.path, e))?;
+        let mut out: Vec<Vec<Bytes>> = vec![Vec::new(); ranges.len()];
+        for ((i, _), b) in pieces.iter().zip(fetched) {
+            out[*i].push(b);
+        }
+        Ok(out
+            .into_iter()
+            .map(|parts| match parts.len() {
+                1 => parts.into_iter().next().unwrap_or_default(),
+                _ => Bytes::from(parts.concat()),
+            })
+            .collect())
+    }
+
+    /// Make sure the blocks covering `ranges` are cached, fetching the missing ones at once.
+    fn prefetch(&self, ranges: &[Range<u64>]) -> Result<()> {
+        let mut missing = Vec::new();
+        {
+            let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+            for r in ranges.iter().filter(|r| r.start < r.end) {
+                for b in r.start / BLOCK_BYTES..=(r.end - 1) / BLOCK_BYTES {
+                    if !c.blocks.contains_key(&(self.id, b)) && !missing.contains(&b) {
+                        missing.push(b);
+                    }
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        missing.sort_unstable();
+        // Runs of adjacent missing blocks, each one ranged GET (split by `get_ranges` at 8 MiB).
+        let mut runs: Vec<Range<u64>> = Vec::new();
+        for &b in &missing {
+            match runs.last_mut() {
+                Some(r) if r.end == b => r.end = b + 1,
+                _ => runs.push(b..b + 1),
+            }
+        }
+        let spans: Vec<Range<u64>> = runs
+            .iter()
+            .map(|r| r.start * BLOCK_BYTES..(r.end * BLOCK_BYTES).min(self.len))
+            .collect();
+        let got = self.get_ranges(&spans)?;
+        let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
+        for (run, bytes) in runs.into_iter().zip(got) {
+            for b in run.clone() {
+                let s = ((b - run.start) * BLOCK_BYTES) as usize;
+                let e = (s + BLOCK_BYTES as usize).min(bytes.len());
+                let block = bytes.slice(s.min(e)..e);
+                c.bytes += block.len() as u64;
+                if c.blocks.insert((self.id, b), block).is_none() {
+                    c.order.push_back((self.id, b));
+                }
+            }
+        }
+        while c.bytes > CACHE_BYTES {
+            let Some(old) = c.order.pop_front() else {
+                break;
+            };
+            if let Some(b) = c.blocks.remove(&old) {
+                c.bytes -= b.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy cached bytes at `offset` into `buf`; false when a block is missing.
+    fn copy_cached(&self, offset: u64, buf: &mut [u8]) -> bool {
+        let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+        let mut at = offset;
+        let mut done = 0;
+        while done < buf.len() {
+            let b = at / BLOCK_BYTES;
+            let Some(block) = c.blocks.get(&(self.id, b)) else {
+                return false;
+            };
+            let s = (at - b * BLOCK_BYTES) as usize;
+            let n = (block.len().saturating_sub(s)).min(buf.len() - done);
+            if n == 0 {
+                return false;
+            }
+            buf[done..done + n].copy_from_slice(&block[s..s + n]);
+            done += n;
+            at += n as u64;
+        }
+        true
+    }
+
+    /// Fill `buf` from `offset` (the caller has checked the range): from this thread's window,
+    /// through the block cache for small reads, else with ranged GETs.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        let hit = WINDOW.with(|w| {
+            let w = w.borrow();
+            let Some((_, start, bytes)) = w
+                .iter()
+                .find(|(id, s, b)| *id == self.id && *s <= offset && end <= s + b.len() as u64)
+            else {
+                return false;
+            };
+            let s = (offset - start) as usize;
+            buf.copy_from_slice(&bytes[s..s + buf.len()]);
+            true
+        });
+        if hit || buf.is_empty() {
+            return Ok(());
+        }
+        if buf.len() as u64 <= BLOCK_BYTES {
+            // Twice at most: a block evicted by other threads between the fetch and the copy is
+            // fetched again.
+            for _ in 0..2 {
+                self.prefetch(std::slice::from_ref(&(offset..end)))?;
+                if self.copy_cached(offset, buf) {
+                    return Ok(());
+                }
+            }
+        }
+        let got = self.get_ranges(std::slice::from_ref(&(offset..end)))?;
+        let got = got.first().map(|b| &b[..]).unwrap_or_default();
+        if got.len() != buf.len() {
+            return Err(
+                Error::invalid("object ended early: did it change during the run?")
+                    .file(&self.at.path)
+                    .at(offset),
+            );
+        }
+        buf.copy_from_slice(got);
+        Ok(())
+    }
+
+    fn read_vec(&self, range: Range<u64>) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; (range.end - range.start) as usize];
+        self.read_at(range.start, &mut v)?;
+        Ok(v)
+    }
+
+    /// An image of the ZIP archive of `len` bytes at `base`: its end records, central
+    /// directory, local headers, data descriptors and records of at most [`SMALL_RECORD`] bytes
+    /// are fetched (in three rounds of concurrent GETs); other bytes are zeros. An archive whose
+    /// framing does not parse gets what was found, and the ZIP reader reports the problem.
+    pub(crate) fn zip_image(&self, base: u64, len: u64) -> Result<Option<Mmap>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        if base.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(Error::invalid(format!(
+                "{len} bytes at offset {base} run past the end of the object ({} bytes)",
+                self.len
+            ))
+            .file(&self.at.path)
+            .at(base));
+        }
+        let mut found: Vec<(u64, Vec<u8>)> = Vec::new();
+        let tail_len = len.min(TAIL_BYTES);
+        let tail = self.read_vec(base + len - tail_len..base + len)?;
+        let end = find_end(&tail, len - tail_len, len);
+        found.push((len - tail_len, tail));
+        if let Some(end) = end {
+            let mut zip64 = None;
+            if end.needs_zip64 {
+                if let Some(loc) = end.eocd_at.checked_sub(20) {
+                    let l = self.read_vec(base + loc..base + loc + 20)?;
+                    let at = u64::from_le_bytes(l[8..16].try_into().unwrap_or_default());
+                    if l[..4] == [0x50, 0x4b, 0x06, 0x07] && at + 56 <= loc {
+                        let r = self.read_vec(base + at..base + at + 56)?;
+                        let get = |o: usize| {
+                            u64::from_le_bytes(r[o..o + 8].try_into().unwrap_or_default())
+                        };
+                        zip64 = Some((get(32), get(40), get(48)));
+                        found.push((loc, l));
+                        found.push((at, r));
+                    }
+                }
+            }
+            let (entries, cd_size, cd_offset) =
+                zip64.unwrap_or((end.entries, end.cd_size, end.cd_offset));
+            if cd_offset.checked_add(cd_size).is_some_and(|e| e <= len) && cd_size <= MAX_CD {
+                let cd = self.read_vec(base + cd_offset..base + cd_offset + cd_size)?;
+                let centrals = parse_central(&cd, entries);
+                found.push((cd_offset, cd));
+                // Round 2: local headers, with room for torch's alignment padding.
+                let heads: Vec<Range<u64>> = centrals
+                    .iter()
+                    .map(|c| c.local..(c.local + 30 + c.name_len + LOCAL_EXTRA).min(cd_offset))
+                    .filter(|r| r.start < r.end)
+                    .collect();
+                self.prefetch(
+                    &heads
+                        .iter()
+                        .map(|r| base + r.start..base + r.end)
+                        .collect::<Vec<_>>(),
+                )?;
+                let mut rest = Vec::new();
+                for (c, r) in centrals.iter().zip(&heads) {
+                    let head = self.read_vec(base + r.start..base + r.end)?;
+                    if head.len() < 30 {
+                        continue;
+                    }
+                    let n = u64::from(u16::from_le_bytes([head[26], head[27]]));
+                    let e = u64::from(u16::from_le_bytes([head[28], head[29]]));
+                    let data = c.local + 30 + n + e;
+                    if 30 + n + e > head.len() as u64 {
+                        rest.push(c.local + head.len() as u64..data.min(cd_offset));
+                    }
+                    found.push((r.start, head));
+                    let data_end = data.saturating_add(c.size);
+                    if c.size <= SMALL_RECORD {
+                        rest.push(data.min(cd_offset)..data_end.min(cd_offset));
+                    }
+                    rest.push(data_end.min(cd_offset)..data_end.saturating_add(24).min(cd_offset));
+                }
+                // Round 3: what the headers lead to.
+                rest.retain(|r| r.start < r.end);
+                let small: Vec<Range<u64>> = rest
+                    .iter()
+                    .filter(|r| r.end - r.start <= BLOCK_BYTES)
+                    .map(|r| base + r.start..base + r.end)
+                    .collect();
+                self.prefetch(&small)?;
+                for r in rest {
+                    found.push((r.start, self.read_vec(base + r.start..base + r.end)?));
+                }
+            }
+        }
+        let mut image = memmap2::MmapOptions::new()
+            .len(usize::try_from(len).unwrap_or(usize::MAX))
+            .no_reserve_swap()
+            .map_anon()
+            .map_err(|e| Error::io(&self.at.path, e))?;
+        for (at, bytes) in found {
+            let at = at as usize;
+            if let Some(dst) = image.get_mut(at..at + bytes.len()) {
+                dst.copy_from_slice(&bytes);
+            }
+        }
+        image
+            .make_read_only()
+            .map(Some)
+            .map_err(|e| Error::io(&self.at.path, e))
+    }
+}
+
+/// Bytes read from the end of an archive to find its end records: the classic record and the
+/// longest comment it can announce, and the zip64 locator before it.
+const TAIL_BYTES: u64 = 22 + 0xFFFF + 20;
+/// Records up to this size are fetched with the framing (`data.pkl`, `byteorder`, `version`);
+/// larger ones are tensor data, which the reader does not look at.
+const SMALL_RECORD: u64 = 1 << 20;
+/// Longest local extra field fetched with a header in the second round (torch pads data to
+/// 64 bytes and may add a zip64 field); a longer one costs a third-round read.
+const LOCAL_EXTRA: u64 = 256;
+/// Largest central directory fetched (a torch.save archive has one entry per storage).
+const MAX_CD: u64 = 1 << 30;
+
+struct End {
+    eocd_at: u64,
+    entries: u64,
+    cd_size: u64,
+    cd_offset: u64,
+    needs_zip64: bool,
+}
+
+/// The classic end record in `tail` (which starts at archive offset `tail_at`), whose comment
+/// reaches the end of the archive of `len` bytes.
+fn find_end(tail: &[u8], tail_at: u64, len: u64) -> Option<End> {
+    let n = tail.len();
+    (0..=n.checked_sub(22)?).rev().find_map(|i| {
+        let r = &tail[i..];
+        if r[..4] != [0x50, 0x4b, 0x05, 0x06] {
+            return None;
+        }
+        let u16_at = |o: usize| u64::from(u16::from_le_bytes([r[o], r[o + 1]]));
+        let u32_at = |o: usize| u64::from(u32::from_le_bytes([r[o], r[o + 1], r[o + 2], r[o + 3]]));
+        if tail_at + i as u64 + 22 + u16_at(20) != len {
+            return None;
+        }
+        let (entries, cd_size, cd_offset) = (u16_at(10), u32_at(12), u32_at(16));
+        Some(End {
+            eocd_at: tail_at + i as u64,
+            entries,
+            cd_size,
+            cd_offset,
+            needs_zip64: entries == 0xFFFF || cd_size == 0xFFFF_FFFF || cd_offset == 0xFFFF_FFFF,
+        })
+    })
+}
+
+struct Central {
+    local: u64,
+    size: u64,
+    name_len: u64,
+}
+
+/// Each central header's local header offset, compressed size and name length (zip64 fields
+/// resolved), as far as `cd` parses.
+fn parse_central(cd: &[u8], entries: u64) -> Vec<Central> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    for _ in 0..entries {
+        let Some(h) = cd.get(pos..pos + 46) else {
+            break;
+        };
+        if h[..4] != [0x50, 0x4b, 0x01, 0x02] {
+            break;
+        }
+        let u16_at = |o: usize| usize::from(u16::from_le_bytes([h[o], h[o + 1]]));
+        let u32_at = |o: usize| u64::from(u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]));
+        let (name_len, extra_len, comment_len) = (u16_at(28), u16_at(30), u16_at(32));
+        let mut size = u32_at(20);
+        let usize32 = u32_at(24);
+        let mut local = u32_at(42);
+        let extra = cd
+            .get(pos + 46 + name_len..pos + 46 + name_len + extra_len)
+            .unwrap_or_default();
+        let mut e = 0;
+        while let Some(f) = extra.get(e..e + 4) {
+            let (id, n) = (
+                u16::from_le_bytes([f[0], f[1]]),
+                usize::from(u16::from_le_bytes([f[2], f[3]])),
+            );
+            if id == 1 {
+                let mut v = extra
+                    .get(e + 4..e + 4 + n)
+                    .unwrap_or_default()
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()));
+                if usize32 == 0xFFFF_FFFF {
+                    v.next();
+                }
+                if size == 0xFFFF_FFFF {
+                    size = v.next().unwrap_or(size);
+                }
+                if local == 0xFFFF_FFFF {
+                    local = v.next().unwrap_or(local);
+                }
+            }
+            e += 4 + n;
+        }
+        out.push(Central {
+            local,
+            size,
+            name_len: name_len as u64,
+        });
+        pos += 46 + name_len + extra_len + comment_len;
+    }
+    out
+}

@@ -1,0 +1,440 @@
+//! Writing a plan's output into an object store: multipart uploads, parts computed by the
+//! executor's share machinery, commit marker last.
+//!
+//! Each output file is cut into upload parts of [`part_size`] bytes. A part is one share of the
+//! file (as for `--part`): the executor writes exactly those bytes into a sparse spool file in the
+//! temporary directory, they are read back and uploaded, and their pages are released. A part
+//! holding a ZIP CRC that depends on bytes of other parts (a torch.save record or a DCP item cut
+//! by a part boundary) is kept in the spool until every part is done, patched from the parts'
+//! partial CRCs, and uploaded then: multipart part numbers fix the order, not upload time.
+//!
+//! Nothing appears as a checkpoint before it is complete: an object becomes visible only when its
+//! multipart upload completes, data objects complete first, and the commit marker (DCP
+//! `.metadata`, the split safetensors index) last. The uploads a run starts are recorded in a
+//! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
+//! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
+//! run into the same place.
+
+use std::collections::{HashSet, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as Key;
+use object_store::{ObjectStoreExt, PutPayload};
+use serde::{Deserialize, Serialize};
+
+use super::remote::{block_on, runtime, store_error, Remote};
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::{self, ExecOptions, Progress};
+use crate::output::OutputKind;
+use crate::part::{FileRange, PartSpec, Share};
+use crate::plan::Plan;
+
+/// Smallest upload part (S3 wants at least 5 MiB for all but the last).
+const MIN_PART: u64 = 16 << 20;
+/// S3 allows 10,000 parts per upload.
+const MAX_PARTS: u64 = 10_000;
+
+/// Upload part size for a file of `len` bytes.
+pub fn part_size(len: u64) -> u64 {
+    MIN_PART.max(len.div_ceil(MAX_PARTS).next_multiple_of(1 << 20))
+}
+
+/// Where file `i` of `plan` (of `len` bytes) is cut into upload parts: `0`, the cuts, `len`.
+/// Cuts are [`part_size`] apart, each moved forward (by less than a part) to the end of a ZIP
+/// record it would cut, with the CRC slots that belong to it: a part that holds a record whole
+/// can be sent as soon as it is computed. A cut that cannot move so far (a record larger than a
+/// part, or a torch.save file whose central directory at the end names every record's CRC)
+/// stays, and the part holding the slot waits for the other parts' CRCs.
+fn part_cuts(plan: &Plan, i: usize, len: u64) -> Result<Vec<u64>> {
+    let size = part_size(len);
+    let file = plan.file(i)?;
+    let mut spans: Vec<(u64, u64)> = file
+        .regions
+        .iter()
+        .filter(|r| !r.crc_slots.is_empty())
+        .map(|r| {
+            let last_slot = r.crc_slots.iter().map(|s| s + 4).max().unwrap_or(0);
+            (r.offset, (r.offset + r.nbytes()).max(last_slot))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut cuts = vec![0];
+    let mut at = 0;
+    let mut k = 0;
+    loop {
+        let mut cut = at + size;
+        if cut >= len {
+            break;
+        }
+        while k < spans.len() && spans[k].1 <= cut {
+            k += 1;
+        }
+        // The spans that contain the cut, merged: the cut moves past all of them or stays.
+        let mut end = cut;
+        let mut j = k;
+        while j < spans.len() && spans[j].0 < end {
+            end = end.max(spans[j].1);
+            j += 1;
+        }
+        if end > cut && end - cut < size {
+            cut = end;
+        }
+        if cut >= len {
+            break;
+        }
+        cuts.push(cut);
+        at = cut;
+    }
+    cuts.push(len);
+    Ok(cuts)
+}
+
+/// Parts uploading at once for `threads` workers (0: one per core): the memory bound is this
+/// many parts of [`part_size`] bytes.
+pub fn in_flight(threads: usize) -> usize {
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    2 * threads
+}
+
+/// One upload this run started, as the journal records it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Started {
+    key: String,
+    id: String,
+}
+
+/// The run's uploads: aborted (and the journal removed) unless committed.
+struct Uploads {
+    store: Arc<dyn MultipartStore>,
+    remote: Remote,
+    journal: Key,
+    started: Vec<Started>,
+    committed: bool,
+}
+
+impl Drop for Uploads {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        let _ = block_on(async {
+            for s in &self.started {
+                let _ = self
+                    .store
+                    .abort_multipart(&Key::from(s.key.as_str()), &s.id)
+                    .await;
+            }
+            let _ = self.remote.store.objects.delete(&self.journal).await;
+        });
+    }
+}
+
+/// Forwards the executor's per-part progress to the run's, which spans every part.
+struct Forward<'a>(&'a dyn Progress);
+impl Progress for Forward<'_> {
+    fn advance(&self, bytes: u64) {
+        self.0.advance(bytes);
+    }
+}
+
+/// A sparse file per output file in the temporary directory, removed when dropped.
+struct Spool {
+    dir: PathBuf,
+}
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Release the pages of `len` bytes at `offset` of a spool file once they are uploaded.
+fn punch(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain syscall on a descriptor we own; no memory of ours is involved. Only a hint:
+    // on a filesystem without hole punching the spool keeps its pages.
+    unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        );
+    }
+}
+
+/// Names of files that make an output a checkpoint: written last.
+fn is_marker(plan: &Plan, i: usize) -> bool {
+    plan.is_streamed(i)
+        || plan
+            .path(i)
+            .file_name()
+            .is_some_and(|n| n == crate::formats::hf_index::INDEX_NAME)
+}
+
+/// Write `plan`'s output to the remote location `out` (a single object for `OutputKind::File`,
+/// objects under `out/` for `OutputKind::Dir`), reading from `input` (refused if they overlap).
+pub fn write(
+    plan: &Plan,
+    input: &Path,
+    out: &Path,
+    kind: OutputKind,
+    force: bool,
+    opts: &ExecOptions,
+) -> Result<()> {
+    let remote =
+        super::remote(out).ok_or_else(|| Error::usage("internal: not a remote output"))??;
+    let out_s = out.to_string_lossy();
+    let in_s = input.to_string_lossy();
+    if out_s == in_s
+        || in_s.starts_with(&format!("{out_s}/"))
+        || out_s.starts_with(&format!("{in_s}/"))
+    {
+        return Err(Error::usage(format!(
+            "the output `{out_s}` is, contains or lies inside the input `{in_s}`"
+        ))
+        .hint("write the output somewhere else: ckpt never modifies its input"));
+    }
+    let name = remote
+        .key
+        .filename()
+        .ok_or_else(|| Error::usage(format!("`{out_s}` is not a usable output name")))?
+        .to_string();
+    let parent: Vec<_> = remote.key.parts().collect();
+    let parent = Key::from_iter(parent[..parent.len() - 1].iter().cloned());
+    let journal_dir = parent.clone().join(format!(".{name}.ckpt-uploads"));
+    let store = remote.store.clone();
+
+    // Uploads of runs that were killed before they could abort them.
+    let journals = block_on(async {
+        use futures::TryStreamExt;
+        store
+            .objects
+            .list(Some(&journal_dir))
+            .try_collect::<Vec<_>>()
+            .await
+    })?
+    .map_err(|e| store_error(out, e))?;
+    for j in journals {
+        let text = block_on(async { store.objects.get(&j.location).await?.bytes().await })?;
+        if let Ok(list) = text.map(|b| serde_json::from_slice::<Vec<Started>>(&b)) {
+            for s in list.unwrap_or_default() {
+                let _ = block_on(
+                    store
+                        .multipart
+                        .abort_multipart(&Key::from(s.key.as_str()), &s.id),
+                );
+            }
+        }
+        let _ = block_on(store.objects.delete(&j.location));
+    }
+
+    let existing: Vec<Key> = match kind {
+        OutputKind::File => match block_on(store.objects.head(&remote.key))? {
+            Ok(_) => vec![remote.key.clone()],
+            Err(object_store::Error::NotFound { .. }) => Vec::new(),
+            Err(e) => return Err(store_error(out, e)),
+        },
+        OutputKind::Dir => remote.list_below()?,
+    };
+    if !existing.is_empty() && !force {
+        return Err(
+            Error::usage(format!("`{out_s}` already exists")).hint("pass --force to replace it")
+        );
+    }
+
+    let n = plan.file_count();
+    let keys: Vec<Key> = (0..n)
+        .map(|i| match kind {
+            OutputKind::File => Ok(remote.key.clone()),
+            OutputKind::Dir => {
+                let rel = plan.path(i);
+                let rel = rel
+                    .to_str()
+                    .ok_or_else(|| Error::invalid("output name is not UTF-8"))?;
+                Key::parse(format!("{}/{rel}", remote.key))
+                    .map_err(|e| Error::invalid(format!("output name `{rel}`: {e}")))
+            }
+        })
+        .collect::<Result<_>>()?;
+    if force {
+        // The old output stops being a checkpoint before any of it is replaced.
+        for old in existing.iter().filter(|k| {
+            k.filename().is_some_and(|f| {
+                f == crate::formats::dcp::METADATA || f == crate::formats::hf_index::INDEX_NAME
+            })
+        }) {
+            block_on(store.objects.delete(old))?.map_err(|e| store_error(out, e))?;
+        }
+    }
+
+    let spool = Spool {
+        dir: std::env::temp_dir().join(format!(
+            "ckpt-spool-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        )),
+    };
+    std::fs::create_dir(&spool.dir).map_err(|e| Error::io(&spool.dir, e))?;
+    let dest: Vec<PathBuf> = (0..n).map(|i| spool.dir.join(format!("{i}"))).collect();
+
+    let mut uploads = Uploads {
+        store: store.multipart.clone(),
+        remote: remote.clone(),
+        journal: journal_dir
+            .clone()
+            .join(format!("{}.json", std::process::id())),
+        started: Vec::new(),
+        committed: false,
+    };
+    let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
+    let mut ids: Vec<Option<String>> = vec![None; n];
+    for i in 0..n {
+        if !plan.is_streamed(i) && lens[i] > 0 {
+            let id = block_on(store.multipart.create_multipart(&keys[i]))?
+                .map_err(|e| store_error(&remote.path_of(&keys[i]), e))?;
+            uploads.started.push(Started {
+                key: keys[i].to_string(),
+                id: id.clone(),
+            });
+            ids[i] = Some(id);
+        }
+    }
+    let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
+    block_on(
+        store
+            .objects
+            .put(&uploads.journal, PutPayload::from(journal)),
+    )?
+    .map_err(|e| store_error(out, e))?;
+
+    opts.progress.start(plan.data_bytes());
+    let forward = Forward(opts.progress);
+    let part_opts = ExecOptions {
+        threads: opts.threads,
+        io: opts.io,
+        progress: &forward,
+        cancel: opts.cancel,
+        durable: false,
+    };
+    let inputs = exec::open_inputs(plan, opts.io)?;
+    let max_in_flight = in_flight(opts.threads);
+    let mut in_flight: VecDeque<(usize, usize, tokio::task::JoinHandle<_>)> = VecDeque::new();
+    let mut parts: Vec<Vec<Option<PartId>>> = vec![Vec::new(); n];
+    let mut held: Vec<(usize, usize, u64, u64)> = Vec::new();
+    let mut crcs = Vec::new();
+    let mut slots = Vec::new();
+    let wait = |(i, k, h): (
+        usize,
+        usize,
+        tokio::task::JoinHandle<object_store::Result<PartId>>,
+    ),
+                parts: &mut Vec<Vec<Option<PartId>>>|
+     -> Result<()> {
+        let done = block_on(h)?
+            .map_err(|e| Error::new(ErrorKind::Io, format!("upload task failed: {e}")))?;
+        parts[i][k] = Some(done.map_err(|e| store_error(&remote.path_of(&keys[i]), e))?);
+        Ok(())
+    };
+    let send = |i: usize, k: usize, at: u64, len: u64| -> Result<_> {
+        let path = &dest[i];
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact_at(&mut buf, at)
+            .map_err(|e| Error::io(path, e).at(at))?;
+        punch(&file, at, len);
+        let (mp, key, id) = (
+            store.multipart.clone(),
+            keys[i].clone(),
+            ids[i].clone().unwrap_or_default(),
+        );
+        let payload = PutPayload::from(Bytes::from(buf));
+        Ok(runtime()?.spawn(async move { mp.put_part(&key, &id, k, payload).await }))
+    };
+    for i in (0..n).filter(|&i| !plan.is_streamed(i) && lens[i] > 0) {
+        let cuts = part_cuts(plan, i, lens[i])?;
+        parts[i] = vec![None; cuts.len() - 1];
+        for (k, w) in cuts.windows(2).enumerate() {
+            if opts.cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "interrupted"));
+            }
+            let (at, len) = (w[0], w[1] - w[0]);
+            let share = Share {
+                part: PartSpec { index: 0, count: 1 },
+                ranges: vec![FileRange {
+                    file: i,
+                    bytes: at..at + len,
+                }],
+            };
+            let outcome = exec::execute_share_on(plan, &inputs, &dest, &share, &part_opts)?;
+            crcs.extend(outcome.crcs);
+            if !outcome.open_slots.is_empty() {
+                slots.extend(outcome.open_slots);
+                held.push((i, k, at, len));
+                continue;
+            }
+            while in_flight.len() >= max_in_flight {
+                let oldest = in_flight
+                    .pop_front()
+                    .ok_or_else(|| Error::invalid("internal"))?;
+                wait(oldest, &mut parts)?;
+            }
+            in_flight.push_back((i, k, send(i, k, at, len)?));
+        }
+    }
+    // The parts whose CRC slots needed other parts' bytes: patched, then sent.
+    exec::patch_crcs(&dest, &crcs, &slots, false)?;
+    for (i, k, at, len) in held {
+        while in_flight.len() >= max_in_flight {
+            let oldest = in_flight
+                .pop_front()
+                .ok_or_else(|| Error::invalid("internal"))?;
+            wait(oldest, &mut parts)?;
+        }
+        in_flight.push_back((i, k, send(i, k, at, len)?));
+    }
+    while let Some(oldest) = in_flight.pop_front() {
+        wait(oldest, &mut parts)?;
+    }
+    if opts.cancel.load(Ordering::Relaxed) {
+        return Err(Error::new(ErrorKind::Io, "interrupted"));
+    }
+    // Data objects first, the commit marker last.
+    let mut order: Vec<usize> = (0..n).filter(|&i| !is_marker(plan, i)).collect();
+    order.extend((0..n).filter(|&i| is_marker(plan, i)));
+    for i in order {
+        let key = &keys[i];
+        let result = if plan.is_streamed(i) {
+            exec::write_streamed_files(plan, &dest, false)?;
+            let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
+            block_on(store.objects.put(key, PutPayload::from(bytes)))?.map(|_| ())
+        } else if let Some(id) = &ids[i] {
+            let done: Vec<PartId> = parts[i].iter().flatten().cloned().collect();
+            block_on(store.multipart.complete_multipart(key, id, done))?.map(|_| ())
+        } else {
+            block_on(store.objects.put(key, PutPayload::default()))?.map(|_| ())
+        };
+        result.map_err(|e| store_error(&remote.path_of(key), e))?;
+    }
+    uploads.committed = true;
+    let _ = block_on(store.objects.delete(&uploads.journal));
+    // Objects of a replaced output that the new one does not have.
+    let new: HashSet<&Key> = keys.iter().collect();
+    for old in existing.iter().filter(|k| !new.contains(k)) {
+        let _ = block_on(store.objects.delete(old));
+    }
+    opts.progress.finish();
+    drop(spool);
+    Ok(())
+}
