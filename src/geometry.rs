@@ -7,15 +7,15 @@ use crate::model::numel;
 
 /// An N-d box: `offsets[d] .. offsets[d] + sizes[d]` in each dimension.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Box {
+pub struct NdBox {
     pub offsets: Vec<u64>,
     pub sizes: Vec<u64>,
 }
 
-impl Box {
+impl NdBox {
     /// The box covering a whole tensor of `shape`.
-    pub fn whole(shape: &[u64]) -> Box {
-        Box {
+    pub fn whole(shape: &[u64]) -> NdBox {
+        NdBox {
             offsets: vec![0; shape.len()],
             sizes: shape.to_vec(),
         }
@@ -31,7 +31,7 @@ impl Box {
     }
 
     /// The common part of two boxes of the same rank, or `None` when they do not meet.
-    pub fn intersect(&self, other: &Box) -> Option<Box> {
+    pub fn intersect(&self, other: &NdBox) -> Option<NdBox> {
         if self.offsets.len() != other.offsets.len() {
             return None;
         }
@@ -49,7 +49,7 @@ impl Box {
         if self.offsets.is_empty() && (self.is_empty() || other.is_empty()) {
             return None;
         }
-        Some(Box { offsets, sizes })
+        Some(NdBox { offsets, sizes })
     }
 
     /// Exclusive end in dimension `d` (saturating: boxes are validated before use).
@@ -93,7 +93,7 @@ pub enum Placement {
 /// The box rank `rank` of a `mesh` holds under `placements`, following DTensor: mesh dimensions are
 /// applied in order, each `Shard(d)` chunking what the previous ones left of dim `d`. A `Shard(d)` for
 /// a dim the tensor lacks acts as `Replicate`.
-pub fn local_box(shape: &[u64], mesh: &[usize], placements: &[Placement], rank: usize) -> Box {
+pub fn local_box(shape: &[u64], mesh: &[usize], placements: &[Placement], rank: usize) -> NdBox {
     local_box_at(shape, mesh, placements, &mesh_coords(mesh, rank))
 }
 
@@ -104,8 +104,8 @@ pub fn local_box_at(
     mesh: &[usize],
     placements: &[Placement],
     coords: &[usize],
-) -> Box {
-    let mut b = Box::whole(shape);
+) -> NdBox {
+    let mut b = NdBox::whole(shape);
     for (i, p) in placements.iter().enumerate() {
         if let (Placement::Shard(d), Some(&size), Some(&c)) = (p, mesh.get(i), coords.get(i)) {
             if *d < shape.len() {
@@ -133,7 +133,7 @@ pub fn mesh_coords(mesh: &[usize], rank: usize) -> Vec<usize> {
 /// What is wrong with how a set of boxes covers a tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CoverageProblem {
-    /// Box `index` is not inside the tensor.
+    /// NdBox `index` is not inside the tensor.
     OutOfBounds { index: usize },
     /// Boxes `a` and `b` share elements.
     Overlap { a: usize, b: usize },
@@ -143,7 +143,7 @@ pub enum CoverageProblem {
 
 impl CoverageProblem {
     /// A sentence for the user, naming the boxes by their offsets.
-    pub fn describe(&self, shape: &[u64], boxes: &[Box]) -> String {
+    pub fn describe(&self, shape: &[u64], boxes: &[NdBox]) -> String {
         let offsets = |i: usize| {
             boxes
                 .get(i)
@@ -175,7 +175,7 @@ impl CoverageProblem {
 
 /// Check that `boxes` cover a tensor of `shape` exactly once: every box inside, no two overlapping,
 /// and the volumes adding up to the whole (which, with no overlap, means no gap).
-pub fn check_coverage(shape: &[u64], boxes: &[Box]) -> Vec<CoverageProblem> {
+pub fn check_coverage(shape: &[u64], boxes: &[NdBox]) -> Vec<CoverageProblem> {
     let mut problems = Vec::new();
     let mut inside = Vec::new();
     for (i, b) in boxes.iter().enumerate() {
@@ -232,8 +232,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn bx(offsets: &[u64], sizes: &[u64]) -> Box {
-        Box {
+    fn bx(offsets: &[u64], sizes: &[u64]) -> NdBox {
+        NdBox {
             offsets: offsets.to_vec(),
             sizes: sizes.to_vec(),
         }
@@ -304,7 +304,7 @@ mod tests {
                 .map(|(_, &d)| if d == 3 { Placement::Replicate } else { Placement::Shard(d) })
                 .collect();
             let world: usize = mesh.iter().product();
-            let mut boxes: Vec<Box> = (0..world)
+            let mut boxes: Vec<NdBox> = (0..world)
                 .map(|r| local_box(&shape, &mesh, &placements, r))
                 .filter(|b| !b.is_empty() || shape.is_empty())
                 .collect();

@@ -14,7 +14,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::dcp::metadata::{self as dcp_metadata, Chunk, Describe, EntryRef, StorageRef};
 use crate::formats::{dcp, hf_index, safetensors, torch_save, zip};
-use crate::geometry::{self, local_box, Box, Placement};
+use crate::geometry::{self, local_box, NdBox, Placement};
 use crate::model::{Checkpoint, Encoding, KeyPart, NonTensor, PieceRef, Tensor};
 
 /// Everything needed to write one output: files, and where each byte comes from.
@@ -132,11 +132,11 @@ pub struct Region {
 pub enum RegionSource {
     /// Fills listed when planning (a value's carried bytes).
     Fills(Vec<Fill>),
-    /// Box `b` of tensor `tensor` of the planned checkpoint. Its fills are found from the tensor's
+    /// NdBox `b` of tensor `tensor` of the planned checkpoint. Its fills are found from the tensor's
     /// pieces when the region is copied ([`Plan::fills`]): consolidating a tensor saved on 1024
     /// ranks takes 1024 fills, and listing every tensor's up front took hundreds of bytes per
     /// piece of the checkpoint.
-    Tensor { tensor: usize, b: Box },
+    Tensor { tensor: usize, b: NdBox },
 }
 
 /// Copy a box of source elements into a region.
@@ -453,7 +453,7 @@ impl<'a> Sourcing<'a> {
     }
 
     /// A region at `offset` holding box `b` of tensor `ti`, filled from the pieces that meet it.
-    fn region(&self, ti: usize, b: &Box, offset: u64) -> Region {
+    fn region(&self, ti: usize, b: &NdBox, offset: u64) -> Region {
         let t = &self.ckpt.tensors[ti];
         Region {
             name: t.name.clone(),
@@ -470,10 +470,10 @@ impl<'a> Sourcing<'a> {
 
     /// The fills of box `b` of tensor `ti` from the pieces that meet its part at `start` of
     /// `sizes` (relative to `b`), or all of it.
-    fn fills(&self, ti: usize, b: &Box, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
+    fn fills(&self, ti: usize, b: &NdBox, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
         let t = &self.ckpt.tensors[ti];
         let query = match part {
-            Some((start, sizes)) => Box {
+            Some((start, sizes)) => NdBox {
                 offsets: b.offsets.iter().zip(start).map(|(o, s)| o + s).collect(),
                 sizes: sizes.to_vec(),
             },
@@ -482,7 +482,7 @@ impl<'a> Sourcing<'a> {
         let mut fills = Vec::new();
         for k in self.indexes[ti].meeting(&query) {
             let piece = t.pieces.get(k);
-            let pb = Box {
+            let pb = NdBox {
                 offsets: piece.offsets().to_vec(),
                 sizes: piece.sizes().to_vec(),
             };
@@ -582,9 +582,9 @@ impl Planner<'_> {
                 (t.name.clone(), self.src.out_dtype(t), t.shape.clone())
             })
             .collect();
-        let boxes: Vec<(usize, Box)> = tensors
+        let boxes: Vec<(usize, NdBox)> = tensors
             .iter()
-            .map(|&i| (i, Box::whole(&ckpt.tensors[i].shape)))
+            .map(|&i| (i, NdBox::whole(&ckpt.tensors[i].shape)))
             .collect();
         self.safetensors_pieces(name, &entries, &boxes, metadata);
     }
@@ -594,7 +594,7 @@ impl Planner<'_> {
         &mut self,
         name: &str,
         entries: &[(String, DType, Vec<u64>)],
-        boxes: &[(usize, Box)],
+        boxes: &[(usize, NdBox)],
         metadata: &[(&str, &str)],
     ) {
         let metadata: Vec<(String, String)> = metadata
@@ -705,7 +705,7 @@ impl Planner<'_> {
         let src = &self.src;
         let regions = archive_into(&mut file, 0, &records, |key| {
             let i = key.parse::<usize>().ok()?;
-            let whole = Box::whole(&ckpt.tensors.get(i)?.shape);
+            let whole = NdBox::whole(&ckpt.tensors.get(i)?.shape);
             Some(src.region(i, &whole, 0))
         })?;
         file.regions = regions;
@@ -718,7 +718,7 @@ impl Planner<'_> {
         let (per_rank, notes) = assign(ckpt, mesh)?;
         self.plan.notes.extend(notes);
         for (rank, tensors) in per_rank.iter().enumerate() {
-            let items: Vec<(usize, Box)> = tensors
+            let items: Vec<(usize, NdBox)> = tensors
                 .iter()
                 .map(|&i| (i as usize, box_of(ckpt, mesh, i as usize, rank)))
                 .collect();
@@ -796,10 +796,10 @@ fn stored_whole(t: &Tensor, mesh: &MeshSpec) -> bool {
 }
 
 /// The box of tensor `ti` that `rank` stores.
-fn box_of(ckpt: &Checkpoint, mesh: &MeshSpec, ti: usize, rank: usize) -> Box {
+fn box_of(ckpt: &Checkpoint, mesh: &MeshSpec, ti: usize, rank: usize) -> NdBox {
     let t = &ckpt.tensors[ti];
     if stored_whole(t, mesh) {
-        Box::whole(&t.shape)
+        NdBox::whole(&t.shape)
     } else {
         local_box(&t.shape, &mesh.shape, &mesh.placements, rank)
     }
@@ -995,7 +995,7 @@ impl<'a> DcpFiles<'a> {
 }
 
 impl<'m> Describe<'m> for &'m DcpFiles<'_> {
-    fn entries(&self) -> std::boxed::Box<dyn Iterator<Item = EntryRef<'m, '_>> + '_> {
+    fn entries(&self) -> Box<dyn Iterator<Item = EntryRef<'m, '_>> + '_> {
         let dcp: &'m DcpFiles<'_> = self;
         let ckpt = dcp.src.ckpt;
         let tensors = ckpt.tensors.iter().enumerate().map(move |(ti, t)| {
@@ -1010,22 +1010,22 @@ impl<'m> Describe<'m> for &'m DcpFiles<'_> {
                 fqn: &t.name,
                 dtype: dcp.src.out_dtype(t),
                 size: &t.shape,
-                chunks: std::boxed::Box::new(chunks),
+                chunks: Box::new(chunks),
             }
         });
         let values = ckpt.values.iter().map(|v| EntryRef::Bytes { fqn: &v.name });
-        std::boxed::Box::new(tensors.chain(values))
+        Box::new(tensors.chain(values))
     }
 
-    fn planner_data(&self) -> std::boxed::Box<dyn Iterator<Item = (&'m str, &'m [KeyPart])> + '_> {
-        std::boxed::Box::new(
+    fn planner_data(&self) -> Box<dyn Iterator<Item = (&'m str, &'m [KeyPart])> + '_> {
+        Box::new(
             self.planner_data
                 .iter()
                 .map(|(fqn, path)| (fqn.as_str(), path.as_slice())),
         )
     }
 
-    fn storage(&self) -> std::boxed::Box<dyn Iterator<Item = StorageRef<'m>> + '_> {
+    fn storage(&self) -> Box<dyn Iterator<Item = StorageRef<'m>> + '_> {
         let ckpt = self.src.ckpt;
         let dcp: &'m DcpFiles<'_> = self;
         let ranks = dcp
@@ -1080,7 +1080,7 @@ impl<'m> Describe<'m> for &'m DcpFiles<'_> {
                 });
                 items.into_iter().chain(values.into_iter().flatten())
             });
-        std::boxed::Box::new(ranks)
+        Box::new(ranks)
     }
 
     fn version(&self) -> Option<&'m str> {
@@ -1142,7 +1142,7 @@ impl PieceIndex {
 
     /// Indices of the pieces that may meet `b` (those whose span on `dim` overlaps `b`'s), in
     /// piece order.
-    fn meeting(&self, b: &Box) -> Vec<usize> {
+    fn meeting(&self, b: &NdBox) -> Vec<usize> {
         let (Some(&lo), Some(&len)) = (b.offsets.get(self.dim), b.sizes.get(self.dim)) else {
             return self.order.clone();
         };
@@ -1168,8 +1168,8 @@ fn check_tensor(t: &Tensor) -> Result<()> {
         ))
         .tensor(&t.name));
     }
-    let boxes: Vec<Box> = unique_pieces(t)
-        .map(|(_, p)| Box {
+    let boxes: Vec<NdBox> = unique_pieces(t)
+        .map(|(_, p)| NdBox {
             offsets: p.offsets().to_vec(),
             sizes: p.sizes().to_vec(),
         })
@@ -1234,13 +1234,13 @@ mod tests {
         for r0 in 0..8 {
             for c0 in 0..10 {
                 for (rn, cn) in [(1, 1), (2, 3), (8 - r0, 10 - c0)] {
-                    let b = Box {
+                    let b = NdBox {
                         offsets: vec![r0, c0],
                         sizes: vec![rn, cn],
                     };
                     let found = index.meeting(&b);
                     for (k, p) in t.pieces.iter().enumerate().take(12) {
-                        let pb = Box {
+                        let pb = NdBox {
                             offsets: p.offsets().to_vec(),
                             sizes: p.sizes().to_vec(),
                         };
@@ -1268,7 +1268,7 @@ mod tests {
             unsupported: Vec::new(),
         };
         let src = Sourcing::new(&ckpt, &PlanOptions::default()).unwrap();
-        let b = Box {
+        let b = NdBox {
             offsets: vec![1, 1],
             sizes: vec![6, 8],
         };
@@ -1337,7 +1337,7 @@ mod tests {
             shape: vec![4],
             source: RegionSource::Tensor {
                 tensor: 0,
-                b: Box::whole(&[4]),
+                b: NdBox::whole(&[4]),
             },
             crc_slots: Vec::new(),
         };
@@ -1352,7 +1352,7 @@ mod tests {
         // reshard asks O(log n) per box, not n.
         let boxes: Vec<_> = (0..1024).map(|r| (vec![r, 0], vec![1, 32])).collect();
         let index = PieceIndex::new(&tensor_of_boxes(&[1024, 32], &boxes));
-        let b = Box {
+        let b = NdBox {
             offsets: vec![10, 0],
             sizes: vec![2, 32],
         };

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions};
-use crate::geometry::{check_coverage, Box};
+use crate::geometry::{check_coverage, NdBox};
 use crate::model::{Checkpoint, Encoding};
 use crate::plan::{self, PlanOptions, Target};
 
@@ -187,7 +187,10 @@ pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Resul
         .extend(stepped_past.iter().map(Problem::from_error));
     let ckpt = match read {
         Ok(c) => c,
-        Err(e) if e.kind == crate::ErrorKind::Usage => return Err(e),
+        // A usage error or a bug in ckpt says nothing about the checkpoint.
+        Err(e) if matches!(e.kind, crate::ErrorKind::Usage | crate::ErrorKind::Bug) => {
+            return Err(e)
+        }
         Err(e) => {
             report.problems.push(Problem::from_error(&e));
             return Ok(report);
@@ -222,10 +225,12 @@ pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Resul
                     }
                 }
             }
+            Err(e) if e.kind == crate::ErrorKind::Bug => return Err(e),
             Err(e) => report.problems.push(Problem::from_error(&e)),
         }
         match replica_problems(&ckpt, opts) {
             Ok(problems) => report.problems.extend(problems),
+            Err(e) if e.kind == crate::ErrorKind::Bug => return Err(e),
             Err(e) => report.problems.push(Problem::from_error(&e)),
         }
     }
@@ -353,7 +358,7 @@ pub fn structural_problems(ckpt: &Checkpoint) -> Vec<Problem> {
         }
         let mut boxes = Vec::new();
         for p in t.pieces.iter() {
-            boxes.push(Box {
+            boxes.push(NdBox {
                 offsets: p.offsets().to_vec(),
                 sizes: p.sizes().to_vec(),
             });

@@ -1113,7 +1113,7 @@ mod tests {
                 };
                 for (k, t) in out.tensors.iter().enumerate() {
                     prop_assert_eq!(&t.shape, &shapes[k]);
-                    let boxes: Vec<crate::geometry::Box> = t.pieces.iter().map(|p| crate::geometry::Box {
+                    let boxes: Vec<crate::geometry::NdBox> = t.pieces.iter().map(|p| crate::geometry::NdBox {
                         offsets: p.offsets().to_vec(),
                         sizes: p.sizes().to_vec(),
                     }).filter(|b| numel(&b.sizes) != Some(0)).collect();
