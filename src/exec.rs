@@ -218,7 +218,7 @@ pub fn patch_crcs(
     for (file, patches) in by_file {
         let path = dest
             .get(file)
-            .ok_or_else(|| Error::invalid("internal: a CRC slot of no file"))?;
+            .ok_or_else(|| Error::bug("a CRC slot of no file"))?;
         let out = std::fs::OpenOptions::new()
             .write(true)
             .open(path)
@@ -352,7 +352,7 @@ fn run_on(
         })();
         let written = writer
             .join()
-            .unwrap_or_else(|_| Err(Error::invalid("internal: the metadata writer stopped")));
+            .unwrap_or_else(|_| Err(Error::bug("the metadata writer stopped")));
         copied.and(written)
     })?;
     for s in sources {
@@ -381,7 +381,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
         let len = r.nbytes() as usize;
         let region = bytes
             .get_mut(start..start + len)
-            .ok_or_else(|| Error::invalid("internal: region outside its file").tensor(&r.name))?;
+            .ok_or_else(|| Error::bug("region outside its file").tensor(&r.name))?;
         let mut written = 0;
         for (begin, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
             let u = Unit {
@@ -411,7 +411,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
                 dst.copy_from_slice(lit);
                 Ok(())
             }
-            None => Err(Error::invalid("internal: literal outside its file")),
+            None => Err(Error::bug("literal outside its file")),
         }
     })?;
     // After the literals: a CRC slot lies inside one (the ZIP framing of its record).
@@ -673,7 +673,7 @@ fn checked_fills<'r>(
 fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
     let src = sources
         .get(fill.input)
-        .ok_or_else(|| Error::invalid("internal: bad input index"))?;
+        .ok_or_else(|| Error::bug("bad input index"))?;
     let limit = match fill.encoding {
         Encoding::Raw => src.len(),
         // The decoded length is checked when the item is decompressed.
@@ -1001,7 +1001,7 @@ fn gather(
         let t = dst0 + de * (0..outer).map(|d| idx[d] * rstrides[d]).sum::<u64>();
         let dst = buf
             .get_mut(t as usize..(t + run * de) as usize)
-            .ok_or_else(|| Error::invalid("internal: block overflow").tensor(&r.name))?;
+            .ok_or_else(|| Error::bug("block overflow").tensor(&r.name))?;
         if fill.dtype == r.dtype {
             src.read(s, dst)?;
         } else {
@@ -1220,7 +1220,7 @@ fn copy_range(
     use std::os::fd::AsRawFd;
     let file_in = src
         .file()
-        .ok_or_else(|| Error::invalid("internal: a kernel copy from an object").file(src.path()))?;
+        .ok_or_else(|| Error::bug("a kernel copy from an object").file(src.path()))?;
     let mut left = len;
     while left > 0 {
         let mut off_in = src_offset as libc::loff_t;
@@ -1303,7 +1303,7 @@ impl FillSource<'_> {
 fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
     let src = sources
         .get(fill.input)
-        .ok_or_else(|| Error::invalid("internal: bad input index"))?;
+        .ok_or_else(|| Error::bug("bad input index"))?;
     let (item_offset, item_length, deflated) = match fill.encoding {
         Encoding::Raw => return Ok(FillSource::File(src)),
         Encoding::Zstd {

@@ -387,7 +387,7 @@ pub fn write(
             while in_flight.len() >= max_in_flight {
                 let oldest = in_flight
                     .pop_front()
-                    .ok_or_else(|| Error::invalid("internal"))?;
+                    .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
                 wait(oldest, &mut parts)?;
             }
             in_flight.push_back((i, k, send(i, k, at, len)?));
@@ -399,7 +399,7 @@ pub fn write(
         while in_flight.len() >= max_in_flight {
             let oldest = in_flight
                 .pop_front()
-                .ok_or_else(|| Error::invalid("internal"))?;
+                .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
             wait(oldest, &mut parts)?;
         }
         in_flight.push_back((i, k, send(i, k, at, len)?));

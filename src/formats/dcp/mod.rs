@@ -440,10 +440,7 @@ impl<'a> Files<'a> {
         let input = match self.maps.get(item.file as usize) {
             Some((_, input)) => input,
             None => {
-                return Err(
-                    Error::invalid("internal: item in a file that was not mapped")
-                        .file(self.path(item)),
-                )
+                return Err(Error::bug("item in a file that was not mapped").file(self.path(item)))
             }
         };
         let end = item.offset.checked_add(item.length);
