@@ -27,7 +27,7 @@ use crate::error::{Error, ErrorKind, Result};
 /// not bytes, are what costs: a request has a latency of its own, and some servers read the whole
 /// object for each ranged GET.
 pub const BLOCK_BYTES: u64 = 4 << 20;
-/// Bytes of blocks kept, over all objects (least recently fetched dropped first).
+/// Bytes of blocks kept, over all objects (least recently used dropped first).
 pub const CACHE_BYTES: u64 = 64 << 20;
 /// GETs one thread keeps in flight at once.
 const IN_FLIGHT: usize = 8;
@@ -264,12 +264,23 @@ pub struct Object {
     at: Remote,
 }
 
-/// Blocks of objects, least recently fetched dropped first, at most [`CACHE_BYTES`] in all.
+/// Blocks of objects, least recently used dropped first, at most [`CACHE_BYTES`] in all.
 #[derive(Default)]
 struct Cache {
     blocks: HashMap<(u64, u64), Bytes>,
     order: VecDeque<(u64, u64)>,
     bytes: u64,
+}
+
+impl Cache {
+    /// Mark block `k` as just used: blocks are dropped least recently used first, so the blocks
+    /// of a tensor whose units are still being gathered stay while older ones go.
+    fn touch(&mut self, k: (u64, u64)) {
+        if let Some(i) = self.order.iter().position(|x| *x == k) {
+            self.order.remove(i);
+        }
+        self.order.push_back(k);
+    }
 }
 
 fn cache() -> &'static Mutex<Cache> {
@@ -304,10 +315,12 @@ pub fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
         // neighbours a later unit needs come with them.
         let (small, large): (Vec<_>, Vec<_>) =
             rs.into_iter().partition(|r| r.end - r.start < BLOCK_BYTES);
-        o.prefetch(&small)?;
+        // The blocks are held here, not looked up again in the cache: other threads' fetches
+        // may evict them in between, and a unit whose blocks were gone fetched them again.
+        let blocks = o.blocks(&small)?;
         for r in small {
             let mut buf = vec![0u8; (r.end - r.start) as usize];
-            o.read_at(r.start, &mut buf)?;
+            o.copy_from(&blocks, r.start, &mut buf)?;
             got.push((o.id, r.start, Bytes::from(buf)));
         }
         let bytes = o.get_ranges(&large)?;
@@ -376,19 +389,34 @@ impl Object {
 
     /// Make sure the blocks covering `ranges` are cached, fetching the missing ones at once.
     fn prefetch(&self, ranges: &[Range<u64>]) -> Result<()> {
+        self.blocks(ranges).map(|_| ())
+    }
+
+    /// The blocks covering `ranges` (block number, bytes): cached ones taken from the cache
+    /// (and marked used), missing ones fetched at once and cached. The caller holds what it got:
+    /// a block other threads evict meanwhile stays readable to it and is not fetched again.
+    fn blocks(&self, ranges: &[Range<u64>]) -> Result<HashMap<u64, Bytes>> {
+        let mut have = HashMap::new();
         let mut missing = Vec::new();
         {
-            let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+            let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
             for r in ranges.iter().filter(|r| r.start < r.end) {
                 for b in r.start / BLOCK_BYTES..=(r.end - 1) / BLOCK_BYTES {
-                    if !c.blocks.contains_key(&(self.id, b)) && !missing.contains(&b) {
-                        missing.push(b);
+                    if have.contains_key(&b) || missing.contains(&b) {
+                        continue;
+                    }
+                    match c.blocks.get(&(self.id, b)).cloned() {
+                        Some(block) => {
+                            c.touch((self.id, b));
+                            have.insert(b, block);
+                        }
+                        None => missing.push(b),
                     }
                 }
             }
         }
         if missing.is_empty() {
-            return Ok(());
+            return Ok(have);
         }
         missing.sort_unstable();
         // Runs of adjacent missing blocks, each one ranged GET (split by `get_ranges` at 8 MiB).
@@ -410,10 +438,13 @@ impl Object {
                 let s = ((b - run.start) * BLOCK_BYTES) as usize;
                 let e = (s + BLOCK_BYTES as usize).min(bytes.len());
                 let block = bytes.slice(s.min(e)..e);
+                have.insert(b, block.clone());
                 c.bytes += block.len() as u64;
-                if c.blocks.insert((self.id, b), block).is_none() {
-                    c.order.push_back((self.id, b));
+                if let Some(old) = c.blocks.insert((self.id, b), block) {
+                    // Fetched by another thread meanwhile: counted once.
+                    c.bytes -= old.len() as u64;
                 }
+                c.touch((self.id, b));
             }
         }
         while c.bytes > CACHE_BYTES {
@@ -424,29 +455,32 @@ impl Object {
                 c.bytes -= b.len() as u64;
             }
         }
-        Ok(())
+        Ok(have)
     }
 
-    /// Copy cached bytes at `offset` into `buf`; false when a block is missing.
-    fn copy_cached(&self, offset: u64, buf: &mut [u8]) -> bool {
-        let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+    /// Copy the bytes at `offset` out of `blocks` (from [`Object::blocks`]) into `buf`.
+    fn copy_from(&self, blocks: &HashMap<u64, Bytes>, offset: u64, buf: &mut [u8]) -> Result<()> {
         let mut at = offset;
         let mut done = 0;
         while done < buf.len() {
             let b = at / BLOCK_BYTES;
-            let Some(block) = c.blocks.get(&(self.id, b)) else {
-                return false;
-            };
             let s = (at - b * BLOCK_BYTES) as usize;
-            let n = (block.len().saturating_sub(s)).min(buf.len() - done);
+            let n = blocks
+                .get(&b)
+                .map_or(0, |block| block.len().saturating_sub(s))
+                .min(buf.len() - done);
             if n == 0 {
-                return false;
+                return Err(
+                    Error::invalid("object ended early: did it change during the run?")
+                        .file(&self.at.path)
+                        .at(at),
+                );
             }
-            buf[done..done + n].copy_from_slice(&block[s..s + n]);
+            buf[done..done + n].copy_from_slice(&blocks[&b][s..s + n]);
             done += n;
             at += n as u64;
         }
-        true
+        Ok(())
     }
 
     /// Fill `buf` from `offset` (the caller has checked the range): from this thread's window,
@@ -469,14 +503,8 @@ impl Object {
             return Ok(());
         }
         if buf.len() as u64 <= BLOCK_BYTES {
-            // Twice at most: a block evicted by other threads between the fetch and the copy is
-            // fetched again.
-            for _ in 0..2 {
-                self.prefetch(std::slice::from_ref(&(offset..end)))?;
-                if self.copy_cached(offset, buf) {
-                    return Ok(());
-                }
-            }
+            let blocks = self.blocks(std::slice::from_ref(&(offset..end)))?;
+            return self.copy_from(&blocks, offset, buf);
         }
         let got = self.get_ranges(std::slice::from_ref(&(offset..end)))?;
         let got = got.first().map(|b| &b[..]).unwrap_or_default();
