@@ -28,6 +28,7 @@ use crate::formats::dcp;
 use crate::formats::torch_save::{self, Extra, Leaf};
 use crate::model::{contiguous_strides, numel, Checkpoint, Format, NonTensor, Pieces, Tensor};
 use crate::pickle::{Globals, Object, Value};
+use crate::storage::{self, Stat};
 
 /// The file that says a directory is a Megatron `dist_checkpointing` checkpoint.
 pub const CONFIG: &str = "metadata.json";
@@ -44,13 +45,11 @@ pub fn looks_like(dir: &Path) -> bool {
 /// The `sharded_backend` that `metadata.json` names, `None` when there is no such file.
 fn backend(dir: &Path) -> Result<Option<String>> {
     let path = dir.join(CONFIG);
-    let Ok(meta) = std::fs::metadata(&path) else {
-        return Ok(None);
-    };
-    if !meta.is_file() || meta.len() > MAX_CONFIG_BYTES {
-        return Ok(None);
+    match storage::stat(&path) {
+        Ok(Some(Stat::File(len))) if len <= MAX_CONFIG_BYTES => {}
+        _ => return Ok(None),
     }
-    let text = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let text = storage::read(&path)?;
     let json: serde_json::Value = match serde_json::from_slice(&text) {
         Ok(v) => v,
         Err(_) => return Ok(None),
@@ -255,16 +254,17 @@ fn namespace_fields(object: &Object) -> Option<Value> {
 
 /// `common.pt`'s entries: plain values (and any tensor, as torch.save files have them).
 fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
-    let len = std::fs::metadata(path)
-        .map_err(|e| Error::io(path, e))?
-        .len();
+    let len = match storage::stat(path)? {
+        Some(Stat::File(len)) => len,
+        _ => return Err(Error::invalid("`common.pt` is missing").file(path)),
+    };
     if len > MAX_CONFIG_BYTES.saturating_mul(256) {
         return Err(Error::invalid(format!(
             "`common.pt` is {len} bytes, more than ckpt accepts"
         ))
         .file(path));
     }
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = storage::read(path)?;
     let extra = Extra {
         globals: &NamespaceGlobal,
         plain: &namespace_fields,

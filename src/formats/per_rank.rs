@@ -22,6 +22,7 @@ use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
 use crate::pickle::Value;
+use crate::storage::{self, Access};
 
 /// A tensor as one rank saved it: its global shape and the pieces this rank holds.
 #[derive(Clone, Debug, PartialEq)]
@@ -622,17 +623,10 @@ fn parse_name(file_name: &str) -> Option<(String, Option<usize>, usize)> {
 
 /// The per-rank files of a directory (sorted), or `None` when it holds none.
 pub fn files_in(dir: &Path) -> Result<Option<Vec<PathBuf>>> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir, e))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.is_file()
-                && p.file_name()
-                    .and_then(|n| n.to_str())
-                    .and_then(parse_name)
-                    .is_some()
-        })
+    let mut out: Vec<PathBuf> = storage::list(dir)?
+        .into_iter()
+        // Names first: a remote `is_file` is a request.
+        .filter(|p| is_rank_file(p) && storage::is_file(p))
         .collect();
     out.sort();
     Ok((!out.is_empty()).then_some(out))
@@ -661,8 +655,9 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
     for f in &files {
         let name = PathBuf::from(f.path.file_name().unwrap_or_default());
         let file: Arc<Path> = name.as_path().into();
-        let bytes = map(&f.path)?;
-        let archive = torch_save::read(bytes.as_deref().unwrap_or(&[])).map_err(|e| {
+        let input = storage::Input::open(&f.path, Access::Map)?;
+        let bytes = input.zip_view(0, input.len())?;
+        let archive = torch_save::read(&bytes).map_err(|e| {
             e.file(&f.path).hint(
                 "every file of a per-rank checkpoint is read; pass the others as a list of files to leave this one out",
             )
@@ -972,20 +967,6 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
         }
     }
     Ok(world_size)
-}
-
-/// Map a whole file read-only (`None` when it is empty).
-fn map(path: &Path) -> Result<Option<memmap2::Mmap>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    if len == 0 {
-        return Ok(None);
-    }
-    // SAFETY: read-only map of an input ckpt never writes; see exec::Source for the truncation
-    // caveat.
-    Ok(Some(
-        unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
-    ))
 }
 
 /// Entries merged over the ranks' files, in the order they first appear, each with the file that
