@@ -503,17 +503,43 @@ impl<'a> Files<'a> {
         t: &TensorSlot,
         k: usize,
     ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
-        let (dtype, sizes) = (t.dtype, t.sizes(k));
+        let zstd = self.is_zstd(item)?;
+        // A file saved with serialization_format=SAFETENSORS is told apart only where its first
+        // record fails as a torch.save item, so ordinary checkpoints (remote ones included) read
+        // nothing more than before.
+        let blob = match self.blobs.get(item.file as usize).and_then(OnceLock::get) {
+            Some(blob) if item.offset <= blob.start => Arc::clone(blob),
+            _ => match self.locate_saved(item, t.dtype, t.sizes(k), zstd) {
+                Ok(found) => return Ok(found),
+                Err(e) => match self.blob(item, zstd) {
+                    Ok(Some(blob)) => blob,
+                    Ok(None) => return Err(e),
+                    Err(blob_err) => return Err(blob_err),
+                },
+            },
+        };
+        let sizes = t.sizes(k);
+        let offset = blob
+            .locate(&t.fqn, t.dtype, t.offsets(k), sizes, item.length)
+            .map_err(|e| e.file(self.path(item)))?;
+        Ok((
+            *item,
+            offset,
+            crate::model::contiguous_strides(sizes),
+            Encoding::Raw,
+        ))
+    }
+
+    /// [`Files::locate`] for a torch.save item (plain or zstd).
+    fn locate_saved(
+        &self,
+        item: &Item,
+        dtype: DType,
+        sizes: &[u64],
+        zstd: bool,
+    ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
         // Named only in errors: building the path for each of a million items costs time.
         let path = || self.path(item);
-        let zstd = self.is_zstd(item)?;
-        if let Some(blob) = self.blob(item, zstd)? {
-            let offset = blob
-                .locate(&t.fqn, dtype, t.offsets(k), sizes, item.length)
-                .map_err(|e| e.file(path()))?;
-            let strides = crate::model::contiguous_strides(sizes);
-            return Ok((*item, offset, strides, Encoding::Raw));
-        }
         let view = self.bytes(item, !zstd)?;
         let bytes: &[u8] = &view;
         let decoded;
@@ -598,12 +624,6 @@ impl<'a> Files<'a> {
         ) else {
             return Err(Error::bug("item in a file that was not mapped").file(self.path(item)));
         };
-        if let Some(blob) = cell.get() {
-            // Tensor records all point at or before the blob; byte items come before it too.
-            if item.offset <= blob.start {
-                return Ok(Some(Arc::clone(blob)));
-            }
-        }
         let Some(start) =
             sfmt::find(input, item.offset, zstd).map_err(|e| e.file(self.path(item)))?
         else {
