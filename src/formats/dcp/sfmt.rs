@@ -175,3 +175,64 @@ fn parse_sharding(text: &str) -> Result<HashMap<String, Vec<u64>>> {
     })?;
     Ok(map.into_iter().map(|(k, v)| (k, v.saved_offsets)).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::Access;
+
+    fn input(bytes: &[u8]) -> (tempfile::TempDir, Input) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("__0_0.distcp");
+        std::fs::write(&path, bytes).unwrap();
+        let input = Input::open(&path, Access::Read).unwrap();
+        (dir, input)
+    }
+
+    /// A blob as safetensors.torch.save lays it out, for one F32 chunk `w` [2] at offsets [4].
+    fn blob() -> Vec<u8> {
+        let json = br#"{"__metadata__":{"DCP_SHARDING_INFO":"{\"w\": {\"saved_offsets\": [4]}}","format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(json);
+        out.extend_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        out
+    }
+
+    #[test]
+    fn empty_zstd_frames_lead_to_the_blob_and_a_chunk_is_found_by_name() {
+        let empty = zstd::encode_all(&[][..], 3).unwrap();
+        let full = zstd::encode_all(&b"PK\x03\x04 not empty"[..], 3).unwrap();
+        let mut file = full.clone();
+        let first = file.len() as u64;
+        file.extend_from_slice(&empty);
+        file.extend_from_slice(&empty);
+        let start = file.len() as u64;
+        file.extend_from_slice(&blob());
+        let (_dir, input) = input(&file);
+        // a torch.save item (a non-empty frame) is not the blob
+        assert_eq!(find(&input, 0, true).unwrap(), None);
+        assert_eq!(find(&input, first, true).unwrap(), Some(start));
+        let b = Blob::read(&input, start).unwrap();
+        let at = b.locate("w", DType::F32, &[4], &[2], 8).unwrap();
+        assert_eq!(
+            &file[at as usize..at as usize + 8],
+            &[1, 2, 3, 4, 5, 6, 7, 8]
+        );
+        // what .metadata says must agree with the blob
+        assert!(b.locate("w", DType::I32, &[4], &[2], 8).is_err());
+        assert!(b.locate("w", DType::F32, &[0], &[2], 8).is_err());
+        assert!(b.locate("w", DType::F32, &[4], &[2], 4).is_err());
+        assert!(b.locate("v", DType::F32, &[4], &[2], 8).is_err());
+    }
+
+    #[test]
+    fn a_plain_blob_is_found_at_the_record_and_a_zip_is_not() {
+        let mut file = b"PK\x03\x04\x14\x00\x00\x00\x00\x00".to_vec();
+        let start = file.len() as u64;
+        file.extend_from_slice(&blob());
+        let (_dir, input) = input(&file);
+        assert_eq!(find(&input, 0, false).unwrap(), None);
+        assert_eq!(find(&input, start, false).unwrap(), Some(start));
+        assert!(Blob::read(&input, start).is_ok());
+    }
+}
