@@ -146,7 +146,7 @@ fn check_header_len(header_len: u64, file_len: u64) -> Result<usize> {
 
 /// Parse the JSON header bytes (after the 8-byte length) of a file that is `file_len` bytes long.
 /// Errors carry byte offsets but no file; the caller adds it.
-fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
+pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let data_start = LEN_PREFIX + json.len() as u64;
     // JSON whitespace may come first: the crate's parser skips it (0.4 and 0.8 alike).
     let start = json

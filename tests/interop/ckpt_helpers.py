@@ -35,6 +35,9 @@ PER_RANK_NAMES = ["per_rank_fsdp2", "per_rank_mesh_2x2", "per_rank_fsdp1", "per_
 MEGATRON_FIXTURE_NAMES = ["megatron_torch_dist", "megatron_torch_dist_flat"]
 # Written by fixtures/generate_agree.py: a legacy (non-zip) torch.save and a deflated one.
 AGREE_FIXTURE_NAMES = ["legacy_torch_save", "deflated_torch_save"]
+# Written by fixtures/generate_dcp_safetensors_format.py: DCP saved with serialization_format=SAFETENSORS
+# (plain and zstd), which torch's own FileSystemReader cannot read back (tests/interop/test_dcp_sfmt.py).
+SFMT_FIXTURE_NAMES = ["dcp_sfmt", "dcp_sfmt_zstd"]
 
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {

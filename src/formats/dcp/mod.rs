@@ -2,14 +2,17 @@
 //!
 //! The `.metadata` pickle says which chunks each tensor has and where each item lives; every
 //! tensor item is a whole torch.save archive (optionally zstd-compressed), which this reader opens
-//! only far enough to find the byte range of the chunk's elements.
+//! only far enough to find the byte range of the chunk's elements. Files saved with
+//! `serialization_format=SAFETENSORS` hold their tensor chunks in one safetensors blob instead
+//! ([`sfmt`]).
 
 pub mod hf;
 pub mod metadata;
+pub mod sfmt;
 
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 
@@ -391,6 +394,8 @@ struct Files<'a> {
     maps: Vec<(Arc<Path>, Input)>,
     /// By [`Item::transform`].
     transforms: &'a [Vec<String>],
+    /// By [`Item::file`]: the file's safetensors blob, once a tensor item led to it.
+    blobs: Vec<OnceLock<Arc<sfmt::Blob>>>,
 }
 
 impl<'a> Files<'a> {
@@ -404,6 +409,7 @@ impl<'a> Files<'a> {
             .collect::<Result<Vec<_>>>()?;
         Ok(Files {
             dir,
+            blobs: (0..maps.len()).map(|_| OnceLock::new()).collect(),
             maps,
             transforms: &built.transforms,
         })
@@ -472,7 +478,7 @@ impl<'a> Files<'a> {
                         t.offsets(k)
                     ))
                 })?;
-                self.locate(&item, t.dtype, t.sizes(k))
+                self.locate(&item, t, k)
             })
             .collect::<Vec<Result<_>>>();
         if located.iter().any(|r| r.is_err()) {
@@ -494,12 +500,46 @@ impl<'a> Files<'a> {
     fn locate(
         &self,
         item: &Item,
+        t: &TensorSlot,
+        k: usize,
+    ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
+        let zstd = self.is_zstd(item)?;
+        // A file saved with serialization_format=SAFETENSORS is told apart only where its first
+        // record fails as a torch.save item, so ordinary checkpoints (remote ones included) read
+        // nothing more than before.
+        let blob = match self.blobs.get(item.file as usize).and_then(OnceLock::get) {
+            Some(blob) if item.offset <= blob.start => Arc::clone(blob),
+            _ => match self.locate_saved(item, t.dtype, t.sizes(k), zstd) {
+                Ok(found) => return Ok(found),
+                Err(e) => match self.blob(item, zstd) {
+                    Ok(Some(blob)) => blob,
+                    Ok(None) => return Err(e),
+                    Err(blob_err) => return Err(blob_err),
+                },
+            },
+        };
+        let sizes = t.sizes(k);
+        let offset = blob
+            .locate(&t.fqn, t.dtype, t.offsets(k), sizes, item.length)
+            .map_err(|e| e.file(self.path(item)))?;
+        Ok((
+            *item,
+            offset,
+            crate::model::contiguous_strides(sizes),
+            Encoding::Raw,
+        ))
+    }
+
+    /// [`Files::locate`] for a torch.save item (plain or zstd).
+    fn locate_saved(
+        &self,
+        item: &Item,
         dtype: DType,
         sizes: &[u64],
+        zstd: bool,
     ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
         // Named only in errors: building the path for each of a million items costs time.
         let path = || self.path(item);
-        let zstd = self.is_zstd(item)?;
         let view = self.bytes(item, !zstd)?;
         let bytes: &[u8] = &view;
         let decoded;
@@ -573,6 +613,25 @@ impl<'a> Files<'a> {
             (item.offset + within, Encoding::Raw)
         };
         Ok((*item, offset, saved.strides.clone(), encoding))
+    }
+
+    /// The safetensors blob of the item's file when the file was saved with
+    /// `serialization_format=SAFETENSORS` ([`sfmt`]); `None` for an ordinary torch.save item.
+    fn blob(&self, item: &Item, zstd: bool) -> Result<Option<Arc<sfmt::Blob>>> {
+        let (Some(cell), Some((_, input))) = (
+            self.blobs.get(item.file as usize),
+            self.maps.get(item.file as usize),
+        ) else {
+            return Err(Error::bug("item in a file that was not mapped").file(self.path(item)));
+        };
+        let Some(start) =
+            sfmt::find(input, item.offset, zstd).map_err(|e| e.file(self.path(item)))?
+        else {
+            return Ok(None);
+        };
+        let blob = Arc::new(sfmt::Blob::read(input, start).map_err(|e| e.file(self.path(item)))?);
+        // Items of one file race here; any of them parses the same blob.
+        Ok(Some(Arc::clone(cell.get_or_init(|| blob))))
     }
 
     /// A non-tensor item: its raw bytes, and its value when it is plain data.
