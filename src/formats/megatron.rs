@@ -75,7 +75,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         }
     }
     let common = dir.join(COMMON);
-    if common.is_file() {
+    if storage::is_file(&common) {
         let values = common_values(&common)?;
         let taken: std::collections::HashSet<&str> = ckpt
             .tensors

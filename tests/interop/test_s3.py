@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_helpers import (
+    AGREE_FIXTURE_NAMES,
     FIXTURE_NAMES,
+    MEGATRON_FIXTURE_NAMES,
+    SFMT_FIXTURE_NAMES,
     FIXTURES_DIR,
     assert_same_state,
     load_expected,
@@ -29,6 +32,15 @@ from conftest import ckpt_path, free_port
 boto3 = pytest.importorskip("boto3")
 
 BUCKET = "ckpt"
+
+# Every layout ckpt reads that needs no other input (FSDP1 LOCAL needs --shapes-from).
+S3_FIXTURE_NAMES = (
+    FIXTURE_NAMES
+    + MEGATRON_FIXTURE_NAMES
+    + AGREE_FIXTURE_NAMES
+    + SFMT_FIXTURE_NAMES
+    + ["per_rank_fsdp2", "per_rank_mesh_2x2"]
+)
 
 
 class S3Server:
@@ -113,7 +125,7 @@ def s3():
     try:
         c = server.client()
         c.create_bucket(Bucket=BUCKET)
-        for name in FIXTURE_NAMES:
+        for name in S3_FIXTURE_NAMES:
             path = FIXTURES_DIR / load_expected(FIXTURES_DIR, name)[1]["path"]
             upload_tree(c, path, BUCKET, path.name)
         yield server
@@ -141,7 +153,7 @@ def url(name: str) -> str:
     return f"s3://{BUCKET}/{fixture(name).name}"
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", S3_FIXTURE_NAMES)
 def test_inspect_reads_the_same_from_s3(s3, name):
     local = run(s3, "inspect", "--json", fixture(name))
     remote = run(s3, "inspect", "--json", url(name))
@@ -150,7 +162,7 @@ def test_inspect_reads_the_same_from_s3(s3, name):
     assert json.loads(remote.stdout) == json.loads(local.stdout)
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", S3_FIXTURE_NAMES)
 def test_verify_deep_and_against(s3, name):
     local = run(s3, "verify", "--deep", "--json", fixture(name))
     remote = run(s3, "verify", "--deep", "--json", url(name))
@@ -177,7 +189,7 @@ def consolidate_args(name: str) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", S3_FIXTURE_NAMES)
 def test_consolidate_from_s3_to_local(s3, name, tmp_path):
     extra = consolidate_args(name)
     ext = ".pt" if extra else ".safetensors"
