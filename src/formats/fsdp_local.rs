@@ -165,7 +165,7 @@ pub struct RefEntry {
 /// tensors are listed in module order.
 pub fn read_reference(path: &Path) -> Result<Vec<RefEntry>> {
     if path.extension().is_some_and(|e| e == "json") {
-        let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::storage::read(path)?;
         return parse_json(&text).map_err(|e| e.file(path));
     }
     let ckpt = crate::detect::read_layout(path)?;
