@@ -133,6 +133,46 @@ impl PickleError {
 }
 
 impl Value {
+    /// This value with `f` applied to each value it holds directly: the items of a tuple, list or
+    /// set, a dict's keys and values, and an object's arguments, items and state (not its callable,
+    /// nor what a persistent id holds). A rewrite of a whole tree is an `f` that recurses.
+    pub fn map_children(self, f: &mut dyn FnMut(Value) -> Value) -> Value {
+        fn each(items: Vec<Value>, f: &mut dyn FnMut(Value) -> Value) -> Vec<Value> {
+            items.into_iter().map(f).collect()
+        }
+        fn pairs(
+            items: Vec<(Value, Value)>,
+            f: &mut dyn FnMut(Value) -> Value,
+        ) -> Vec<(Value, Value)> {
+            items.into_iter().map(|(k, v)| (f(k), f(v))).collect()
+        }
+        match self {
+            Value::Tuple(items) => Value::Tuple(each(items, f)),
+            Value::List(items) => Value::List(each(items, f)),
+            Value::Set(items) => Value::Set(each(items, f)),
+            Value::Dict(items) => Value::Dict(pairs(items, f)),
+            Value::Object(object) => {
+                let Object {
+                    callable,
+                    args,
+                    new_obj,
+                    dict_items,
+                    list_items,
+                    state,
+                } = *object;
+                Value::Object(Box::new(Object {
+                    callable,
+                    args: each(args, f),
+                    new_obj,
+                    dict_items: pairs(dict_items, f),
+                    list_items: each(list_items, f),
+                    state: state.map(f),
+                }))
+            }
+            other => other,
+        }
+    }
+
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Value::Str(s) => Some(s),

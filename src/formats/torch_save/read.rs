@@ -1587,47 +1587,12 @@ impl Globals for WithExtra<'_> {
 
 /// `value` with every object `plain` turns into data replaced by it, depth first.
 fn replace_objects(value: Value, plain: &dyn Fn(&Object) -> Option<Value>) -> Value {
-    let each = |items: Vec<Value>| -> Vec<Value> {
-        items
-            .into_iter()
-            .map(|v| replace_objects(v, plain))
-            .collect()
-    };
     match value {
-        Value::Tuple(items) => Value::Tuple(each(items)),
-        Value::List(items) => Value::List(each(items)),
-        Value::Set(items) => Value::Set(each(items)),
-        Value::Dict(items) => Value::Dict(
-            items
-                .into_iter()
-                .map(|(k, v)| (replace_objects(k, plain), replace_objects(v, plain)))
-                .collect(),
-        ),
         Value::Object(object) => match plain(&object) {
             Some(v) => replace_objects(v, plain),
-            None => {
-                let Object {
-                    callable,
-                    args,
-                    new_obj,
-                    dict_items,
-                    list_items,
-                    state,
-                } = *object;
-                Value::Object(Box::new(Object {
-                    callable,
-                    args: each(args),
-                    new_obj,
-                    dict_items: dict_items
-                        .into_iter()
-                        .map(|(k, v)| (replace_objects(k, plain), replace_objects(v, plain)))
-                        .collect(),
-                    list_items: each(list_items),
-                    state: state.map(|s| replace_objects(s, plain)),
-                }))
-            }
+            None => Value::Object(object).map_children(&mut |v| replace_objects(v, plain)),
         },
-        other => other,
+        other => other.map_children(&mut |v| replace_objects(v, plain)),
     }
 }
 

@@ -41,18 +41,6 @@ pub fn data_pkl(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Vec<u8> {
 /// but not the protocol 3+ opcodes (`BINBYTES`, `ADDITEMS`) a bare [`Value::Bytes`] or
 /// [`Value::Set`] would be written with.
 fn protocol2_spelling(value: Value) -> Value {
-    let all = |items: Vec<Value>| {
-        items
-            .into_iter()
-            .map(protocol2_spelling)
-            .collect::<Vec<_>>()
-    };
-    let pairs = |items: Vec<(Value, Value)>| {
-        items
-            .into_iter()
-            .map(|(k, v)| (protocol2_spelling(k), protocol2_spelling(v)))
-            .collect::<Vec<_>>()
-    };
     match value {
         // Latin-1 maps each byte to the code point of the same value, so this is lossless.
         Value::Bytes(bytes) => Value::reduce(
@@ -63,30 +51,15 @@ fn protocol2_spelling(value: Value) -> Value {
                 Value::Str("latin1".into()),
             ],
         ),
-        Value::Set(items) => Value::reduce("builtins", "set", vec![Value::List(all(items))]),
-        Value::Tuple(items) => Value::Tuple(all(items)),
-        Value::List(items) => Value::List(all(items)),
-        Value::Dict(items) => Value::Dict(pairs(items)),
-        Value::Object(object) => {
-            let Object {
-                callable,
-                args,
-                new_obj,
-                dict_items,
-                list_items,
-                state,
-            } = *object;
-            Value::Object(Box::new(Object {
-                callable,
-                args: all(args),
-                new_obj,
-                dict_items: pairs(dict_items),
-                list_items: all(list_items),
-                state: state.map(protocol2_spelling),
-            }))
-        }
+        Value::Set(items) => Value::reduce(
+            "builtins",
+            "set",
+            vec![Value::List(
+                items.into_iter().map(protocol2_spelling).collect(),
+            )],
+        ),
         Value::PersistentId(id) => Value::PersistentId(Box::new(protocol2_spelling(*id))),
-        other => other,
+        other => other.map_children(&mut protocol2_spelling),
     }
 }
 
