@@ -160,6 +160,36 @@ pub fn read_entries(bytes: &[u8]) -> Result<Vec<ZipEntry>> {
 }
 
 /// Little-endian field reader over a header already known to be in bounds.
+/// The fields a central directory header and a local header share, in the same order (after
+/// the version fields).
+struct EntryFields {
+    flags: u16,
+    method: u16,
+    crc: u32,
+    compressed32: u32,
+    len32: u32,
+    name_len: u64,
+    extra_len: u64,
+}
+
+impl EntryFields {
+    fn read(f: &mut Fields) -> EntryFields {
+        let flags = f.u16().unwrap_or(0);
+        let method = f.u16().unwrap_or(0);
+        f.u16(); // time
+        f.u16(); // date
+        EntryFields {
+            flags,
+            method,
+            crc: f.u32().unwrap_or(0),
+            compressed32: f.u32().unwrap_or(0),
+            len32: f.u32().unwrap_or(0),
+            name_len: u64::from(f.u16().unwrap_or(0)),
+            extra_len: u64::from(f.u16().unwrap_or(0)),
+        }
+    }
+}
+
 struct Fields<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -360,15 +390,15 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     }
     f.u16(); // version made by
     f.u16(); // version needed
-    let flags = f.u16().unwrap_or(0);
-    let method = f.u16().unwrap_or(0);
-    f.u16(); // time
-    f.u16(); // date
-    let crc = f.u32().unwrap_or(0);
-    let compressed32 = f.u32().unwrap_or(0);
-    let len32 = f.u32().unwrap_or(0);
-    let name_len = u64::from(f.u16().unwrap_or(0));
-    let extra_len = u64::from(f.u16().unwrap_or(0));
+    let EntryFields {
+        flags,
+        method,
+        crc,
+        compressed32,
+        len32,
+        name_len,
+        extra_len,
+    } = EntryFields::read(&mut f);
     let comment_len = u64::from(f.u16().unwrap_or(0));
     let disk = f.u16().unwrap_or(0);
     f.u16(); // internal attributes
@@ -462,15 +492,15 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         .at(at));
     }
     f.u16(); // version needed
-    let flags = f.u16().unwrap_or(0);
-    let method = f.u16().unwrap_or(0);
-    f.u16(); // time
-    f.u16(); // date
-    let crc = f.u32().unwrap_or(0);
-    let compressed32 = f.u32().unwrap_or(0);
-    let len32 = f.u32().unwrap_or(0);
-    let name_len = u64::from(f.u16().unwrap_or(0));
-    let extra_len = u64::from(f.u16().unwrap_or(0));
+    let EntryFields {
+        flags,
+        method,
+        crc,
+        compressed32,
+        len32,
+        name_len,
+        extra_len,
+    } = EntryFields::read(&mut f);
 
     if slice(bytes, at + LOCAL_HEADER_LEN, name_len, "entry name")? != central.name_bytes.as_slice()
     {
