@@ -529,7 +529,11 @@ fn convert(
         ..
     } = *job;
     let started = Instant::now();
-    let ckpt = input.read()?;
+    // Every item read is copied: small ones in object storage are opened when copied.
+    let ckpt = {
+        let _unopened = crate::formats::dcp::OpenItemsWhenCopied::install();
+        input.read()?
+    };
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;

@@ -517,31 +517,32 @@ fn run_files(
     }
     // Bytes written to each output since its writeback was last started.
     let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
-    let results: Vec<UnitResult> = units
-        .par_iter()
-        .map(|u| {
-            if opts.cancel.load(Ordering::Relaxed) {
-                return Err(Error::new(ErrorKind::Io, "interrupted"));
+    let run_one = |u: &Unit| {
+        if opts.cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Io, "interrupted"));
+        }
+        let (i, f) = &files[u.file];
+        let region = &f.regions[u.region];
+        let out = outputs
+            .get(u.file)
+            .and_then(Option::as_ref)
+            .zip(dest.get(*i));
+        let result = run_unit(plan, u, region, sources, out, clip_of(u.file))?;
+        if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file)) {
+            // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
+            let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
+            if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
+                start_writeback(file);
             }
-            let (i, f) = &files[u.file];
-            let region = &f.regions[u.region];
-            let out = outputs
-                .get(u.file)
-                .and_then(Option::as_ref)
-                .zip(dest.get(*i));
-            let result = run_unit(plan, u, region, sources, out, clip_of(u.file))?;
-            if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file))
-            {
-                // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
-                let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
-                if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
-                    start_writeback(file);
-                }
-            }
-            opts.progress.advance(result.len);
-            Ok(result)
-        })
-        .collect::<Result<Vec<_>>>()?;
+        }
+        opts.progress.advance(result.len);
+        Ok(result)
+    };
+    let results: Vec<UnitResult> = if sources.iter().any(Source::is_remote) {
+        in_order(&units, run_one)?
+    } else {
+        units.par_iter().map(run_one).collect::<Result<Vec<_>>>()?
+    };
 
     // Units were listed region by region in order, so each region's CRC is its units' combined
     // (within a clip: the CRC of the region's bytes inside it, which are contiguous).
@@ -618,6 +619,37 @@ fn run_files(
     Ok((digests, outcome))
 }
 
+/// `f` of every unit on every worker, the units taken in their order: the workers then go through
+/// each input together, front to back, so an object's blocks are fetched in a few large GETs
+/// read ahead of them, as a download would, rather than by workers in distant parts of it
+/// (rayon's split hands each worker its own half) whose blocks crowd each other out of the cache.
+fn in_order(
+    units: &[Unit],
+    f: impl Fn(&Unit) -> Result<UnitResult> + Sync,
+) -> Result<Vec<UnitResult>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Vec<std::sync::OnceLock<UnitResult>> =
+        units.iter().map(|_| std::sync::OnceLock::new()).collect();
+    (0..rayon::current_num_threads())
+        .into_par_iter()
+        .try_for_each(|_| -> Result<()> {
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(u) = units.get(k) else {
+                    return Ok(());
+                };
+                let r = f(u).inspect_err(|_| next.store(units.len(), Ordering::Relaxed))?;
+                let _ = done[k].set(r);
+            }
+        })?;
+    done.into_iter()
+        .map(|r| {
+            r.into_inner()
+                .ok_or_else(|| Error::bug("a unit was not run"))
+        })
+        .collect()
+}
+
 /// Open (creating it if no other part has yet) a file that several parts of a run write, at its
 /// full length. Setting the length it already has changes nothing another part wrote.
 fn open_shared_output(path: &Path, len: u64) -> Result<File> {
@@ -676,8 +708,8 @@ fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
         .ok_or_else(|| Error::bug("bad input index"))?;
     let limit = match fill.encoding {
         Encoding::Raw => src.len(),
-        // The decoded length is checked when the item is decompressed.
-        Encoding::Zstd { .. } | Encoding::Deflate { .. } => u64::MAX,
+        // The decoded length is checked when the item is decompressed or opened.
+        Encoding::Zstd { .. } | Encoding::Deflate { .. } | Encoding::Saved { .. } => u64::MAX,
     };
     let end = fill_end(fill);
     match end {
@@ -757,7 +789,8 @@ fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)>
     }
 }
 
-/// A decompressed zstd item, keyed by (input index, item offset).
+/// A decoded item (decompressed, or a piece's elements from an unopened item), keyed by (input
+/// index, item offset).
 type DecodedItem = Option<((usize, u64), Vec<u8>)>;
 
 thread_local! {
@@ -1304,20 +1337,29 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
     let src = sources
         .get(fill.input)
         .ok_or_else(|| Error::bug("bad input index"))?;
-    let (item_offset, item_length, deflated) = match fill.encoding {
+    let (item_offset, item_length) = match fill.encoding {
         Encoding::Raw => return Ok(FillSource::File(src)),
         Encoding::Zstd {
             item_offset,
             item_length,
-        } => (item_offset, item_length, false),
-        Encoding::Deflate {
+        }
+        | Encoding::Deflate {
             item_offset,
             item_length,
-        } => (item_offset, item_length, true),
+        }
+        | Encoding::Saved {
+            item_offset,
+            item_length,
+            ..
+        } => (item_offset, item_length),
     };
     // Only the prefix up to the fill's last byte is needed (the reader already checked the whole
     // item when it located the piece); a cached prefix serves every fill it is long enough for.
-    let needed = fill_end(fill).unwrap_or(u64::MAX);
+    // An unopened item is opened whole.
+    let needed = match fill.encoding {
+        Encoding::Saved { .. } => 0,
+        _ => fill_end(fill).unwrap_or(u64::MAX),
+    };
     DECODED.with(|cell| {
         let mut cell = cell.borrow_mut();
         let cached = cell.as_ref().is_some_and(|(key, data)| {
@@ -1333,12 +1375,18 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
             let needed = needed.max(had.saturating_mul(2));
             let mut item = vec![0u8; item_length as usize];
             src.read_at(item_offset, &mut item)?;
-            let decoded = if deflated {
-                crate::formats::zip::inflate_prefix(&item, needed)
-            } else {
-                crate::formats::dcp::decompress_prefix(&item, needed)
+            let decoded = match fill.encoding {
+                Encoding::Deflate { .. } => crate::formats::zip::inflate_prefix(&item, needed),
+                Encoding::Saved { numel, .. } => {
+                    crate::formats::dcp::saved_elements(&item, fill.dtype, &fill.strides, numel)
+                }
+                _ => crate::formats::dcp::decompress_prefix(&item, needed),
             }
-            .map_err(|e| e.file(src.path()).at(item_offset))?;
+            .map_err(|e| match fill.encoding {
+                // The archive's own offsets, made file offsets as the reader makes them.
+                Encoding::Saved { .. } => e.file(src.path()).within(item_offset),
+                _ => e.file(src.path()).at(item_offset),
+            })?;
             *cell = Some(((fill.input, item_offset), decoded));
         }
         Ok(FillSource::Decoded(src, item_offset))

@@ -128,6 +128,7 @@ impl Serialize for Pieces<'_> {
                     Encoding::Raw => None,
                     Encoding::Zstd { .. } => Some("zstd"),
                     Encoding::Deflate { .. } => Some("deflate"),
+                    Encoding::Saved { .. } => Some("torch.save item"),
                 },
             }
         }))

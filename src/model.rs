@@ -154,6 +154,16 @@ pub enum Encoding {
     /// The ZIP record at `item_offset..item_offset+item_length` of the file is a raw deflate
     /// stream (a deflated torch.save record); `DataRef::offset` is relative to the inflated record.
     Deflate { item_offset: u64, item_length: u64 },
+    /// The DCP item at `item_offset..item_offset+item_length` of the file is a torch.save archive
+    /// of the piece's `numel` elements, not opened yet: `DataRef::offset` is relative to the
+    /// piece's elements in row-major order, which the executor finds (and checks against the
+    /// piece) when it reads the item. Small items in object storage are left this way, so that
+    /// their bytes are fetched once, when copied, rather than their framing first.
+    Saved {
+        item_offset: u64,
+        item_length: u64,
+        numel: u64,
+    },
 }
 
 /// The pieces of one tensor, as columns: per piece its box (offsets then sizes), its file and the

@@ -6,11 +6,11 @@
 //! so every worker has its own requests in flight and no worker waits for another's.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -29,6 +29,12 @@ use crate::error::{Error, ErrorKind, Result};
 pub const BLOCK_BYTES: u64 = 4 << 20;
 /// Bytes of blocks kept, over all objects (least recently used dropped first).
 pub const CACHE_BYTES: u64 = 64 << 20;
+/// Fetches remembered to tell how many objects are being read at once.
+const RECENT: usize = 32;
+/// Sequential readers of one object followed at once.
+const STREAMS: usize = 8;
+/// Most blocks read ahead of a sequential reader, in one GET with the block it missed.
+const READ_AHEAD: u64 = 3;
 /// GETs one thread keeps in flight at once.
 const IN_FLIGHT: usize = 8;
 
@@ -223,6 +229,7 @@ impl Remote {
             id: IDS.fetch_add(1, Ordering::Relaxed),
             len: meta.size,
             at: self,
+            streams: Mutex::default(),
         })
     }
 }
@@ -262,6 +269,17 @@ pub struct Object {
     id: u64,
     len: u64,
     at: Remote,
+    /// The sequential readers of this object (several threads may each go through a part of it):
+    /// where each one's last fetched run ended and how many blocks it read ahead.
+    streams: Mutex<Vec<Stream>>,
+}
+
+/// A sequential reader of an object: the block after its last fetched run, and how many blocks
+/// that run read ahead.
+#[derive(Clone, Copy)]
+struct Stream {
+    end: u64,
+    ahead: u64,
 }
 
 /// Blocks of objects, least recently used dropped first, at most [`CACHE_BYTES`] in all.
@@ -270,6 +288,29 @@ struct Cache {
     blocks: HashMap<(u64, u64), Bytes>,
     order: VecDeque<(u64, u64)>,
     bytes: u64,
+    /// Blocks a thread is fetching; others wait on [`cache_fetched`] for them.
+    fetching: HashSet<(u64, u64)>,
+    /// The objects of the last [`RECENT`] fetches: how many objects are being read at once,
+    /// which the cache is shared by.
+    recent: VecDeque<u64>,
+}
+
+/// Marks blocks of an object as being fetched while alive; on drop (fetched, or the fetch failed)
+/// unmarks them and wakes the threads waiting for them.
+struct Fetching<'a> {
+    id: u64,
+    blocks: &'a [u64],
+}
+
+impl Drop for Fetching<'_> {
+    fn drop(&mut self) {
+        let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
+        for &b in self.blocks {
+            c.fetching.remove(&(self.id, b));
+        }
+        drop(c);
+        cache_fetched().notify_all();
+    }
 }
 
 impl Cache {
@@ -286,6 +327,12 @@ impl Cache {
 fn cache() -> &'static Mutex<Cache> {
     static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
+}
+
+/// Signalled when blocks being fetched are cached (or their fetch failed).
+fn cache_fetched() -> &'static Condvar {
+    static FETCHED: Condvar = Condvar::new();
+    &FETCHED
 }
 
 thread_local! {
@@ -355,7 +402,7 @@ impl Object {
     /// Ranges fetched concurrently, at most [`IN_FLIGHT`] at a time, large ones in 8 MiB
     /// pieces so that they too come in parallel.
     fn get_ranges(&self, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
-        const PIECE: u64 = 8 << 20;
+        const PIECE: u64 = 16 << 20;
         let mut pieces = Vec::new();
         for (i, r) in ranges.iter().enumerate() {
             let mut s = r.start;
@@ -394,34 +441,86 @@ impl Object {
 
     /// The blocks covering `ranges` (block number, bytes): cached ones taken from the cache
     /// (and marked used), missing ones fetched at once and cached. The caller holds what it got:
-    /// a block other threads evict meanwhile stays readable to it and is not fetched again.
+    /// a block other threads evict meanwhile stays readable to it and is not fetched again. A
+    /// block another thread is fetching is waited for rather than fetched twice: workers going
+    /// through an object together miss the same blocks at the same moment.
     fn blocks(&self, ranges: &[Range<u64>]) -> Result<HashMap<u64, Bytes>> {
         let mut have = HashMap::new();
         let mut missing = Vec::new();
+        let mut awaited = Vec::new();
         {
             let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
             for r in ranges.iter().filter(|r| r.start < r.end) {
                 for b in r.start / BLOCK_BYTES..=(r.end - 1) / BLOCK_BYTES {
-                    if have.contains_key(&b) || missing.contains(&b) {
+                    if have.contains_key(&b) || missing.contains(&b) || awaited.contains(&b) {
                         continue;
                     }
-                    match c.blocks.get(&(self.id, b)).cloned() {
-                        Some(block) => {
-                            c.touch((self.id, b));
-                            have.insert(b, block);
-                        }
-                        None => missing.push(b),
+                    if let Some(block) = c.blocks.get(&(self.id, b)).cloned() {
+                        c.touch((self.id, b));
+                        have.insert(b, block);
+                    } else if c.fetching.contains(&(self.id, b)) {
+                        awaited.push(b);
+                    } else {
+                        missing.push(b);
                     }
                 }
             }
+            missing.sort_unstable();
+            // Runs of adjacent missing blocks, each one ranged GET (split by `get_ranges`).
+            let mut runs: Vec<Range<u64>> = Vec::new();
+            for &b in &missing {
+                match runs.last_mut() {
+                    Some(r) if r.end == b => r.end = b + 1,
+                    _ => runs.push(b..b + 1),
+                }
+            }
+            self.read_ahead(&mut runs, &c);
+            missing = runs.iter().flat_map(Range::clone).collect();
+            if !missing.is_empty() {
+                if c.recent.len() >= RECENT {
+                    c.recent.pop_front();
+                }
+                c.recent.push_back(self.id);
+            }
+            c.fetching.extend(missing.iter().map(|&b| (self.id, b)));
         }
-        if missing.is_empty() {
-            return Ok(have);
+        if !missing.is_empty() {
+            // Marked as being fetched until this ends, fetched or not, so no thread waits forever.
+            let _fetching = Fetching {
+                id: self.id,
+                blocks: &missing,
+            };
+            self.fetch_blocks(&missing, &mut have)?;
         }
-        missing.sort_unstable();
-        // Runs of adjacent missing blocks, each one ranged GET (split by `get_ranges` at 8 MiB).
+        if !awaited.is_empty() {
+            let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
+            while awaited.iter().any(|&b| c.fetching.contains(&(self.id, b))) {
+                c = cache_fetched().wait(c).unwrap_or_else(|p| p.into_inner());
+            }
+            let mut gone = Vec::new();
+            for b in awaited {
+                match c.blocks.get(&(self.id, b)).cloned() {
+                    Some(block) => {
+                        c.touch((self.id, b));
+                        have.insert(b, block);
+                    }
+                    // Its fetch failed, or it was evicted already: fetched here.
+                    None => gone.push(b),
+                }
+            }
+            drop(c);
+            if !gone.is_empty() {
+                self.fetch_blocks(&gone, &mut have)?;
+            }
+        }
+        Ok(have)
+    }
+
+    /// Fetch `blocks` (sorted) in runs of adjacent ones, one ranged GET each, into `have` and
+    /// the cache.
+    fn fetch_blocks(&self, blocks: &[u64], have: &mut HashMap<u64, Bytes>) -> Result<()> {
         let mut runs: Vec<Range<u64>> = Vec::new();
-        for &b in &missing {
+        for &b in blocks {
             match runs.last_mut() {
                 Some(r) if r.end == b => r.end = b + 1,
                 _ => runs.push(b..b + 1),
@@ -455,7 +554,46 @@ impl Object {
                 c.bytes -= b.len() as u64;
             }
         }
-        Ok(have)
+        Ok(())
+    }
+
+    /// Extend the last run of missing blocks with blocks past it when the object is being read
+    /// in order: a GET costs about the same for one block as for several (a request has a
+    /// latency of its own, and some servers read the whole object for each), so a reader going
+    /// through an object block by block is served by a few large GETs. A miss where a stream's
+    /// last run ended continues that stream, whose read-ahead doubles up to [`READ_AHEAD`]
+    /// blocks; any other miss starts a stream with none. Blocks cached or being fetched end the
+    /// read-ahead.
+    fn read_ahead(&self, runs: &mut [Range<u64>], c: &Cache) {
+        let Some(last) = runs.last_mut() else {
+            return;
+        };
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let ahead = match streams.iter().position(|s| s.end == last.start) {
+            Some(i) => (streams.remove(i).ahead * 2).clamp(1, READ_AHEAD),
+            None => 0,
+        };
+        // Half the cache is for blocks read ahead, shared by the objects being read: beyond that
+        // they would be evicted before they are used (a consolidation from many ranks reads
+        // all their files at once, and gets no read-ahead).
+        let mut readers: Vec<u64> = c.recent.iter().copied().chain([self.id]).collect();
+        readers.sort_unstable();
+        readers.dedup();
+        let room = (CACHE_BYTES / BLOCK_BYTES * 3 / 4 / readers.len() as u64).saturating_sub(1);
+        let ahead = ahead.min(room);
+        let blocks = self.len.div_ceil(BLOCK_BYTES);
+        last.end += (last.end..(last.end + ahead).min(blocks))
+            .take_while(|b| {
+                !c.blocks.contains_key(&(self.id, *b)) && !c.fetching.contains(&(self.id, *b))
+            })
+            .count() as u64;
+        if streams.len() >= STREAMS {
+            streams.remove(0);
+        }
+        streams.push(Stream {
+            end: last.end,
+            ahead,
+        });
     }
 
     /// Copy the bytes at `offset` out of `blocks` (from [`Object::blocks`]) into `buf`.

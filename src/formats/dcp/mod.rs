@@ -10,6 +10,7 @@ pub mod hf;
 pub mod metadata;
 pub mod sfmt;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -38,6 +39,40 @@ pub const ZSTD: &str = "stream.zstd/1";
 pub fn looks_like(dir: &Path) -> bool {
     storage::is_file(&dir.join(METADATA))
 }
+
+thread_local! {
+    // Whether the reads of this command leave small items in object storage unopened (see
+    // [`OpenItemsWhenCopied`]). Set around the read on the thread that starts it.
+    static OPEN_WHEN_COPIED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// While alive, DCP checkpoints whose reads start on this thread leave their small items in
+/// object storage unopened ([`Encoding::Saved`]): for commands that copy every item they read
+/// (consolidate, reshard), which then fetch each item once, framing and data together, instead
+/// of its framing while reading and its data again while copying. `inspect` and `verify` open
+/// every item as they read.
+pub struct OpenItemsWhenCopied {
+    previous: bool,
+}
+
+impl OpenItemsWhenCopied {
+    pub fn install() -> OpenItemsWhenCopied {
+        OpenItemsWhenCopied {
+            previous: OPEN_WHEN_COPIED.with(|c| c.replace(true)),
+        }
+    }
+}
+
+impl Drop for OpenItemsWhenCopied {
+    fn drop(&mut self) {
+        OPEN_WHEN_COPIED.with(|c| c.set(self.previous));
+    }
+}
+
+/// Largest item left unopened: one block of the object cache. A larger item is opened while
+/// reading (its framing is a small part of it), so that copying it in several units does not
+/// fetch all of it for each.
+const UNOPENED_ITEM_BYTES: u64 = storage::BLOCK_BYTES;
 
 /// Megatron's `nd_reformulated_orig_global_shape` of each tensor that has one, by fqn.
 pub type OrigShapes = Vec<(String, Vec<u64>)>;
@@ -396,6 +431,12 @@ struct Files<'a> {
     transforms: &'a [Vec<String>],
     /// By [`Item::file`]: the file's safetensors blob, once a tensor item led to it.
     blobs: Vec<OnceLock<Arc<sfmt::Blob>>>,
+    /// Leave small remote items unopened ([`OpenItemsWhenCopied`]).
+    unopened: bool,
+    /// By [`Item::file`]: set once an item of the file opened as a torch.save archive, which
+    /// tells its items from a `serialization_format=SAFETENSORS` file's; only then are its other
+    /// items left unopened.
+    saved: Vec<OnceLock<()>>,
 }
 
 impl<'a> Files<'a> {
@@ -410,6 +451,8 @@ impl<'a> Files<'a> {
         Ok(Files {
             dir,
             blobs: (0..maps.len()).map(|_| OnceLock::new()).collect(),
+            unopened: OPEN_WHEN_COPIED.with(Cell::get),
+            saved: (0..maps.len()).map(|_| OnceLock::new()).collect(),
             maps,
             transforms: &built.transforms,
         })
@@ -504,13 +547,21 @@ impl<'a> Files<'a> {
         k: usize,
     ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
         let zstd = self.is_zstd(item)?;
+        if let Some(unopened) = self.unopened(item, t.sizes(k), zstd) {
+            return Ok(unopened);
+        }
         // A file saved with serialization_format=SAFETENSORS is told apart only where its first
         // record fails as a torch.save item, so ordinary checkpoints (remote ones included) read
         // nothing more than before.
         let blob = match self.blobs.get(item.file as usize).and_then(OnceLock::get) {
             Some(blob) if item.offset <= blob.start => Arc::clone(blob),
             _ => match self.locate_saved(item, t.dtype, t.sizes(k), zstd) {
-                Ok(found) => return Ok(found),
+                Ok(found) => {
+                    if let Some(saved) = self.saved.get(item.file as usize) {
+                        let _ = saved.set(());
+                    }
+                    return Ok(found);
+                }
                 Err(e) => match self.blob(item, zstd) {
                     Ok(Some(blob)) => blob,
                     Ok(None) => return Err(e),
@@ -528,6 +579,32 @@ impl<'a> Files<'a> {
             crate::model::contiguous_strides(sizes),
             Encoding::Raw,
         ))
+    }
+
+    /// The piece of a small plain item in object storage, left unopened ([`Encoding::Saved`])
+    /// when this read allows it and another item of its file has opened as a torch.save archive.
+    fn unopened(
+        &self,
+        item: &Item,
+        sizes: &[u64],
+        zstd: bool,
+    ) -> Option<(Item, u64, Vec<u64>, Encoding)> {
+        let file = item.file as usize;
+        if !self.unopened
+            || zstd
+            || item.length > UNOPENED_ITEM_BYTES
+            || self.saved.get(file)?.get().is_none()
+            || !self.maps.get(file)?.1.is_remote()
+        {
+            return None;
+        }
+        let numel = crate::model::numel(sizes).filter(|&n| n > 0)?;
+        let encoding = Encoding::Saved {
+            item_offset: item.offset,
+            item_length: item.length,
+            numel,
+        };
+        Some((*item, 0, crate::model::contiguous_strides(sizes), encoding))
     }
 
     /// [`Files::locate`] for a torch.save item (plain or zstd).
@@ -568,38 +645,8 @@ impl<'a> Files<'a> {
                 e.within(item.offset)
             }
         })?;
-        let saved = match archive.leaves.as_slice() {
-            [(key, Leaf::Tensor(t))] if key.is_empty() => t,
-            _ => {
-                return Err(Error::invalid("item is not a single saved tensor")
-                    .file(path())
-                    .at(item.offset))
-            }
-        };
-        if saved.dtype != dtype || saved.shape != sizes {
-            return Err(Error::invalid(format!(
-                "item holds {} {:?} but the metadata says {} {:?}",
-                saved.dtype, saved.shape, dtype, sizes
-            ))
-            .file(path())
-            .at(item.offset));
-        }
-        let entry = archive.storage(&saved.storage_key).ok_or_else(|| {
-            Error::invalid(format!(
-                "item has no storage record `{}`",
-                saved.storage_key
-            ))
-            .file(path())
-            .at(item.offset)
-        })?;
-        if entry.deflated.is_some() {
-            return Err(Error::invalid(format!(
-                "item's storage record `{}` is deflated, which ckpt reads in torch.save files but not inside DCP items (torch's writer never deflates them)",
-                saved.storage_key
-            ))
-            .file(path())
-            .at(item.offset));
-        }
+        let (saved, entry) =
+            saved_chunk(&archive, dtype, sizes).map_err(|e| e.file(path()).at(item.offset))?;
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
         let (offset, encoding) = if zstd {
             (
@@ -707,6 +754,95 @@ fn map_file(dir: &Path, name: &str, items: u64) -> Result<Input> {
         Access::Map
     };
     Input::open(&path, access).map_err(missing)
+}
+
+/// The one tensor a DCP item's archive holds and its storage record, checked against the chunk
+/// the metadata declares (`dtype`, `sizes`). The caller places errors (file, offset).
+fn saved_chunk<'a>(
+    archive: &'a torch_save::Archive,
+    dtype: DType,
+    sizes: &[u64],
+) -> Result<(
+    &'a torch_save::SavedTensor,
+    &'a crate::formats::zip::ZipEntry,
+)> {
+    let saved = match archive.leaves.as_slice() {
+        [(key, Leaf::Tensor(t))] if key.is_empty() => t,
+        _ => return Err(Error::invalid("item is not a single saved tensor")),
+    };
+    if saved.dtype != dtype || saved.shape != sizes {
+        return Err(Error::invalid(format!(
+            "item holds {} {:?} but the metadata says {} {:?}",
+            saved.dtype, saved.shape, dtype, sizes
+        )));
+    }
+    let entry = archive.storage(&saved.storage_key).ok_or_else(|| {
+        Error::invalid(format!(
+            "item has no storage record `{}`",
+            saved.storage_key
+        ))
+    })?;
+    if entry.deflated.is_some() {
+        return Err(Error::invalid(format!(
+            "item's storage record `{}` is deflated, which ckpt reads in torch.save files but not inside DCP items (torch's writer never deflates them)",
+            saved.storage_key
+        )));
+    }
+    Ok((saved, entry))
+}
+
+/// The elements of a piece left unopened ([`Encoding::Saved`]), in row-major order, from the
+/// whole bytes of its item: the item is read and checked as [`read`] checks an item it opens,
+/// against the piece as the plan holds it (`dtype`, its row-major `strides` and `numel`, which
+/// together fix its shape).
+pub fn saved_elements(item: &[u8], dtype: DType, strides: &[u64], numel: u64) -> Result<Vec<u8>> {
+    let sizes = sizes_of(strides, numel)
+        .ok_or_else(|| Error::bug("an unopened piece whose strides are not row-major"))?;
+    let archive = torch_save::read_cached(item)?;
+    let (saved, entry) = saved_chunk(&archive, dtype, &sizes)?;
+    let elem = dtype.size() as u64;
+    let base = entry.data_offset + saved.storage_offset * elem;
+    let element = |i: u64| -> Option<&[u8]> {
+        let at = usize::try_from(base.checked_add(i.checked_mul(elem)?)?).ok()?;
+        item.get(at..at.checked_add(elem as usize)?)
+    };
+    let outside = || Error::invalid("the item's tensor lies outside its storage record");
+    if saved.strides == strides {
+        let len = usize::try_from(numel * elem).map_err(|_| outside())?;
+        let start = usize::try_from(base).map_err(|_| outside())?;
+        return item
+            .get(start..start.checked_add(len).ok_or_else(outside)?)
+            .map(<[u8]>::to_vec)
+            .ok_or_else(outside);
+    }
+    // A view saved with its own strides (a transposed weight): gathered element by element,
+    // which for an item of at most a block is quick.
+    let mut out = Vec::with_capacity(usize::try_from(numel * elem).map_err(|_| outside())?);
+    let mut idx = vec![0u64; saved.shape.len()];
+    for _ in 0..numel {
+        let at: u64 = idx.iter().zip(&saved.strides).map(|(i, s)| i * s).sum();
+        out.extend_from_slice(element(at).ok_or_else(outside)?);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < saved.shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    Ok(out)
+}
+
+/// The shape whose row-major strides are `strides` and which has `numel` (not 0) elements.
+fn sizes_of(strides: &[u64], numel: u64) -> Option<Vec<u64>> {
+    let mut sizes = Vec::with_capacity(strides.len());
+    for d in 0..strides.len() {
+        let outer = if d == 0 { numel } else { strides[d - 1] };
+        sizes.push(outer.checked_div(strides[d])?);
+    }
+    (crate::model::contiguous_strides(&sizes) == strides
+        && crate::model::numel(&sizes) == Some(numel))
+    .then_some(sizes)
 }
 
 /// The first `len` bytes of a zstd item (fewer if it is shorter).
