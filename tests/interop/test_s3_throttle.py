@@ -312,3 +312,30 @@ def test_persistent_throttling_on_upload_parts_is_a_clear_error(s3, proxy, tmp_p
     assert not [k for k in keys_of(c, f".{dest}") if "ckpt-uploads" in k], "journal left behind"
     assert took < 30, f"{took:.1f} s to give up"
     print(f"gave up after {took:.1f} s:\n{err}")
+
+
+def test_an_abort_throttled_past_its_retries_is_left_to_the_next_run(s3, proxy, tmp_path):
+    """Every UploadPart and every AbortMultipartUpload is throttled: the run fails (exit 1) and
+    cannot abort its upload, so it keeps the journal that lists it; the next run into the same
+    place aborts that upload and writes the output."""
+    dest = "stuck.safetensors"
+    c = s3.client()
+    p = proxy(lambda r: 503 if r.kind in ("UploadPart", "AbortMultipartUpload") else None)
+    proc = run(p, "consolidate", fixture("fsdp2_adamw"), "-o", f"s3://{BUCKET}/{dest}")
+    assert proc.returncode == 1, proc.stderr
+    assert f"s3://{BUCKET}/{dest}" in proc.stderr and "throttled" in proc.stderr, proc.stderr
+    assert p.count(503, kind="AbortMultipartUpload") >= 6
+    assert dest not in keys_of(c, dest)
+    stuck = uploads_of(c, dest)
+    assert stuck == [dest], stuck
+    assert [k for k in keys_of(c, f".{dest}.ckpt-uploads/")], "the journal of the open upload is gone"
+
+    again = run(s3, "consolidate", fixture("fsdp2_adamw"), "-o", f"s3://{BUCKET}/{dest}")
+    assert again.returncode == 0, again.stderr
+    assert not uploads_of(c, dest), "the stuck upload was not aborted by the next run"
+    assert not keys_of(c, f".{dest}.ckpt-uploads/")
+    want = tmp_path / "want.safetensors"
+    assert run(None, "consolidate", fixture("fsdp2_adamw"), "-o", want).returncode == 0
+    got = tmp_path / "got.safetensors"
+    c.download_file(BUCKET, dest, str(got))
+    assert got.read_bytes() == want.read_bytes()
