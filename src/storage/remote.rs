@@ -246,7 +246,7 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     }
     if is_throttled(&text) {
         return err.hint(format!(
-            "the store throttled the requests (each retried {RETRIES} times with backoff): \
+            "the store throttled the requests (each retried up to {RETRIES} times with backoff): \
              lower --threads, or retry later"
         ));
     }
