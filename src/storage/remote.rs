@@ -74,8 +74,14 @@ pub(crate) fn block_on<F: std::future::Future>(fut: F) -> Result<F::Output> {
     Ok(runtime()?.block_on(fut))
 }
 
-/// How often and how long a request is retried (throttling, 5xx, dropped connections), with
-/// exponential backoff; then the error names the object and the status.
+/// Retries of a failed request (throttling, 5xx, dropped connections), as the AWS SDKs do
+/// (3 to 5 attempts): a store's throttling clears within seconds, and a run that still fails
+/// then says so instead of waiting for minutes.
+const RETRIES: usize = 5;
+
+/// How often and how long a request is retried, with exponential backoff (from 0.1 s, each wait
+/// drawn up to twice the last: about 3 s over the 5 retries; `retry_timeout` bounds slow
+/// requests); then the error names the object and the status.
 fn retry() -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {
@@ -83,7 +89,7 @@ fn retry() -> RetryConfig {
             max_backoff: Duration::from_secs(5),
             base: 2.0,
         },
-        max_retries: 5,
+        max_retries: RETRIES,
         retry_timeout: Duration::from_secs(60),
     }
 }
@@ -237,7 +243,7 @@ impl Remote {
 /// The error for a failed request: the object, and what the store said (status and code).
 pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     let not_found = matches!(e, object_store::Error::NotFound { .. });
-    let text = e.to_string();
+    let text = condense_xml(&e.to_string());
     let err = Error::new(ErrorKind::Io, format!("object store: {text}")).file(path);
     if not_found {
         return err.hint("check the bucket and key: nothing is stored there");
@@ -245,11 +251,18 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     if text.contains("NoSuchBucket") {
         return err.hint("the bucket does not exist: create it, or check the URL");
     }
+    if is_throttled(&text) {
+        return err.hint(format!(
+            "the store throttled the requests (each retried up to {RETRIES} times with backoff): \
+             lower --threads, or retry later"
+        ));
+    }
+    // Status codes with their reason, so that a port or a size in the text cannot match.
     if [
         "InvalidAccessKeyId",
         "SignatureDoesNotMatch",
         "AccessDenied",
-        "403",
+        "403 Forbidden",
     ]
     .iter()
     .any(|s| text.contains(s))
@@ -262,6 +275,50 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
         return err.hint("check AWS_ENDPOINT_URL and that the store is reachable");
     }
     err
+}
+
+/// Whether the store's reply was throttling: S3's `SlowDown` (HTTP 503), HTTP 429 (GCS, Azure
+/// and other S3-compatible stores), or a 503 without a code.
+fn is_throttled(text: &str) -> bool {
+    [
+        "SlowDown",
+        "Please reduce your request rate",
+        "503 Service Unavailable",
+        "429 Too Many Requests",
+        "TooManyRequests",
+        "ServerBusy",
+    ]
+    .iter()
+    .any(|s| text.contains(s))
+}
+
+/// The store's XML error body (`<Error><Code>C</Code><Message>M</Message>...</Error>`) as
+/// `C: M` on the error's one line; any other text unchanged.
+fn condense_xml(text: &str) -> String {
+    let inner = |tag: &str, body: &str| -> Option<String> {
+        let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+        let start = body.find(&open)? + open.len();
+        let end = start + body[start..].find(&close)?;
+        Some(body[start..end].trim().to_string())
+    };
+    let (Some(start), Some(end)) = (text.find("<Error>"), text.find("</Error>")) else {
+        return text.to_string();
+    };
+    if end < start {
+        return text.to_string();
+    }
+    let body = &text[start..end];
+    let Some(code) = inner("Code", body) else {
+        return text.to_string();
+    };
+    let said = match inner("Message", body) {
+        Some(m) if !m.is_empty() => format!("{code}: {m}"),
+        _ => code,
+    };
+    // An XML declaration before the body goes with it.
+    let from = text[..start].rfind("<?xml").unwrap_or(start);
+    let rest = &text[end + "</Error>".len()..];
+    format!("{}{said}{}", &text[..from], rest.trim_end())
 }
 
 /// An object opened for ranged reads.
@@ -873,4 +930,71 @@ fn parse_central(cd: &[u8], entries: u64) -> Vec<Central> {
         pos += 46 + name_len + extra_len + comment_len;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generic(text: &str) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: text.into(),
+        }
+    }
+
+    #[test]
+    fn throttling_names_the_object_the_status_and_the_code() {
+        let e = store_error(
+            Path::new("s3://b/dcp/__0_0.distcp"),
+            generic(
+                "Error performing GET http://127.0.0.1:40399/b/dcp/__0_0.distcp in 2s, after 5 \
+                 retries - Server returned non-2xx status code: 503 Service Unavailable: \
+                 <?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>\
+                 <Message>Please reduce your request rate.</Message></Error>\n",
+            ),
+        );
+        let msg = e.headline();
+        assert!(msg.contains("s3://b/dcp/__0_0.distcp"), "{msg}");
+        assert!(
+            msg.contains("503 Service Unavailable: SlowDown: Please reduce your request rate."),
+            "{msg}"
+        );
+        assert!(!msg.contains('<') && !msg.contains('\n'), "{msg}");
+        let hint = e.hint.unwrap_or_default();
+        assert!(
+            hint.contains("throttled") && hint.contains("--threads"),
+            "{hint}"
+        );
+        let e = store_error(
+            Path::new("gs://b/x"),
+            generic("Server returned non-2xx status code: 429 Too Many Requests: "),
+        );
+        assert!(e.hint.unwrap_or_default().contains("throttled"));
+    }
+
+    #[test]
+    fn a_port_is_not_a_status() {
+        // A refused connection to a port that holds 403 or 503 is not a credentials problem.
+        let e = store_error(
+            Path::new("s3://b/x"),
+            generic(
+                "Error performing HEAD http://127.0.0.1:40350/b/x in 1s - error sending request",
+            ),
+        );
+        assert!(e.hint.unwrap_or_default().contains("AWS_ENDPOINT_URL"));
+    }
+
+    #[test]
+    fn condense_keeps_text_without_an_error_body() {
+        assert_eq!(
+            condense_xml("status code: 500: oops"),
+            "status code: 500: oops"
+        );
+        assert_eq!(
+            condense_xml("x: <Error><Code>NoSuchBucket</Code></Error>"),
+            "x: NoSuchBucket"
+        );
+        assert_eq!(condense_xml("</Error> <Error>"), "</Error> <Error>");
+    }
 }

@@ -112,7 +112,24 @@ struct Started {
     id: String,
 }
 
-/// The run's uploads: aborted (and the journal removed) unless committed.
+/// Abort `uploads`. False if one may still be open (its abort failed, e.g. throttled past its
+/// retries): the journal that lists them is then kept, for the next run into the same place.
+async fn abort(store: &dyn MultipartStore, uploads: &[Started]) -> bool {
+    let mut closed = true;
+    for s in uploads {
+        match store
+            .abort_multipart(&Key::from(s.key.as_str()), &s.id)
+            .await
+        {
+            // Not found: aborted or completed before.
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(_) => closed = false,
+        }
+    }
+    closed
+}
+
+/// The run's uploads: aborted (and the journal removed once they are) unless committed.
 struct Uploads {
     store: Arc<dyn MultipartStore>,
     remote: Remote,
@@ -127,13 +144,9 @@ impl Drop for Uploads {
             return;
         }
         let _ = block_on(async {
-            for s in &self.started {
-                let _ = self
-                    .store
-                    .abort_multipart(&Key::from(s.key.as_str()), &s.id)
-                    .await;
+            if abort(self.store.as_ref(), &self.started).await {
+                let _ = self.remote.store.objects.delete(&self.journal).await;
             }
-            let _ = self.remote.store.objects.delete(&self.journal).await;
         });
     }
 }
@@ -226,16 +239,13 @@ pub fn write(
     .map_err(|e| store_error(out, e))?;
     for j in journals {
         let text = block_on(async { store.objects.get(&j.location).await?.bytes().await })?;
-        if let Ok(list) = text.map(|b| serde_json::from_slice::<Vec<Started>>(&b)) {
-            for s in list.unwrap_or_default() {
-                let _ = block_on(
-                    store
-                        .multipart
-                        .abort_multipart(&Key::from(s.key.as_str()), &s.id),
-                );
-            }
+        let closed = match text.map(|b| serde_json::from_slice::<Vec<Started>>(&b)) {
+            Ok(list) => block_on(abort(store.multipart.as_ref(), &list.unwrap_or_default()))?,
+            Err(_) => false,
+        };
+        if closed {
+            let _ = block_on(store.objects.delete(&j.location));
         }
-        let _ = block_on(store.objects.delete(&j.location));
     }
 
     let existing: Vec<Key> = match kind {
