@@ -9,7 +9,6 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -228,11 +227,23 @@ impl Remote {
     }
 
     pub(crate) fn open(self) -> Result<Object> {
-        static IDS: AtomicU64 = AtomicU64::new(0);
+        // The cache knows an object by its location, length and ETag: the executor opens again
+        // what the reader opened, and finds the blocks the reader fetched.
+        static IDS: OnceLock<Mutex<HashMap<(PathBuf, u64, Option<String>), u64>>> =
+            OnceLock::new();
         let meta = block_on(self.store.objects.head(&self.key))?
             .map_err(|e| store_error(&self.path, e))?;
+        let id = {
+            let mut ids = IDS
+                .get_or_init(Default::default)
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let next = ids.len() as u64;
+            *ids.entry((self.path.clone(), meta.size, meta.e_tag.clone()))
+                .or_insert(next)
+        };
         Ok(Object {
-            id: IDS.fetch_add(1, Ordering::Relaxed),
+            id,
             len: meta.size,
             at: self,
             streams: Mutex::default(),

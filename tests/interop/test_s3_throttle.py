@@ -33,9 +33,10 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te"
 class Request:
     """What the proxy saw of one request: method, key (path without the bucket), query names."""
 
-    def __init__(self, method: str, target: str):
+    def __init__(self, method: str, target: str, range_: str | None = None):
         parts = urlsplit(target)
         self.method = method
+        self.range = range_  # the Range header, `bytes=A-B`
         self.path = parts.path
         self.key = parts.path.removeprefix(f"/{BUCKET}").removeprefix("/")
         self.query = parse_qs(parts.query, keep_blank_values=True)
@@ -74,7 +75,7 @@ class ThrottlingProxy:
                 pass
 
             def handle_one(self):
-                req = Request(self.command, self.path)
+                req = Request(self.command, self.path, self.headers.get("Range"))
                 body = self.read_body()
                 with proxy.lock:
                     status = proxy.throttle(req)
