@@ -229,7 +229,7 @@ impl Remote {
     pub(crate) fn open(self) -> Result<Object> {
         // The cache knows an object by its location, length and ETag: the executor opens again
         // what the reader opened, and finds the blocks the reader fetched.
-        static IDS: OnceLock<Mutex<HashMap<(PathBuf, u64, Option<String>), u64>>> = OnceLock::new();
+        static IDS: OnceLock<Mutex<HashMap<ObjectVersion, u64>>> = OnceLock::new();
         let meta = block_on(self.store.objects.head(&self.key))?
             .map_err(|e| store_error(&self.path, e))?;
         let id = {
@@ -249,6 +249,9 @@ impl Remote {
         })
     }
 }
+
+/// An object as the block cache knows it: location, length and ETag.
+type ObjectVersion = (PathBuf, u64, Option<String>);
 
 /// The error for a failed request: the object, and what the store said (status and code).
 pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
