@@ -28,8 +28,14 @@ use crate::error::{Error, ErrorKind, Result};
 pub const BLOCK_BYTES: u64 = 4 << 20;
 /// Bytes of blocks kept, over all objects (least recently used dropped first).
 pub const CACHE_BYTES: u64 = 64 << 20;
+/// Blocks of the cache shared by the objects being read (three quarters of it; the rest holds
+/// framing the readers come back to).
+const SHARED_BLOCKS: u64 = CACHE_BYTES / BLOCK_BYTES * 3 / 4;
 /// Fetches remembered to tell how many objects are being read at once.
-const RECENT: usize = 32;
+const RECENT: usize = 1024;
+/// Least read ahead of a small read when the cache is crowded: a consolidation from 512 ranks
+/// holds 128 MiB read ahead.
+const MIN_AHEAD: u64 = 256 << 10;
 /// Sequential readers of one object followed at once.
 const STREAMS: usize = 8;
 /// Most blocks read ahead of a sequential reader, in one GET with the block it missed.
@@ -246,6 +252,10 @@ impl Remote {
             len: meta.size,
             at: self,
             streams: Mutex::default(),
+            ahead: Mutex::new(Windows {
+                size: 0,
+                held: VecDeque::new(),
+            }),
         })
     }
 }
@@ -342,7 +352,20 @@ pub struct Object {
     /// The sequential readers of this object (several threads may each go through a part of it):
     /// where each one's last fetched run ended and how many blocks it read ahead.
     streams: Mutex<Vec<Stream>>,
+    /// When the cache is crowded ([`Object::crowded`]): this object's windows, aligned pieces
+    /// of its share of the cache, the last few fetched (see [`Object::read_ahead_of`]).
+    ahead: Mutex<Windows>,
 }
+
+/// An object's windows when the cache is crowded: their size, and the last [`WINDOWS`] fetched
+/// (window number, bytes), oldest first.
+struct Windows {
+    size: u64,
+    held: VecDeque<(u64, Bytes)>,
+}
+
+/// Windows kept per object: a read may straddle two, and workers a unit apart each need theirs.
+const WINDOWS: usize = 2;
 
 /// A sequential reader of an object: the block after its last fetched run, and how many blocks
 /// that run read ahead.
@@ -430,6 +453,14 @@ pub fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
         let rs = coalesce(rs);
         // Small ranges (small tensors, pieces of a few rows) through the block cache: the
         // neighbours a later unit needs come with them.
+        if o.crowded() {
+            for r in rs {
+                let mut buf = vec![0u8; (r.end - r.start) as usize];
+                o.read_at(r.start, &mut buf)?;
+                got.push((o.id, r.start, Bytes::from(buf)));
+            }
+            continue;
+        }
         let (small, large): (Vec<_>, Vec<_>) =
             rs.into_iter().partition(|r| r.end - r.start < BLOCK_BYTES);
         // The blocks are held here, not looked up again in the cache: other threads' fetches
@@ -469,10 +500,17 @@ impl Object {
         self.len == 0
     }
 
-    /// Ranges fetched concurrently, at most [`IN_FLIGHT`] at a time, large ones in 8 MiB
+    /// Ranges fetched concurrently, at most [`IN_FLIGHT`] at a time, large ones in 16 MiB
     /// pieces so that they too come in parallel.
     fn get_ranges(&self, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
         const PIECE: u64 = 16 << 20;
+        if !ranges.is_empty() {
+            let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
+            if c.recent.len() >= RECENT {
+                c.recent.pop_front();
+            }
+            c.recent.push_back(self.id);
+        }
         let mut pieces = Vec::new();
         for (i, r) in ranges.iter().enumerate() {
             let mut s = r.start;
@@ -546,12 +584,6 @@ impl Object {
             }
             self.read_ahead(&mut runs, &c);
             missing = runs.iter().flat_map(Range::clone).collect();
-            if !missing.is_empty() {
-                if c.recent.len() >= RECENT {
-                    c.recent.pop_front();
-                }
-                c.recent.push_back(self.id);
-            }
             c.fetching.extend(missing.iter().map(|&b| (self.id, b)));
         }
         if !missing.is_empty() {
@@ -627,6 +659,25 @@ impl Object {
         Ok(())
     }
 
+    /// How many objects are being read at once (of the last [`RECENT`] fetches), this one
+    /// included.
+    fn readers(&self, c: &Cache) -> u64 {
+        let mut readers: Vec<u64> = c.recent.iter().copied().chain([self.id]).collect();
+        readers.sort_unstable();
+        readers.dedup();
+        readers.len() as u64
+    }
+
+    /// True when more objects are being read at once than the cache has blocks to share
+    /// between them: a consolidation from many ranks reads all their files in each work unit,
+    /// and blocks fetched for one unit would be evicted by the time the next unit (the next
+    /// tensor, a few bytes further in each file) needs them. Small reads then fetch just their
+    /// bytes: as many GETs, a block's worth of bytes fewer each.
+    fn crowded(&self) -> bool {
+        let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+        self.readers(&c) > SHARED_BLOCKS
+    }
+
     /// Extend the last run of missing blocks with blocks past it when the object is being read
     /// in order: a GET costs about the same for one block as for several (a request has a
     /// latency of its own, and some servers read the whole object for each), so a reader going
@@ -646,10 +697,7 @@ impl Object {
         // Half the cache is for blocks read ahead, shared by the objects being read: beyond that
         // they would be evicted before they are used (a consolidation from many ranks reads
         // all their files at once, and gets no read-ahead).
-        let mut readers: Vec<u64> = c.recent.iter().copied().chain([self.id]).collect();
-        readers.sort_unstable();
-        readers.dedup();
-        let room = (CACHE_BYTES / BLOCK_BYTES * 3 / 4 / readers.len() as u64).saturating_sub(1);
+        let room = (SHARED_BLOCKS / self.readers(c)).saturating_sub(1);
         let ahead = ahead.min(room);
         let blocks = self.len.div_ceil(BLOCK_BYTES);
         last.end += (last.end..(last.end + ahead).min(blocks))
@@ -711,6 +759,13 @@ impl Object {
             return Ok(());
         }
         if buf.len() as u64 <= BLOCK_BYTES {
+            if self.crowded() {
+                // Blocks fetched before the cache was crowded (the reader's) still serve.
+                if let Some(blocks) = self.cached(offset..end) {
+                    return self.copy_from(&blocks, offset, buf);
+                }
+                return self.read_ahead_of(offset, buf);
+            }
             let blocks = self.blocks(std::slice::from_ref(&(offset..end)))?;
             return self.copy_from(&blocks, offset, buf);
         }
@@ -725,6 +780,112 @@ impl Object {
         }
         buf.copy_from_slice(got);
         Ok(())
+    }
+
+    /// The cached blocks covering `range`, if every one is (marked used); nothing is fetched.
+    fn cached(&self, range: Range<u64>) -> Option<HashMap<u64, Bytes>> {
+        let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
+        let mut have = HashMap::new();
+        for b in range.start / BLOCK_BYTES..=(range.end.max(range.start + 1) - 1) / BLOCK_BYTES {
+            let block = c.blocks.get(&(self.id, b)).cloned()?;
+            c.touch((self.id, b));
+            have.insert(b, block);
+        }
+        Some(have)
+    }
+
+    /// A small read when the cache is crowded: through this object's windows, aligned pieces
+    /// of the object the size of its share of the cache ([`SHARED_BLOCKS`] blocks over the
+    /// objects being read, at least [`MIN_AHEAD`]; fixed at its first such read). A reader going
+    /// through the object in order fetches each window once, in one GET, and workers a unit
+    /// apart find the windows the other fetched; a read larger than a window fetches just its
+    /// bytes. The lock is held while fetching: workers reading the same object wait for one GET
+    /// rather than send two.
+    fn read_ahead_of(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        let mut w = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+        if w.size == 0 {
+            let c = cache().lock().unwrap_or_else(|p| p.into_inner());
+            w.size = (SHARED_BLOCKS * BLOCK_BYTES / self.readers(&c)).clamp(MIN_AHEAD, BLOCK_BYTES);
+        }
+        let size = w.size;
+        if buf.len() as u64 > size {
+            drop(w);
+            let got = self.get_ranges(std::slice::from_ref(&(offset..end)))?;
+            let got = got.first().map(|b| &b[..]).unwrap_or_default();
+            if got.len() != buf.len() {
+                return Err(
+                    Error::invalid("object ended early: did it change during the run?")
+                        .file(&self.at.path)
+                        .at(offset),
+                );
+            }
+            buf.copy_from_slice(got);
+            return Ok(());
+        }
+        let wanted: Vec<u64> = (offset / size..=(end - 1) / size).collect();
+        let missing: Vec<u64> = wanted
+            .iter()
+            .copied()
+            .filter(|k| !w.held.iter().any(|(h, _)| h == k))
+            .collect();
+        if let (Some(&first), Some(&last)) = (missing.first(), missing.last()) {
+            let span = first * size..((last + 1) * size).min(self.len);
+            let got = self.get_ranges(std::slice::from_ref(&span))?;
+            let got = got.into_iter().next().unwrap_or_default();
+            for k in first..=last {
+                let s = ((k - first) * size) as usize;
+                let e = (s + size as usize).min(got.len());
+                w.held.push_back((k, got.slice(s.min(e)..e)));
+            }
+            while w.held.len() > WINDOWS.max(wanted.len()) {
+                w.held.pop_front();
+            }
+        }
+        let mut done = 0;
+        for k in wanted {
+            let piece = w.held.iter().find(|(h, _)| *h == k).map(|(_, b)| b);
+            let s = (offset + done as u64 - k * size) as usize;
+            let n = piece
+                .map_or(0, |b| b.len().saturating_sub(s))
+                .min(buf.len() - done);
+            let Some(piece) = piece.filter(|_| n > 0) else {
+                return Err(
+                    Error::invalid("object ended early: did it change during the run?")
+                        .file(&self.at.path)
+                        .at(offset + done as u64),
+                );
+            };
+            buf[done..done + n].copy_from_slice(&piece[s..s + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Bytes of a ZIP archive's framing: through the block cache, or just them when the cache is
+    /// crowded (framing is read once, out of order, and read ahead would be wasted).
+    fn read_framing(&self, range: Range<u64>) -> Result<Vec<u8>> {
+        if !self.crowded() {
+            return self.read_vec(range);
+        }
+        let got = self.get_ranges(std::slice::from_ref(&range))?;
+        let got = got.into_iter().next().unwrap_or_default();
+        if got.len() as u64 != range.end - range.start {
+            return Err(
+                Error::invalid("object ended early: did it change during the run?")
+                    .file(&self.at.path)
+                    .at(range.start),
+            );
+        }
+        Ok(got.to_vec())
+    }
+
+    /// [`Object::prefetch`] of framing, unless the cache is crowded.
+    fn prefetch_framing(&self, ranges: &[Range<u64>]) -> Result<()> {
+        if self.crowded() {
+            return Ok(());
+        }
+        self.prefetch(ranges)
     }
 
     fn read_vec(&self, range: Range<u64>) -> Result<Vec<u8>> {
@@ -750,18 +911,24 @@ impl Object {
             .at(base));
         }
         let mut found: Vec<(u64, Vec<u8>)> = Vec::new();
+        if len <= BLOCK_BYTES && self.crowded() {
+            // A small archive among many objects: one GET of all of it beats rounds of small
+            // ones, and blocks would be evicted before its neighbours are read.
+            found.push((0, self.read_framing(base..base + len)?));
+            return image_of(len, found, &self.at.path);
+        }
         let tail_len = len.min(TAIL_BYTES);
-        let tail = self.read_vec(base + len - tail_len..base + len)?;
+        let tail = self.read_framing(base + len - tail_len..base + len)?;
         let end = find_end(&tail, len - tail_len, len);
         found.push((len - tail_len, tail));
         if let Some(end) = end {
             let mut zip64 = None;
             if end.needs_zip64 {
                 if let Some(loc) = end.eocd_at.checked_sub(20) {
-                    let l = self.read_vec(base + loc..base + loc + 20)?;
+                    let l = self.read_framing(base + loc..base + loc + 20)?;
                     let at = u64::from_le_bytes(l[8..16].try_into().unwrap_or_default());
                     if l[..4] == [0x50, 0x4b, 0x06, 0x07] && at + 56 <= loc {
-                        let r = self.read_vec(base + at..base + at + 56)?;
+                        let r = self.read_framing(base + at..base + at + 56)?;
                         let get = |o: usize| {
                             u64::from_le_bytes(r[o..o + 8].try_into().unwrap_or_default())
                         };
@@ -774,7 +941,7 @@ impl Object {
             let (entries, cd_size, cd_offset) =
                 zip64.unwrap_or((end.entries, end.cd_size, end.cd_offset));
             if cd_offset.checked_add(cd_size).is_some_and(|e| e <= len) && cd_size <= MAX_CD {
-                let cd = self.read_vec(base + cd_offset..base + cd_offset + cd_size)?;
+                let cd = self.read_framing(base + cd_offset..base + cd_offset + cd_size)?;
                 let centrals = parse_central(&cd, entries);
                 found.push((cd_offset, cd));
                 // Round 2: local headers, with room for torch's alignment padding.
@@ -783,7 +950,7 @@ impl Object {
                     .map(|c| c.local..(c.local + 30 + c.name_len + LOCAL_EXTRA).min(cd_offset))
                     .filter(|r| r.start < r.end)
                     .collect();
-                self.prefetch(
+                self.prefetch_framing(
                     &heads
                         .iter()
                         .map(|r| base + r.start..base + r.end)
@@ -791,7 +958,7 @@ impl Object {
                 )?;
                 let mut rest = Vec::new();
                 for (c, r) in centrals.iter().zip(&heads) {
-                    let head = self.read_vec(base + r.start..base + r.end)?;
+                    let head = self.read_framing(base + r.start..base + r.end)?;
                     if head.len() < 30 {
                         continue;
                     }
@@ -815,28 +982,33 @@ impl Object {
                     .filter(|r| r.end - r.start <= BLOCK_BYTES)
                     .map(|r| base + r.start..base + r.end)
                     .collect();
-                self.prefetch(&small)?;
+                self.prefetch_framing(&small)?;
                 for r in rest {
-                    found.push((r.start, self.read_vec(base + r.start..base + r.end)?));
+                    found.push((r.start, self.read_framing(base + r.start..base + r.end)?));
                 }
             }
         }
-        let mut image = memmap2::MmapOptions::new()
-            .len(usize::try_from(len).unwrap_or(usize::MAX))
-            .no_reserve_swap()
-            .map_anon()
-            .map_err(|e| Error::io(&self.at.path, e))?;
-        for (at, bytes) in found {
-            let at = at as usize;
-            if let Some(dst) = image.get_mut(at..at + bytes.len()) {
-                dst.copy_from_slice(&bytes);
-            }
-        }
-        image
-            .make_read_only()
-            .map(Some)
-            .map_err(|e| Error::io(&self.at.path, e))
+        image_of(len, found, &self.at.path)
     }
+}
+
+/// An image of `len` bytes holding `found` (offset, bytes) and zeros elsewhere.
+fn image_of(len: u64, found: Vec<(u64, Vec<u8>)>, path: &Path) -> Result<Option<Mmap>> {
+    let mut image = memmap2::MmapOptions::new()
+        .len(usize::try_from(len).unwrap_or(usize::MAX))
+        .no_reserve_swap()
+        .map_anon()
+        .map_err(|e| Error::io(path, e))?;
+    for (at, bytes) in found {
+        let at = at as usize;
+        if let Some(dst) = image.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(&bytes);
+        }
+    }
+    image
+        .make_read_only()
+        .map(Some)
+        .map_err(|e| Error::io(path, e))
 }
 
 /// Bytes read from the end of an archive to find its end records: the classic record and the

@@ -185,3 +185,28 @@ def test_transposed_items_opened_when_copied(s3, tmp_path):
     want = tmp_path / "want.safetensors"
     assert run(None, "consolidate", out, "-o", want).returncode == 0
     assert got.read_bytes() == want.read_bytes()
+
+
+def test_consolidate_from_many_ranks_reads_each_file_in_a_few_gets(s3, recorder, tmp_path):
+    """A consolidation from 24 ranks reads all 24 files in each work unit: more objects than the
+    cache has blocks to share. Small reads then fetch their bytes and the object's share of the
+    cache read ahead of them, rather than a 4 MiB block each that is evicted before the next
+    unit (the next tensor, a few KB further in every file) needs it."""
+    dcp = transformer_dcp(tmp_path, ranks=24)
+    want = tmp_path / "want.safetensors"
+    assert run(None, "consolidate", dcp, "-o", want).returncode == 0
+    upload_tree(s3.client(), dcp, BUCKET, "many")
+    sizes = {f"many/{f.name}": f.stat().st_size for f in dcp.iterdir()}
+    data = sum(v for k, v in sizes.items() if k.endswith(".distcp"))
+    items = sum(1 for _ in dcp.glob("*.distcp")) * 194
+
+    got = tmp_path / "got.safetensors"
+    proc = run(recorder, "consolidate", f"s3://{BUCKET}/many", "-o", got)
+    assert proc.returncode == 0, proc.stderr
+    assert got.read_bytes() == want.read_bytes()
+    gets, total = fetched(recorder, "many", sizes)
+    # Measured: 73 GETs, 1.08x the bytes (the first item of each file is read twice: while
+    # reading, and in its window). Before this change, 68 GETs of 4 MiB blocks, 2.8x the bytes;
+    # on 24 ranks of a 482 MB model, 35 s against 3.5 s now (a boto3 download: 1.9 s).
+    assert total <= 1.25 * data, f"{total} bytes fetched for {data} bytes of rank files"
+    assert gets <= items // 10, f"{gets} GETs for {items} items"
