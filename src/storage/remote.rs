@@ -145,9 +145,7 @@ impl Remote {
             Some(s) => s.clone(),
             None => {
                 let s = Arc::new(build(scheme, bucket).map_err(|e| {
-                    Error::usage(format!("cannot use `{name}`: {e}")).hint(
-                        "set AWS_REGION, AWS_ENDPOINT_URL (and AWS_ALLOW_HTTP=true for http://) and credentials as for the AWS CLI",
-                    )
+                    Error::usage(format!("cannot use `{name}`: {e}")).hint(vars(scheme).setup)
                 })?);
                 stores.insert(name, s.clone());
                 s
@@ -263,11 +261,59 @@ impl Remote {
 /// An object as the block cache knows it: location, length and ETag.
 type ObjectVersion = (PathBuf, u64, Option<String>);
 
+/// What the hints tell to check, in the environment variables object_store reads for a scheme.
+struct Vars {
+    /// How to configure the store at all.
+    setup: &'static str,
+    credentials: &'static str,
+    endpoint: &'static str,
+}
+
+fn vars(scheme: &str) -> Vars {
+    match scheme {
+        "az" => Vars {
+            setup: "set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_KEY); \
+                    AZURE_ENDPOINT for another endpoint, or AZURE_STORAGE_USE_EMULATOR=true and \
+                    AZURITE_BLOB_STORAGE_URL for Azurite",
+            credentials: "check AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or \
+                          AZURE_STORAGE_SAS_KEY, or AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID)",
+            endpoint: "check AZURE_STORAGE_ACCOUNT_NAME and AZURE_ENDPOINT (AZURITE_BLOB_STORAGE_URL \
+                       for Azurite) and that the store is reachable",
+        },
+        "gs" => Vars {
+            setup: "set GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or \
+                    GOOGLE_APPLICATION_CREDENTIALS",
+            credentials: "check GOOGLE_SERVICE_ACCOUNT, GOOGLE_SERVICE_ACCOUNT_KEY or \
+                          GOOGLE_APPLICATION_CREDENTIALS",
+            endpoint: "check GOOGLE_BASE_URL (if set) and that the store is reachable",
+        },
+        _ => Vars {
+            setup: "set AWS_REGION, AWS_ENDPOINT_URL (and AWS_ALLOW_HTTP=true for http://) and \
+                    credentials as for the AWS CLI",
+            credentials: "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or \
+                          the profile's credentials)",
+            endpoint: "check AWS_ENDPOINT_URL and that the store is reachable",
+        },
+    }
+}
+
 /// The error for a failed request: the object, and what the store said (status and code).
 pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     let not_found = matches!(e, object_store::Error::NotFound { .. });
-    let text = condense_xml(&e.to_string());
+    // Azure's error text goes on over lines (`RequestId:...`, `Time:...`): one line, as S3's.
+    let text = condense_xml(&e.to_string())
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let url = path.to_string_lossy();
+    let vars = vars(url.split_once("://").map_or("s3", |(scheme, _)| scheme));
     let err = Error::new(ErrorKind::Io, format!("object store: {text}")).file(path);
+    // Azure answers 404 for a missing container: before "nothing is stored there".
+    if text.contains("ContainerNotFound") {
+        return err.hint("the container does not exist: create it, or check the URL");
+    }
     if not_found {
         return err.hint("check the bucket and key: nothing is stored there");
     }
@@ -290,12 +336,10 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     .iter()
     .any(|s| text.contains(s))
     {
-        return err.hint(
-            "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (or the profile's credentials)",
-        );
+        return err.hint(vars.credentials);
     }
     if text.contains("onnect") || text.contains("error sending request") {
-        return err.hint("check AWS_ENDPOINT_URL and that the store is reachable");
+        return err.hint(vars.endpoint);
     }
     err
 }
@@ -1168,6 +1212,23 @@ mod tests {
             ),
         );
         assert!(e.hint.unwrap_or_default().contains("AWS_ENDPOINT_URL"));
+    }
+
+    #[test]
+    fn hints_name_the_variables_of_the_url_scheme() {
+        let forbidden = || generic("Server returned non-2xx status code: 403 Forbidden: ");
+        let refused =
+            || generic("Error performing HEAD http://127.0.0.1:1/b/x - error sending request");
+        for (url, vars) in [
+            ("s3://b/x", "AWS_"),
+            ("az://b/x", "AZURE_STORAGE_ACCOUNT_"),
+            ("gs://b/x", "GOOGLE_"),
+        ] {
+            for e in [forbidden(), refused()] {
+                let hint = store_error(Path::new(url), e).hint.unwrap_or_default();
+                assert!(hint.contains(vars), "{url}: {hint}");
+            }
+        }
     }
 
     #[test]
