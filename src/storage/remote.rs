@@ -430,6 +430,8 @@ struct Cache {
     /// The objects of the last [`RECENT`] fetches: how many objects are being read at once,
     /// which the cache is shared by.
     recent: VecDeque<u64>,
+    /// How many of `recent` each object is.
+    readers: HashMap<u64, usize>,
 }
 
 /// Marks blocks of an object as being fetched while alive; on drop (fetched, or the fetch failed)
@@ -451,6 +453,22 @@ impl Drop for Fetching<'_> {
 }
 
 impl Cache {
+    /// Remember a fetch from object `id` among the last [`RECENT`].
+    fn fetched_from(&mut self, id: u64) {
+        if self.recent.len() >= RECENT {
+            if let Some(old) = self.recent.pop_front() {
+                if let Some(n) = self.readers.get_mut(&old) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.readers.remove(&old);
+                    }
+                }
+            }
+        }
+        self.recent.push_back(id);
+        *self.readers.entry(id).or_default() += 1;
+    }
+
     /// Mark block `k` as just used: blocks are dropped least recently used first, so the blocks
     /// of a tensor whose units are still being gathered stay while older ones go.
     fn touch(&mut self, k: (u64, u64)) {
@@ -550,10 +568,7 @@ impl Object {
         const PIECE: u64 = 16 << 20;
         if !ranges.is_empty() {
             let mut c = cache().lock().unwrap_or_else(|p| p.into_inner());
-            if c.recent.len() >= RECENT {
-                c.recent.pop_front();
-            }
-            c.recent.push_back(self.id);
+            c.fetched_from(self.id);
         }
         let mut pieces = Vec::new();
         for (i, r) in ranges.iter().enumerate() {
@@ -706,10 +721,8 @@ impl Object {
     /// How many objects are being read at once (of the last [`RECENT`] fetches), this one
     /// included.
     fn readers(&self, c: &Cache) -> u64 {
-        let mut readers: Vec<u64> = c.recent.iter().copied().chain([self.id]).collect();
-        readers.sort_unstable();
-        readers.dedup();
-        readers.len() as u64
+        let others = c.readers.len() - usize::from(c.readers.contains_key(&self.id));
+        others as u64 + 1
     }
 
     /// True when more objects are being read at once than the cache has blocks to share
