@@ -895,8 +895,12 @@ impl Object {
                 let e = (s + size as usize).min(got.len());
                 w.held.push_back((k, got.slice(s.min(e)..e)));
             }
+            // The oldest go first, never one this read is about to copy from.
             while w.held.len() > WINDOWS.max(wanted.len()) {
-                w.held.pop_front();
+                match w.held.iter().position(|(k, _)| !wanted.contains(k)) {
+                    Some(i) => w.held.remove(i),
+                    None => break,
+                };
             }
         }
         let mut done = 0;
@@ -1177,6 +1181,56 @@ fn parse_central(cd: &[u8], entries: u64) -> Vec<Central> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An object of `len` bytes (byte `i` is `i * 7 % 251`) in an in-memory store.
+    fn in_memory(len: usize) -> (Object, Vec<u8>) {
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let mem = Arc::new(object_store::memory::InMemory::new());
+        let key = Key::from("ckpt/__0_0.distcp");
+        block_on(mem.put(&key, bytes.clone().into()))
+            .unwrap()
+            .unwrap();
+        let store = Arc::new(Store {
+            name: "s3://mem".into(),
+            objects: mem.clone(),
+            multipart: mem,
+        });
+        let path = PathBuf::from("s3://mem/ckpt/__0_0.distcp");
+        (Remote { store, key, path }.open().unwrap(), bytes)
+    }
+
+    #[test]
+    fn windows_serve_reads_that_straddle_them_whatever_was_fetched_between() {
+        let (o, bytes) = in_memory(1 << 20);
+        o.ahead.lock().unwrap().size = 64 << 10;
+        let read = |at: usize, n: usize| {
+            let mut buf = vec![0u8; n];
+            o.read_ahead_of(at as u64, &mut buf).unwrap();
+            assert_eq!(buf, bytes[at..at + n], "{n} bytes at {at}");
+        };
+        let windows = |o: &Object| -> Vec<u64> {
+            o.ahead
+                .lock()
+                .unwrap()
+                .held
+                .iter()
+                .map(|(k, _)| *k)
+                .collect()
+        };
+        read((2 << 16) + 10, 100);
+        // Another worker, further on.
+        read((7 << 16) + 10, 100);
+        assert_eq!(windows(&o), [2, 7]);
+        // Straddles windows 2 and 3: 7 leaves, not 2, the older but needed.
+        read((3 << 16) - 50, 100);
+        assert_eq!(windows(&o), [2, 3]);
+        // Larger than a window: fetched just so, the windows kept.
+        read(5 << 16, 100 << 10);
+        assert_eq!(windows(&o), [2, 3]);
+        // The object's last, short window.
+        read((1 << 20) - 30, 30);
+        assert_eq!(windows(&o), [3, 15]);
+    }
 
     fn generic(text: &str) -> object_store::Error {
         object_store::Error::Generic {
