@@ -1377,8 +1377,8 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
             src.read_at(item_offset, &mut item)?;
             let decoded = match fill.encoding {
                 Encoding::Deflate { .. } => crate::formats::zip::inflate_prefix(&item, needed),
-                Encoding::Saved { numel, .. } => {
-                    crate::formats::dcp::saved_elements(&item, fill.dtype, &fill.strides, numel)
+                Encoding::Saved { numel, shape, .. } => {
+                    crate::formats::dcp::saved_elements(&item, fill.dtype, numel, shape)
                 }
                 _ => crate::formats::dcp::decompress_prefix(&item, needed),
             }

@@ -155,14 +155,17 @@ pub enum Encoding {
     /// stream (a deflated torch.save record); `DataRef::offset` is relative to the inflated record.
     Deflate { item_offset: u64, item_length: u64 },
     /// The DCP item at `item_offset..item_offset+item_length` of the file is a torch.save archive
-    /// of the piece's `numel` elements, not opened yet: `DataRef::offset` is relative to the
-    /// piece's elements in row-major order, which the executor finds (and checks against the
-    /// piece) when it reads the item. Small items in object storage are left this way, so that
-    /// their bytes are fetched once, when copied, rather than their framing first.
+    /// of a chunk, not opened yet: `DataRef::offset` is relative to the chunk's elements in
+    /// row-major order, which the executor finds (and checks against the chunk the metadata
+    /// declares: `numel` elements of a shape whose [`shape_key`] is `shape`) when it reads the
+    /// item. Small items in object storage are left this way, so that their bytes are fetched
+    /// once, when copied, rather than their framing first. A piece may be a part of the chunk
+    /// (an FSDP1 LOCAL parameter cut from a flat parameter), with strides of its own.
     Saved {
         item_offset: u64,
         item_length: u64,
         numel: u64,
+        shape: u64,
     },
 }
 
@@ -447,6 +450,12 @@ pub fn is_contiguous(sizes: &[u64], strides: &[u64]) -> bool {
 }
 
 /// Row-major contiguous strides, in elements.
+/// A shape as [`Encoding::Saved`] keeps it: a hash (an encoding is a few words, copied by value).
+pub fn shape_key(shape: &[u64]) -> u64 {
+    let bytes: Vec<u8> = shape.iter().flat_map(|d| d.to_le_bytes()).collect();
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
 pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
     let mut strides = vec![1u64; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {

@@ -210,3 +210,23 @@ def test_consolidate_from_many_ranks_reads_each_file_in_a_few_gets(s3, recorder,
     # on 24 ranks of a 482 MB model, 35 s against 3.5 s now (a boto3 download: 1.9 s).
     assert total <= 1.25 * data, f"{total} bytes fetched for {data} bytes of rank files"
     assert gets <= items // 10, f"{gets} GETs for {items} items"
+
+
+@pytest.mark.parametrize(
+    ("name", "reference"),
+    [("fsdp_local", "params.json"), ("fsdp_local_orig", "model.pt"), ("fsdp_local_tied", "tied.pt")],
+)
+def test_fsdp1_local_from_s3_is_cut_from_items_opened_when_copied(s3, tmp_path, name, reference):
+    """FSDP1 LOCAL flat parameters in S3, resolved with a local `--shapes-from`: each parameter
+    is a range of a flat piece whose item is opened only when copied, and the copy equals the
+    run from disk, byte for byte."""
+    fixtures = Path(__file__).parents[2] / "fixtures"
+    upload_tree(s3.client(), fixtures / name, BUCKET, f"local/{name}")
+    ref = fixtures / "fsdp_local_ref" / reference
+    want = tmp_path / "want.safetensors"
+    local = run(None, "consolidate", fixtures / name, "-o", want, "--shapes-from", ref)
+    assert local.returncode == 0, local.stderr
+    got = tmp_path / "got.safetensors"
+    proc = run(s3, "consolidate", f"s3://{BUCKET}/local/{name}", "-o", got, "--shapes-from", ref)
+    assert proc.returncode == 0, proc.stderr
+    assert got.read_bytes() == want.read_bytes()

@@ -603,6 +603,7 @@ impl<'a> Files<'a> {
             item_offset: item.offset,
             item_length: item.length,
             numel,
+            shape: crate::model::shape_key(sizes),
         };
         Some((*item, 0, crate::model::contiguous_strides(sizes), encoding))
     }
@@ -791,15 +792,24 @@ fn saved_chunk<'a>(
     Ok((saved, entry))
 }
 
-/// The elements of a piece left unopened ([`Encoding::Saved`]), in row-major order, from the
+/// The elements of a chunk left unopened ([`Encoding::Saved`]), in row-major order, from the
 /// whole bytes of its item: the item is read and checked as [`read`] checks an item it opens,
-/// against the piece as the plan holds it (`dtype`, its row-major `strides` and `numel`, which
-/// together fix its shape).
-pub fn saved_elements(item: &[u8], dtype: DType, strides: &[u64], numel: u64) -> Result<Vec<u8>> {
-    let sizes = sizes_of(strides, numel)
-        .ok_or_else(|| Error::bug("an unopened piece whose strides are not row-major"))?;
+/// against the chunk the metadata declares (`dtype`, `numel` elements of a shape whose
+/// [`crate::model::shape_key`] is `shape`).
+pub fn saved_elements(item: &[u8], dtype: DType, numel: u64, shape: u64) -> Result<Vec<u8>> {
     let archive = torch_save::read_cached(item)?;
+    let sizes = match archive.leaves.as_slice() {
+        [(key, Leaf::Tensor(t))] if key.is_empty() => t.shape.clone(),
+        _ => return Err(Error::invalid("item is not a single saved tensor")),
+    };
+    if crate::model::shape_key(&sizes) != shape || crate::model::numel(&sizes) != Some(numel) {
+        return Err(Error::invalid(format!(
+            "item holds {} {sizes:?} but the metadata says a chunk of another shape ({numel} elements)",
+            dtype
+        )));
+    }
     let (saved, entry) = saved_chunk(&archive, dtype, &sizes)?;
+    let strides = crate::model::contiguous_strides(&sizes);
     let elem = dtype.size() as u64;
     let base = entry.data_offset + saved.storage_offset * elem;
     let element = |i: u64| -> Option<&[u8]> {
@@ -807,8 +817,11 @@ pub fn saved_elements(item: &[u8], dtype: DType, strides: &[u64], numel: u64) ->
         item.get(at..at.checked_add(elem as usize)?)
     };
     let outside = || Error::invalid("the item's tensor lies outside its storage record");
+    let len = numel
+        .checked_mul(elem)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(outside)?;
     if saved.strides == strides {
-        let len = usize::try_from(numel * elem).map_err(|_| outside())?;
         let start = usize::try_from(base).map_err(|_| outside())?;
         return item
             .get(start..start.checked_add(len).ok_or_else(outside)?)
@@ -817,7 +830,7 @@ pub fn saved_elements(item: &[u8], dtype: DType, strides: &[u64], numel: u64) ->
     }
     // A view saved with its own strides (a transposed weight): gathered element by element,
     // which for an item of at most a block is quick.
-    let mut out = Vec::with_capacity(usize::try_from(numel * elem).map_err(|_| outside())?);
+    let mut out = Vec::with_capacity(len);
     let mut idx = vec![0u64; saved.shape.len()];
     for _ in 0..numel {
         let at: u64 = idx.iter().zip(&saved.strides).map(|(i, s)| i * s).sum();
@@ -831,18 +844,6 @@ pub fn saved_elements(item: &[u8], dtype: DType, strides: &[u64], numel: u64) ->
         }
     }
     Ok(out)
-}
-
-/// The shape whose row-major strides are `strides` and which has `numel` (not 0) elements.
-fn sizes_of(strides: &[u64], numel: u64) -> Option<Vec<u64>> {
-    let mut sizes = Vec::with_capacity(strides.len());
-    for d in 0..strides.len() {
-        let outer = if d == 0 { numel } else { strides[d - 1] };
-        sizes.push(outer.checked_div(strides[d])?);
-    }
-    (crate::model::contiguous_strides(&sizes) == strides
-        && crate::model::numel(&sizes) == Some(numel))
-    .then_some(sizes)
 }
 
 /// The first `len` bytes of a zstd item (fewer if it is shorter).
