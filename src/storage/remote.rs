@@ -771,6 +771,26 @@ impl Object {
         });
     }
 
+    /// The error for bytes an object should have at `at` and does not.
+    fn ended_early(&self, at: u64) -> Error {
+        Error::invalid("object ended early: did it change during the run?")
+            .file(&self.at.path)
+            .at(at)
+    }
+
+    /// Fill `buf` from `offset` with ranged GETs of exactly those bytes.
+    fn get_exact(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let range = offset..offset + buf.len() as u64;
+        let got = self.get_ranges(std::slice::from_ref(&range))?;
+        match got.first() {
+            Some(b) if b.len() == buf.len() => {
+                buf.copy_from_slice(b);
+                Ok(())
+            }
+            _ => Err(self.ended_early(offset)),
+        }
+    }
+
     /// Copy the bytes at `offset` out of `blocks` (from [`Object::blocks`]) into `buf`.
     fn copy_from(&self, blocks: &HashMap<u64, Bytes>, offset: u64, buf: &mut [u8]) -> Result<()> {
         let mut at = offset;
@@ -783,11 +803,7 @@ impl Object {
                 .map_or(0, |block| block.len().saturating_sub(s))
                 .min(buf.len() - done);
             if n == 0 {
-                return Err(
-                    Error::invalid("object ended early: did it change during the run?")
-                        .file(&self.at.path)
-                        .at(at),
-                );
+                return Err(self.ended_early(at));
             }
             buf[done..done + n].copy_from_slice(&blocks[&b][s..s + n]);
             done += n;
@@ -826,17 +842,7 @@ impl Object {
             let blocks = self.blocks(std::slice::from_ref(&(offset..end)))?;
             return self.copy_from(&blocks, offset, buf);
         }
-        let got = self.get_ranges(std::slice::from_ref(&(offset..end)))?;
-        let got = got.first().map(|b| &b[..]).unwrap_or_default();
-        if got.len() != buf.len() {
-            return Err(
-                Error::invalid("object ended early: did it change during the run?")
-                    .file(&self.at.path)
-                    .at(offset),
-            );
-        }
-        buf.copy_from_slice(got);
-        Ok(())
+        self.get_exact(offset, buf)
     }
 
     /// The cached blocks covering `range`, if every one is (marked used); nothing is fetched.
@@ -868,17 +874,7 @@ impl Object {
         let size = w.size;
         if buf.len() as u64 > size {
             drop(w);
-            let got = self.get_ranges(std::slice::from_ref(&(offset..end)))?;
-            let got = got.first().map(|b| &b[..]).unwrap_or_default();
-            if got.len() != buf.len() {
-                return Err(
-                    Error::invalid("object ended early: did it change during the run?")
-                        .file(&self.at.path)
-                        .at(offset),
-                );
-            }
-            buf.copy_from_slice(got);
-            return Ok(());
+            return self.get_exact(offset, buf);
         }
         let wanted: Vec<u64> = (offset / size..=(end - 1) / size).collect();
         let missing: Vec<u64> = wanted
@@ -911,11 +907,7 @@ impl Object {
                 .map_or(0, |b| b.len().saturating_sub(s))
                 .min(buf.len() - done);
             let Some(piece) = piece.filter(|_| n > 0) else {
-                return Err(
-                    Error::invalid("object ended early: did it change during the run?")
-                        .file(&self.at.path)
-                        .at(offset + done as u64),
-                );
+                return Err(self.ended_early(offset + done as u64));
             };
             buf[done..done + n].copy_from_slice(&piece[s..s + n]);
             done += n;
@@ -926,19 +918,13 @@ impl Object {
     /// Bytes of a ZIP archive's framing: through the block cache, or just them when the cache is
     /// crowded (framing is read once, out of order, and read ahead would be wasted).
     fn read_framing(&self, range: Range<u64>) -> Result<Vec<u8>> {
-        if !self.crowded() {
-            return self.read_vec(range);
+        let mut v = vec![0u8; (range.end - range.start) as usize];
+        if self.crowded() {
+            self.get_exact(range.start, &mut v)?;
+        } else {
+            self.read_at(range.start, &mut v)?;
         }
-        let got = self.get_ranges(std::slice::from_ref(&range))?;
-        let got = got.into_iter().next().unwrap_or_default();
-        if got.len() as u64 != range.end - range.start {
-            return Err(
-                Error::invalid("object ended early: did it change during the run?")
-                    .file(&self.at.path)
-                    .at(range.start),
-            );
-        }
-        Ok(got.to_vec())
+        Ok(v)
     }
 
     /// [`Object::prefetch`] of framing, unless the cache is crowded.
@@ -947,12 +933,6 @@ impl Object {
             return Ok(());
         }
         self.prefetch(ranges)
-    }
-
-    fn read_vec(&self, range: Range<u64>) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; (range.end - range.start) as usize];
-        self.read_at(range.start, &mut v)?;
-        Ok(v)
     }
 
     /// An image of the ZIP archive of `len` bytes at `base`: its end records, central
