@@ -465,6 +465,21 @@ impl<'a> Files<'a> {
         }
     }
 
+    /// An error found inside an item's archive, placed in the file: offsets inside a plain item
+    /// are file offsets once shifted; inside a compressed one they mean nothing on disk, so the
+    /// item's own offset is the useful position.
+    fn placed(&self, e: Error, item: &Item, zstd: bool) -> Error {
+        let e = e.file(self.path(item));
+        if zstd {
+            Error {
+                offset: Some(item.offset),
+                ..e
+            }
+        } else {
+            e.within(item.offset)
+        }
+    }
+
     /// True when the item is zstd-compressed; an error for transforms ckpt does not know.
     fn is_zstd(&self, item: &Item) -> Result<bool> {
         let transforms = self
@@ -633,19 +648,8 @@ impl<'a> Files<'a> {
         } else {
             bytes
         };
-        // Offsets inside a plain item are file offsets once shifted; inside a compressed one they
-        // mean nothing on disk, so the item's own offset is the useful position.
-        let archive = torch_save::read_cached(archive_bytes).map_err(|e| {
-            let e = e.file(path());
-            if zstd {
-                Error {
-                    offset: Some(item.offset),
-                    ..e
-                }
-            } else {
-                e.within(item.offset)
-            }
-        })?;
+        let archive =
+            torch_save::read_cached(archive_bytes).map_err(|e| self.placed(e, item, zstd))?;
         let (saved, entry) =
             saved_chunk(&archive, dtype, sizes).map_err(|e| e.file(path()).at(item.offset))?;
         let within = entry.data_offset + saved.storage_offset * dtype.size() as u64;
@@ -697,17 +701,7 @@ impl<'a> Files<'a> {
         // The item must be an archive torch.load can open: a broken frame fails the load whatever
         // the value is (a legacy pickle, first byte PROTO, has no frame to check).
         if bytes.first() != Some(&0x80) {
-            crate::formats::zip::read_entries(bytes).map_err(|e| {
-                let e = e.file(self.path(item));
-                if zstd {
-                    Error {
-                        offset: Some(item.offset),
-                        ..e
-                    }
-                } else {
-                    e.within(item.offset)
-                }
-            })?;
+            crate::formats::zip::read_entries(bytes).map_err(|e| self.placed(e, item, zstd))?;
         }
         // A value that is not plain data (a custom object) is still carried byte for byte.
         let value = torch_save::read(bytes)
