@@ -9,12 +9,14 @@ use std::time::Instant;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
-use crate::detect::Input;
+use crate::detect::Source;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, IoMode};
 use crate::geometry::Placement;
 use crate::inspect::human_bytes;
+use crate::layout::ReadOptions;
+use crate::model::Checkpoint;
 use crate::output::{OutputKind, Staging};
 use crate::part::PartSpec;
 use crate::part_output::{Finished, PartOutput};
@@ -235,12 +237,12 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
-    let _shapes = crate::formats::fsdp_local::ShapesFrom::install(cli.shapes_from);
+    let shapes_from = cli.shapes_from.as_deref();
     match cli.command {
-        Command::Inspect(args) => inspect(args),
-        Command::Verify(args) => verify(args),
-        Command::Consolidate(args) => consolidate(args, &cancel),
-        Command::Reshard(args) => reshard(args, &cancel),
+        Command::Inspect(args) => inspect(args, shapes_from),
+        Command::Verify(args) => verify(args, shapes_from),
+        Command::Consolidate(args) => consolidate(args, shapes_from, &cancel),
+        Command::Reshard(args) => reshard(args, shapes_from, &cancel),
         Command::GenerateShellCompletion(args) => completion(args),
     }
 }
@@ -256,8 +258,12 @@ fn completion(args: CompletionArgs) -> Result<i32> {
 }
 
 /// `ckpt inspect`: the report as a table or as JSON.
-fn inspect(args: InspectArgs) -> Result<i32> {
-    let ckpt = Input::new(args.path)?.read()?;
+fn inspect(args: InspectArgs, shapes_from: Option<&Path>) -> Result<i32> {
+    let ckpt = read(
+        &Source::new(args.path)?,
+        &ReadOptions::default(),
+        shapes_from,
+    )?;
     let sel = Selection::new(&args.filters, &[], &[])?;
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {
@@ -273,7 +279,7 @@ fn inspect(args: InspectArgs) -> Result<i32> {
 
 /// `ckpt verify`: the checkpoint's problems, then (if it is sound) the comparisons and manifests
 /// that need its data. Exit 1 when anything was found.
-fn verify(args: VerifyArgs) -> Result<i32> {
+fn verify(args: VerifyArgs, shapes_from: Option<&Path>) -> Result<i32> {
     let VerifyArgs {
         path,
         json,
@@ -287,14 +293,15 @@ fn verify(args: VerifyArgs) -> Result<i32> {
         deep,
         threads: run.threads,
         io: run.io.into(),
+        shapes_from,
     };
-    let input = Input::new(path)?;
+    let input = Source::new(path)?;
     let mut report = verify::verify_input(&input, &opts)?;
     let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
     if needs_data && report.is_sound() {
-        let ckpt = input.read()?;
+        let ckpt = read(&input, &ReadOptions::default(), shapes_from)?;
         if let Some(other) = &against {
-            let b = crate::detect::read(other)?;
+            let b = read(&Source::one(other), &ReadOptions::default(), shapes_from)?;
             report
                 .problems
                 .extend(verify::compare(&ckpt, &b, &opts, 20)?);
@@ -362,7 +369,11 @@ fn verify(args: VerifyArgs) -> Result<i32> {
 
 /// `ckpt consolidate`: the FULL target follows from `--format`, `--max-shard-size` and the
 /// output's name.
-fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
+fn consolidate(
+    args: ConsolidateArgs,
+    shapes_from: Option<&Path>,
+    cancel: &AtomicBool,
+) -> Result<i32> {
     let name = args
         .output
         .file_name()
@@ -400,9 +411,10 @@ fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
             OutputKind::Dir,
         ),
     };
-    let input = Input::new(args.path)?;
+    let input = Source::new(args.path)?;
     let job = Conversion {
         input: &input,
+        shapes_from,
         output: &args.output,
         kind,
         select: &args.select,
@@ -414,7 +426,7 @@ fn consolidate(args: ConsolidateArgs, cancel: &AtomicBool) -> Result<i32> {
 }
 
 /// `ckpt reshard`: a SHARDED target over a mesh, some tensors possibly replicated whole.
-fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
+fn reshard(args: ReshardArgs, shapes_from: Option<&Path>, cancel: &AtomicBool) -> Result<i32> {
     let (shape, placements) = match (args.world_size, &args.mesh) {
         (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
         (None, Some(m)) => (
@@ -456,9 +468,10 @@ fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
             ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
         }
     };
-    let input = Input::new(args.path)?;
+    let input = Source::new(args.path)?;
     let job = Conversion {
         input: &input,
+        shapes_from,
         output: &args.output,
         kind: OutputKind::Dir,
         select: &args.select,
@@ -467,6 +480,11 @@ fn reshard(args: ReshardArgs, cancel: &AtomicBool) -> Result<i32> {
         cancel,
     };
     convert(&job, target_of)
+}
+
+/// Read a checkpoint, an FSDP1 LOCAL one resolved with `--shapes-from`.
+fn read(source: &Source, opts: &ReadOptions, shapes_from: Option<&Path>) -> Result<Checkpoint> {
+    crate::fsdp_local::apply(source.read(opts)?, shapes_from)
 }
 
 /// Write a small file (a manifest) under a temporary name, then rename it into place.
@@ -505,7 +523,9 @@ impl From<Io> for IoMode {
 /// One conversion as the command line asked for it; the target comes separately because a
 /// reshard's depends on the names left after selection.
 struct Conversion<'a> {
-    input: &'a Input,
+    input: &'a Source,
+    /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
+    shapes_from: Option<&'a Path>,
     output: &'a Path,
     kind: OutputKind,
     select: &'a SelectArgs,
@@ -530,10 +550,11 @@ fn convert(
     } = *job;
     let started = Instant::now();
     // Every item read is copied: small ones in object storage are opened when copied.
-    let ckpt = {
-        let _unopened = crate::formats::dcp::OpenItemsWhenCopied::install();
-        input.read()?
+    let opts = ReadOptions {
+        open_items_when_copied: true,
+        ..ReadOptions::default()
     };
+    let ckpt = read(input, &opts, job.shapes_from)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -564,7 +585,7 @@ fn convert(
             select.exclude,
             select.strip_prefix,
             part.count,
-            crate::formats::fsdp_local::fingerprint(),
+            crate::fsdp_local::fingerprint(job.shapes_from)?,
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }

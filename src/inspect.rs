@@ -177,23 +177,19 @@ pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'
         .filter(|v| keep(&v.name))
         .map(|v| ValueReport {
             name: v.name.clone(),
-            value: v.value.as_ref().map(to_json),
+            value: v.value.as_ref().map(Value::to_json),
             bytes: v.raw.as_ref().map(|b| b.length),
         })
         .collect();
-    let flat = crate::formats::fsdp_local::flat_params(ckpt);
+    let flat = ckpt.flat_params();
     let fsdp_local = (!flat.is_empty()).then(|| LocalReport {
         flat_params: flat.iter().map(|t| t.name.as_str()).collect(),
         names_and_shapes: false,
-        hint: crate::formats::fsdp_local::SHAPES_HINT,
+        hint: crate::model::SHAPES_HINT,
     });
     Report {
         format: ckpt.format.name(),
-        state_dict_type: if fsdp_local.is_some() {
-            "LOCAL_STATE_DICT"
-        } else {
-            ckpt.format.state_dict_type().name()
-        },
+        state_dict_type: ckpt.state_dict_type().name(),
         world_size: ckpt.world_size,
         mesh: inferred_mesh(ckpt),
         tensor_count: tensors.len(),
@@ -244,59 +240,6 @@ fn inferred_mesh(ckpt: &Checkpoint) -> Option<Vec<usize>> {
             )
         })
         .map(|(cut, _)| cut)
-}
-
-/// Plain data as JSON; anything else (a recorded call) as a short description.
-pub fn to_json(v: &Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::None => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Int(i) => J::from(*i),
-        // Beyond what a JSON number reliably holds; kept out rather than rounded.
-        Value::BigInt(_) => J::Null,
-        Value::SurrogateStr(b) => J::String(String::from_utf8_lossy(b).into_owned()),
-        Value::Float(f) => {
-            serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
-        }
-        Value::Str(s) => J::String(s.clone()),
-        Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
-        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
-            J::Array(items.iter().map(to_json).collect())
-        }
-        Value::Dict(items) => J::Object(
-            items
-                .iter()
-                .map(|(k, v)| (key_string(k), to_json(v)))
-                .collect(),
-        ),
-        Value::Global(g) => J::String(format!("{}.{}", g.module, g.name)),
-        Value::Object(object)
-            if !object.dict_items.is_empty() || is_ordered_dict(&object.callable) =>
-        {
-            J::Object(
-                object
-                    .dict_items
-                    .iter()
-                    .map(|(k, v)| (key_string(k), to_json(v)))
-                    .collect(),
-            )
-        }
-        Value::Object(object) => J::String(format!("<object {}>", key_string(&object.callable))),
-        Value::PersistentId(_) => J::String("<persistent id>".into()),
-    }
-}
-
-fn is_ordered_dict(v: &Value) -> bool {
-    v.as_global() == Some(("collections", "OrderedDict"))
-}
-
-fn key_string(k: &Value) -> String {
-    match k {
-        Value::Str(s) => s.clone(),
-        Value::Global(g) => format!("{}.{}", g.module, g.name),
-        other => to_json(other).to_string(),
-    }
 }
 
 /// Human-readable bytes: `1.50 GiB`.

@@ -69,6 +69,9 @@ impl Format {
 pub enum StateDictType {
     Full,
     Sharded,
+    /// FSDP1's `LOCAL_STATE_DICT`: each rank's slice of every unit's flat parameter, with neither
+    /// names nor shapes.
+    Local,
 }
 
 impl StateDictType {
@@ -76,6 +79,7 @@ impl StateDictType {
         match self {
             StateDictType::Full => "FULL_STATE_DICT",
             StateDictType::Sharded => "SHARDED_STATE_DICT",
+            StateDictType::Local => "LOCAL_STATE_DICT",
         }
     }
 }
@@ -378,6 +382,15 @@ impl KeyPart {
             KeyPart::Index(i) | KeyPart::IntKey(i) => i.to_string(),
         }
     }
+
+    /// DCP's flattening of a nested key: its steps joined with dots
+    /// (`optim.param_groups.0.lr`).
+    pub fn flat_name(path: &[KeyPart]) -> String {
+        path.iter()
+            .map(KeyPart::as_name)
+            .collect::<Vec<_>>()
+            .join(".")
+    }
 }
 
 /// A non-tensor entry (`BytesStorageMetadata` in DCP, plain data in torch.save).
@@ -464,6 +477,19 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
     strides
 }
 
+/// The name FSDP1 gives a unit's flattened parameters, after the unit's prefix: an FSDP1
+/// `LOCAL_STATE_DICT` checkpoint holds these instead of the model's parameters (see
+/// `crate::fsdp_local`).
+pub const FLAT_PARAM: &str = "_flat_param";
+
+/// True for `_flat_param` and `prefix._flat_param`.
+pub fn is_flat_param(name: &str) -> bool {
+    name == FLAT_PARAM || name.ends_with("._flat_param")
+}
+
+/// The hint every message about an FSDP1 LOCAL checkpoint's missing names and shapes ends with.
+pub const SHAPES_HINT: &str = "pass --shapes-from REF: a FULL torch.save of model.state_dict(), a JSON list [[name, shape], ...] in model.named_parameters() order, or a SHARDED checkpoint of the same model";
+
 impl Checkpoint {
     /// Absolute path of a file named by a [`DataRef`] or [`Blob`].
     pub fn path_of(&self, file: &Path) -> PathBuf {
@@ -473,8 +499,51 @@ impl Checkpoint {
     /// Refuse a checkpoint that still holds a tensor of an unsupported dtype, naming it (and the
     /// others, up to a few) with the flag that leaves them out, or FSDP1 LOCAL flat parameters
     /// whose names and shapes were not supplied.
+    /// The FSDP1 LOCAL flat parameters not resolved to the model's parameters yet (none for any
+    /// other checkpoint).
+    pub fn flat_params(&self) -> Vec<&Tensor> {
+        self.tensors
+            .iter()
+            .filter(|t| is_flat_param(&t.name) && t.shape.len() == 1)
+            .collect()
+    }
+
+    /// What FSDP `StateDictType` the files show: an FSDP1 LOCAL checkpoint whose flat parameters
+    /// are still there is [`StateDictType::Local`] whatever its container.
+    pub fn state_dict_type(&self) -> StateDictType {
+        if self.flat_params().is_empty() {
+            self.format.state_dict_type()
+        } else {
+            StateDictType::Local
+        }
+    }
+
+    /// Refuse a LOCAL checkpoint whose flat parameters were not resolved: consolidating them
+    /// would write FSDP's internal buffers, not the model.
+    fn check_resolved(&self) -> Result<()> {
+        let flats = self.flat_params();
+        let Some(first) = flats.first() else {
+            return Ok(());
+        };
+        let names: Vec<String> = flats
+            .iter()
+            .take(4)
+            .map(|t| format!("`{}`", t.name))
+            .collect();
+        let more = if flats.len() > 4 { ", ..." } else { "" };
+        Err(Error::usage(format!(
+            "this is an FSDP1 LOCAL_STATE_DICT checkpoint: {} flat parameter{} ({}{more}) hold the model's parameters flattened, and their names and shapes are not in the files",
+            flats.len(),
+            if flats.len() == 1 { "" } else { "s" },
+            names.join(", ")
+        ))
+        .file(&self.root)
+        .tensor(&first.name)
+        .hint(SHAPES_HINT))
+    }
+
     pub fn check_supported(&self) -> Result<()> {
-        crate::formats::fsdp_local::check_resolved(self)?;
+        self.check_resolved()?;
         let Some(first) = self.unsupported.first() else {
             return Ok(());
         };

@@ -11,9 +11,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::detect::Source;
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions};
 use crate::geometry::{check_coverage, NdBox};
+use crate::layout::{Problems, ReadOptions};
 use crate::model::{Checkpoint, Encoding};
 use crate::plan::{self, PlanOptions, Target};
 
@@ -93,11 +95,13 @@ impl Problem {
 }
 
 #[derive(Clone, Debug, Default)]
-pub struct VerifyOptions {
+pub struct VerifyOptions<'a> {
     /// Read every byte: checksums, NaN/Inf warnings.
     pub deep: bool,
     pub threads: usize,
     pub io: exec::IoMode,
+    /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
+    pub shapes_from: Option<&'a Path>,
 }
 
 /// The outcome, serialised by `--json`.
@@ -124,11 +128,11 @@ impl VerifyReport {
 
 /// Verify the checkpoint at `path`.
 pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
-    verify_input(&crate::detect::Input::one(path), opts)
+    verify_input(&Source::one(path), opts)
 }
 
 /// Verify the checkpoint at `path`, or the files of a per-rank checkpoint.
-pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Result<VerifyReport> {
+pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport> {
     let mut report = VerifyReport {
         path: input.display(),
         ..VerifyReport::default()
@@ -181,10 +185,17 @@ pub fn verify_input(input: &crate::detect::Input, opts: &VerifyOptions) -> Resul
         }
     }
     // Readers step past a broken item or file here, so every one of them is listed.
-    let (read, stepped_past) = crate::error::collecting(|| input.read());
+    let problems = Problems::default();
+    let read_opts = ReadOptions {
+        problems: Some(&problems),
+        ..ReadOptions::default()
+    };
+    let read = input
+        .read(&read_opts)
+        .and_then(|ckpt| crate::fsdp_local::apply(ckpt, opts.shapes_from));
     report
         .problems
-        .extend(stepped_past.iter().map(Problem::from_error));
+        .extend(problems.into_errors().iter().map(Problem::from_error));
     let ckpt = match read {
         Ok(c) => c,
         // A usage error or a bug in ckpt says nothing about the checkpoint.

@@ -466,7 +466,7 @@ fn dtypes_with_metadata(env: &TestEnv, f: impl FnOnce(&mut DcpMetadata, &Path)) 
 /// The real `.metadata` of `fixtures/dtypes` as a pickle tree (read with DCP's whitelist).
 fn real_metadata_tree() -> Value {
     let bytes = std::fs::read(fixtures().join("dtypes/.metadata")).unwrap();
-    pickle::read(&bytes, &DcpGlobals, Limits::default()).unwrap()
+    pickle::read(&bytes, &DcpGlobals::PLAIN, Limits::default()).unwrap()
 }
 
 /// Copy `fixtures/dtypes` and replace its `.metadata` with `bytes`.

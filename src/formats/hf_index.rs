@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::formats::safetensors::{
     self, first_duplicate, json_error, python_json_string, Entries, MAX_HEADER_SIZE,
 };
+use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{Checkpoint, Format};
 use crate::storage::{self, Stat};
 
@@ -42,12 +43,37 @@ fn split_files_in(dir: &Path) -> Vec<String> {
     names
 }
 
+/// Hugging Face split files: `model.safetensors.index.json` and the files it names.
+pub struct HfIndex;
+
+impl Layout for HfIndex {
+    fn describe(&self) -> &'static str {
+        "Hugging Face split files (`model.safetensors.index.json`)"
+    }
+
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        if let Some(index) = at.file_named(INDEX_NAME) {
+            return Ok(Some(Found::at(&index.path)));
+        }
+        // An index of another name (`diffusion_pytorch_model.safetensors.index.json`) is read
+        // when given itself.
+        Ok(at
+            .file()
+            .filter(|f| f.name().ends_with(".safetensors.index.json"))
+            .map(|f| Found::at(&f.path)))
+    }
+
+    fn read(&self, found: &Found, opts: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.path, opts)
+    }
+}
+
 /// The index `transformers` writes next to `pytorch_model-*.bin` files.
 const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 
 /// Read a split checkpoint. `path` is the directory holding [`INDEX_NAME`], or an index file
 /// itself (any name, e.g. `diffusion_pytorch_model.safetensors.index.json`).
-pub fn read(path: &Path) -> Result<Checkpoint> {
+pub fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let stat = storage::stat(path)?;
     let index_path = if stat == Some(Stat::Dir) {
         let index = path.join(INDEX_NAME);
@@ -158,7 +184,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             Ok(())
         };
         if let Err(e) = read_file() {
-            crate::error::recoverable(e)?;
+            opts.step_past(e)?;
         }
     }
 
@@ -353,7 +379,7 @@ mod tests {
     fn reads_in_file_order() {
         let dir = two_files();
         for path in [dir.path().to_path_buf(), dir.path().join(INDEX_NAME)] {
-            let ckpt = read(&path).unwrap();
+            let ckpt = read(&path, &ReadOptions::default()).unwrap();
             assert_eq!(ckpt.format, Format::SafetensorsIndex);
             assert_eq!(ckpt.root, dir.path());
             let names: Vec<&str> = ckpt.tensors.iter().map(|t| t.name.as_str()).collect();
@@ -408,7 +434,7 @@ mod tests {
         ] {
             let dir = tempfile::tempdir().unwrap();
             write_index(dir.path(), &[("w", bad)]);
-            let err = read(dir.path()).unwrap_err();
+            let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
             assert!(
                 err.message.contains("not a plain file name"),
                 "{bad}: {}",
@@ -422,7 +448,7 @@ mod tests {
     fn missing_file() {
         let dir = two_files();
         std::fs::remove_file(dir.path().join(split_file_name(2, 2))).unwrap();
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert!(err.message.contains("does not exist"), "{}", err.message);
         assert_eq!(err.tensor.as_deref(), Some("c"));
         assert!(err.hint.is_some());
@@ -440,7 +466,7 @@ mod tests {
                 ("z", "model-00002-of-00002.safetensors"),
             ],
         );
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert_eq!(err.tensor.as_deref(), Some("z"));
         assert!(err.message.contains("does not hold it"), "{}", err.message);
 
@@ -451,7 +477,7 @@ mod tests {
                 ("a", "model-00001-of-00002.safetensors"),
             ],
         );
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert_eq!(err.tensor.as_deref(), Some("b"));
         assert!(err.message.contains("missing from"), "{}", err.message);
 
@@ -463,7 +489,7 @@ mod tests {
                 ("b", "model-00002-of-00002.safetensors"),
             ],
         );
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert_eq!(err.tensor.as_deref(), Some("b"));
         assert!(err.message.contains("maps it to"), "{}", err.message);
     }
@@ -477,20 +503,26 @@ mod tests {
             r#"{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}"#,
         )
         .unwrap();
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert!(err.message.contains("twice"), "{}", err.message);
 
         std::fs::write(&index, r#"{"metadata": {}}"#).unwrap();
-        assert!(read(dir.path())
+        assert!(read(dir.path(), &ReadOptions::default())
             .unwrap_err()
             .message
             .contains("no `weight_map`"));
 
         std::fs::write(&index, r#"{"weight_map": {"a": 1}}"#).unwrap();
-        assert_eq!(read(dir.path()).unwrap_err().tensor.as_deref(), Some("a"));
+        assert_eq!(
+            read(dir.path(), &ReadOptions::default())
+                .unwrap_err()
+                .tensor
+                .as_deref(),
+            Some("a")
+        );
 
         std::fs::write(&index, r#"{"weight_map": {"a": "#).unwrap();
-        assert!(read(dir.path())
+        assert!(read(dir.path(), &ReadOptions::default())
             .unwrap_err()
             .message
             .starts_with("invalid JSON"));
@@ -500,12 +532,12 @@ mod tests {
     fn bin_indexes_are_refused_clearly() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(BIN_INDEX_NAME), "{}").unwrap();
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Usage);
         assert!(err.hint.unwrap().contains("only safetensors indexes"));
 
         write_index(dir.path(), &[("w", "pytorch_model-00001-of-00002.bin")]);
-        let err = read(dir.path()).unwrap_err();
+        let err = read(dir.path(), &ReadOptions::default()).unwrap_err();
         assert!(
             err.message.contains("only safetensors indexes are read"),
             "{}",
@@ -517,9 +549,14 @@ mod tests {
     fn missing_path_is_a_usage_error() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(
-            read(&dir.path().join("nope")).unwrap_err().kind,
+            read(&dir.path().join("nope"), &ReadOptions::default())
+                .unwrap_err()
+                .kind,
             ErrorKind::Usage
         );
-        assert_eq!(read(dir.path()).unwrap_err().kind, ErrorKind::Usage);
+        assert_eq!(
+            read(dir.path(), &ReadOptions::default()).unwrap_err().kind,
+            ErrorKind::Usage
+        );
     }
 }

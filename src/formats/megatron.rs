@@ -20,13 +20,16 @@
 //! are plain data that `torch.load(weights_only=True)` reads back (a dict, no longer a Namespace).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::formats::dcp;
 use crate::formats::torch_save::{self, Extra, Leaf};
-use crate::model::{contiguous_strides, numel, Checkpoint, Format, NonTensor, Pieces, Tensor};
+use crate::layout::{Found, Layout, Listing, ReadOptions};
+use crate::model::{
+    contiguous_strides, numel, Checkpoint, Format, KeyPart, NonTensor, Pieces, Tensor,
+};
 use crate::pickle::{Globals, Object, Value};
 use crate::storage::{self, Stat};
 
@@ -37,16 +40,40 @@ pub const COMMON: &str = "common.pt";
 /// `metadata.json` and `common.pt` are a few hundred bytes; anything this large is not one.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
-/// True when `dir` holds a `metadata.json` naming the `torch_dist` backend.
-pub fn looks_like(dir: &Path) -> bool {
-    matches!(backend(dir), Ok(Some(b)) if b == "torch_dist")
+/// A Megatron-core `torch_dist` directory: DCP plus `metadata.json` and `common.pt`.
+pub struct Megatron;
+
+impl Layout for Megatron {
+    fn describe(&self) -> &'static str {
+        "Megatron-core torch_dist directories (`metadata.json`)"
+    }
+
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        let dir = match at {
+            Listing::Dir { path, .. } if at.file_named(CONFIG).is_some() => path.clone(),
+            // Any of its own files stands for the directory, when the directory is one.
+            Listing::File(f) if [CONFIG, dcp::METADATA, COMMON].contains(&f.name()) => {
+                match f.path.parent() {
+                    Some(dir) if storage::is_file(&dir.join(CONFIG)) => dir.to_path_buf(),
+                    _ => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        Ok((backend(&dir)?.as_deref() == Some("torch_dist")).then(|| Found::at(dir)))
+    }
+
+    fn read(&self, found: &Found, opts: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.path, opts)
+    }
 }
 
-/// The `sharded_backend` that `metadata.json` names, `None` when there is no such file.
+/// The `sharded_backend` that `metadata.json` names, `None` when it names none or is not
+/// Megatron's (another tool's JSON of that name).
 fn backend(dir: &Path) -> Result<Option<String>> {
     let path = dir.join(CONFIG);
-    match storage::stat(&path) {
-        Ok(Some(Stat::File(len))) if len <= MAX_CONFIG_BYTES => {}
+    match storage::stat(&path)? {
+        Some(Stat::File(len)) if len <= MAX_CONFIG_BYTES => {}
         _ => return Ok(None),
     }
     let text = storage::read(&path)?;
@@ -61,10 +88,14 @@ fn backend(dir: &Path) -> Result<Option<String>> {
 }
 
 /// Read a Megatron `torch_dist` directory into the model.
-pub fn read(dir: &Path) -> Result<Checkpoint> {
-    let (mut ckpt, orig_shapes) = dcp::read_with_orig_shapes(dir)?;
+pub fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
+    let (mut ckpt, fields) = dcp::read_extended(dir, opts, &McoreMetadata)?;
     ckpt.format = Format::MegatronTorchDist;
     let meta_path = dir.join(dcp::METADATA);
+    let orig_shapes = match fields.iter().find(|(name, _)| name == MCORE_DATA) {
+        Some((_, value)) => orig_shapes(value).map_err(|e| e.file(&meta_path))?,
+        None => Vec::new(),
+    };
     let orig: HashMap<&str, &[u64]> = orig_shapes
         .iter()
         .map(|(fqn, shape)| (fqn.as_str(), shape.as_slice()))
@@ -93,6 +124,106 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         ckpt.values.extend(values);
     }
     Ok(ckpt)
+}
+
+/// Where megatron-core 0.13 to 0.15 define their subclasses of DCP's `Metadata` and `SavePlan`
+/// (which add an `mcore_data` dict).
+const MCORE: &str = "megatron.core.dist_checkpointing.strategies.torch";
+/// The `Metadata` field megatron-core records reformulated tensors' shapes in.
+const MCORE_DATA: &str = "mcore_data";
+/// The `mcore_data` key megatron-core (0.10 to 0.15) records a reformulated tensor's shape under.
+const ORIG_SHAPE: &str = "nd_reformulated_orig_global_shape";
+
+/// What megatron-core adds to DCP's `.metadata`: its two dataclasses, and `mcore_data`.
+struct McoreMetadata;
+
+impl dcp::Extension for McoreMetadata {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        module == MCORE && matches!(name, "MCoreMetadata" | "MCoreSavePlan")
+    }
+
+    fn is_metadata(&self, module: &str, name: &str) -> bool {
+        module == MCORE && name == "MCoreMetadata"
+    }
+
+    fn unhashable(&self, module: &str, name: &str) -> bool {
+        self.is_metadata(module, name)
+    }
+
+    fn fields(&self) -> &[&str] {
+        &[MCORE_DATA]
+    }
+}
+
+/// `mcore_data`: `{fqn: {"nd_reformulated_orig_global_shape": (ints)}}`, the shape each tensor
+/// megatron saved reformulated had before. Entries without that key (megatron stores `{}` for
+/// tensors it did not reformulate) are skipped.
+fn orig_shapes(value: &Value) -> Result<Vec<(String, Vec<u64>)>> {
+    let Value::Dict(items) = value else {
+        return Err(Error::invalid(format!(
+            "`{MCORE_DATA}` is {}, not a dict",
+            kind_of(value)
+        )));
+    };
+    let mut out = Vec::new();
+    for (k, v) in items {
+        let Some(fqn) = k.as_str() else {
+            return Err(Error::invalid(format!(
+                "an `{MCORE_DATA}` key is {}, not a string",
+                kind_of(k)
+            )));
+        };
+        let Some(shape) = v.get(ORIG_SHAPE) else {
+            continue;
+        };
+        let shape = sizes_of(shape).ok_or_else(|| {
+            Error::invalid(format!(
+                "`{MCORE_DATA}` gives `{ORIG_SHAPE}` as {}, not a tuple of sizes",
+                kind_of(shape)
+            ))
+            .tensor(fqn)
+        })?;
+        out.push((fqn.to_string(), shape));
+    }
+    Ok(out)
+}
+
+/// A `torch.Size` (or, leniently, a plain tuple or list) of non-negative ints.
+fn sizes_of(value: &Value) -> Option<Vec<u64>> {
+    let dims = match value {
+        Value::Object(o) if o.callable.as_global() == Some(("torch", "Size")) => {
+            match o.args.as_slice() {
+                [] => return Some(Vec::new()),
+                [Value::Tuple(d) | Value::List(d)] => d,
+                _ => return None,
+            }
+        }
+        Value::Tuple(d) | Value::List(d) => d,
+        _ => return None,
+    };
+    dims.iter()
+        .map(|d| match d {
+            Value::Int(i) => u64::try_from(*i).ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A short description of a value for error messages.
+fn kind_of(value: &Value) -> String {
+    match value {
+        Value::Object(o) => match o.callable.as_global() {
+            Some((m, n)) => format!("`{m}.{n}`"),
+            None => "an object".into(),
+        },
+        Value::Dict(_) => "a dict".into(),
+        Value::List(_) => "a list".into(),
+        Value::Tuple(_) => "a tuple".into(),
+        Value::Str(_) => "a string".into(),
+        Value::Int(_) | Value::BigInt(_) => "an int".into(),
+        Value::None => "None".into(),
+        _ => "a value of another kind".into(),
+    }
 }
 
 /// Put a reformulated tensor (see the module docs) back into its original `shape`.
@@ -276,7 +407,7 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
         if key_path.is_empty() && matches!(&leaf, Leaf::Value(Value::Dict(d)) if d.is_empty()) {
             continue;
         }
-        let name = crate::detect::flat_name(&key_path);
+        let name = KeyPart::flat_name(&key_path);
         match leaf {
             Leaf::Value(Value::Object(o)) => {
                 let class = o
@@ -310,15 +441,6 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
     Ok(out)
 }
 
-/// Paths `detect` should also try: a `.metadata` or `metadata.json` inside such a directory.
-pub fn dir_of(file: &Path) -> Option<PathBuf> {
-    let dir = file.parent()?;
-    let name = file.file_name()?;
-    (name == CONFIG || name == dcp::METADATA || name == COMMON)
-        .then(|| dir.to_path_buf())
-        .filter(|d| looks_like(d))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -341,15 +463,53 @@ mod tests {
         out
     }
 
-    fn fixture(name: &str) -> PathBuf {
+    /// The DCP under a Megatron directory, without Megatron's reading of it.
+    fn stored_as_dcp(dir: &Path) -> Checkpoint {
+        dcp::read_extended(dir, &ReadOptions::default(), &McoreMetadata)
+            .unwrap()
+            .0
+    }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fixtures")
             .join(name)
     }
 
     #[test]
+    fn megatron_0_15_metadata_gives_the_original_shapes() {
+        let dir = fixture("megatron_torch_dist_flat");
+        let (_, fields) =
+            dcp::read_extended(&dir, &ReadOptions::default(), &McoreMetadata).unwrap();
+        let (_, mcore_data) = fields.iter().find(|(n, _)| n == MCORE_DATA).unwrap();
+        assert_eq!(
+            orig_shapes(mcore_data).unwrap(),
+            [
+                (
+                    "optimizer.state.exp_avg.decoder.linear_proj.weight".to_string(),
+                    vec![6, 4]
+                ),
+                (
+                    "optimizer.state.exp_avg.decoder.linear_qkv.weight".to_string(),
+                    vec![4, 3]
+                ),
+            ]
+        );
+        let bad = Value::Dict(vec![(
+            Value::Str("w".into()),
+            Value::Dict(vec![(
+                Value::Str(ORIG_SHAPE.into()),
+                Value::Str("6x4".into()),
+            )]),
+        )]);
+        let err = orig_shapes(&bad).unwrap_err();
+        assert!(err.message.contains("not a tuple of sizes"), "{err}");
+        assert_eq!(err.tensor.as_deref(), Some("w"));
+    }
+
+    #[test]
     fn real_files_are_detected_and_reformulated_tensors_get_their_shape_back() {
-        let plain = read(&fixture("megatron_torch_dist")).unwrap();
+        let plain = read(&fixture("megatron_torch_dist"), &ReadOptions::default()).unwrap();
         assert_eq!(plain.format, Format::MegatronTorchDist);
         let stacked = plain
             .tensors
@@ -373,7 +533,11 @@ mod tests {
             ]
         );
 
-        let flat = read(&fixture("megatron_torch_dist_flat")).unwrap();
+        let flat = read(
+            &fixture("megatron_torch_dist_flat"),
+            &ReadOptions::default(),
+        )
+        .unwrap();
         let shapes: Vec<(&str, &[u64])> = flat
             .tensors
             .iter()
@@ -392,16 +556,24 @@ mod tests {
                 ),
             ]
         );
-        // As plain DCP the same directory keeps the stored, reformulated shapes.
-        let dcp = dcp::read(&fixture("megatron_torch_dist_flat")).unwrap();
+        // Read as the DCP it is, the same directory keeps the stored, reformulated shapes.
+        let dcp = stored_as_dcp(&fixture("megatron_torch_dist_flat"));
         assert_eq!(dcp.tensors[0].shape, [1, 2, 12]);
-        assert!(looks_like(&fixture("megatron_torch_dist")));
-        assert!(!looks_like(&fixture("fsdp2_adamw")));
+        let probes = |dir: &Path| {
+            Megatron
+                .probe(&crate::layout::Listing::of(dir).unwrap())
+                .unwrap()
+        };
+        assert!(probes(&fixture("megatron_torch_dist")).is_some());
+        assert!(probes(&fixture("fsdp2_adamw")).is_none());
+        // Any of its files stands for the directory.
+        let found = probes(&fixture("megatron_torch_dist").join("common.pt")).unwrap();
+        assert_eq!(found.path, fixture("megatron_torch_dist"));
     }
 
     #[test]
     fn an_original_shape_that_does_not_fit_is_a_clear_error() {
-        let stored = dcp::read(&fixture("megatron_torch_dist_flat")).unwrap();
+        let stored = stored_as_dcp(&fixture("megatron_torch_dist_flat"));
         let t = &stored.tensors[0];
         for (orig, says) in [
             (&[6u64, 5][..], "elements"),

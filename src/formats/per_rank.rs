@@ -18,6 +18,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf, SavedTensor};
 use crate::geometry::{local_box_at, Placement};
+use crate::layout::{Found, Listing, ReadOptions};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
@@ -621,23 +622,63 @@ fn parse_name(file_name: &str) -> Option<(String, Option<usize>, usize)> {
     Some((prefix.to_string(), None, rank))
 }
 
-/// The per-rank files of a directory (sorted), or `None` when it holds none.
-pub fn files_in(dir: &Path) -> Result<Option<Vec<PathBuf>>> {
-    let mut out: Vec<PathBuf> = storage::list(dir)?
-        .into_iter()
-        // Names first: a remote `is_file` is a request.
-        .filter(|p| is_rank_file(p) && storage::is_file(p))
-        .collect();
-    out.sort();
-    Ok((!out.is_empty()).then_some(out))
+/// Per-rank torch.save files: a directory of them, several given, or one rank's file holding
+/// DTensor or ShardedTensor values.
+pub struct PerRank;
+
+impl crate::layout::Layout for PerRank {
+    fn describe(&self) -> &'static str {
+        "per-rank torch.save files (`model_world_size_4_rank_0.pt`, `rank0.pt`)"
+    }
+
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        let files: Vec<PathBuf> = match at {
+            Listing::Dir { .. } => at
+                .files()
+                .into_iter()
+                .filter(|e| is_rank_file(&e.path))
+                .map(|e| e.path.clone())
+                .collect(),
+            Listing::Files(many) => many.iter().map(|e| e.path.clone()).collect(),
+            // A single file named as a rank's is one only when it holds a rank's pieces: a
+            // `rank0.pt` of whole tensors is a plain torch.save.
+            Listing::File(f) if is_rank_file(&f.path) && holds_pieces(&f.path)? => {
+                vec![f.path.clone()]
+            }
+            Listing::File(_) => Vec::new(),
+        };
+        let Some(first) = files.first() else {
+            return Ok(None);
+        };
+        let path = match at.dir() {
+            Some(dir) => dir.to_path_buf(),
+            None => first.parent().map(Path::to_path_buf).unwrap_or_default(),
+        };
+        Ok(Some(Found { path, files }))
+    }
+
+    fn read(&self, found: &Found, _: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.files)
+    }
 }
 
 /// Whether a file's name is one rank's save (`model_world_size_4_rank_0.pt`, `rank0.pt`).
-pub fn is_rank_file(path: &Path) -> bool {
+fn is_rank_file(path: &Path) -> bool {
     path.file_name()
         .and_then(|n| n.to_str())
         .and_then(parse_name)
         .is_some()
+}
+
+/// Whether a torch.save file holds DTensor or ShardedTensor values.
+fn holds_pieces(path: &Path) -> Result<bool> {
+    let input = storage::Input::open(path, Access::Map)?;
+    let bytes = input.zip_view(0, input.len())?;
+    let archive = torch_save::read(&bytes).map_err(|e| e.file(path))?;
+    Ok(archive
+        .leaves
+        .iter()
+        .any(|(_, leaf)| matches!(leaf, Leaf::Sharded(_))))
 }
 
 /// Read per-rank files (every rank of one or more prefixes, in one directory) as one checkpoint.
@@ -668,7 +709,7 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                 path.push(KeyPart::Key(f.prefix.clone()));
             }
             path.extend(key_path.iter().cloned());
-            let name = crate::detect::flat_name(&path);
+            let name = KeyPart::flat_name(&path);
             let err = |e: Error| e.file(&f.path).tensor(&name);
             match leaf {
                 Leaf::Tensor(t) => {
@@ -714,7 +755,7 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                     let mut flat = Vec::new();
                     flatten_value(path, v, &mut flat);
                     for (path, v) in flat {
-                        let name = crate::detect::flat_name(&path);
+                        let name = KeyPart::flat_name(&path);
                         merged.value(name, path, &v, &f.path)?;
                     }
                 }
@@ -748,7 +789,7 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
     let flat = merged
         .tensors
         .iter()
-        .any(|(t, _)| crate::formats::fsdp_local::is_flat_param(&t.name));
+        .any(|(t, _)| crate::model::is_flat_param(&t.name));
     if !flat {
         if let Some((_, first)) = std::mem::take(&mut merged.slices).pop_first() {
             return Err(first);

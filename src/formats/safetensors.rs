@@ -31,6 +31,7 @@ use serde::de::{
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
     contiguous_strides, numel, Checkpoint, DataRef, Encoding, Format, Piece, Pieces, Tensor,
     Unsupported,
@@ -332,6 +333,34 @@ fn tensor_entry(name: &str, raw: RawTensor) -> Result<Entry> {
             end,
         }),
     })
+}
+
+/// One `.safetensors` file, given or alone in a directory.
+pub struct Safetensors;
+
+impl Layout for Safetensors {
+    fn describe(&self) -> &'static str {
+        ".safetensors files"
+    }
+
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        let ours = |e: &&crate::storage::Entry| e.name().ends_with(".safetensors");
+        Ok(match at {
+            Listing::File(f) => ours(&f).then(|| Found::at(&f.path)),
+            // Several are a split checkpoint without its index: see detection's hint.
+            Listing::Dir { .. } => {
+                match at.files().into_iter().filter(ours).collect::<Vec<_>>()[..] {
+                    [only] => Some(Found::at(&only.path)),
+                    _ => None,
+                }
+            }
+            Listing::Files(_) => None,
+        })
+    }
+
+    fn read(&self, found: &Found, _: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.path)
+    }
 }
 
 /// Read a single safetensors file as a FULL checkpoint rooted at its directory.

@@ -273,3 +273,60 @@ impl Value {
         }))
     }
 }
+
+impl Value {
+    /// Plain data as JSON; anything else (a recorded call) as a short description.
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::Value as J;
+        match self {
+            Value::None => J::Null,
+            Value::Bool(b) => J::Bool(*b),
+            Value::Int(i) => J::from(*i),
+            // Beyond what a JSON number reliably holds; kept out rather than rounded.
+            Value::BigInt(_) => J::Null,
+            Value::SurrogateStr(b) => J::String(String::from_utf8_lossy(b).into_owned()),
+            Value::Float(f) => {
+                serde_json::Number::from_f64(*f).map_or_else(|| J::String(f.to_string()), J::Number)
+            }
+            Value::Str(s) => J::String(s.clone()),
+            Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+            Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+                J::Array(items.iter().map(Value::to_json).collect())
+            }
+            Value::Dict(items) => J::Object(
+                items
+                    .iter()
+                    .map(|(k, v)| (key_string(k), v.to_json()))
+                    .collect(),
+            ),
+            Value::Global(g) => J::String(format!("{}.{}", g.module, g.name)),
+            Value::Object(object)
+                if !object.dict_items.is_empty() || is_ordered_dict(&object.callable) =>
+            {
+                J::Object(
+                    object
+                        .dict_items
+                        .iter()
+                        .map(|(k, v)| (key_string(k), v.to_json()))
+                        .collect(),
+                )
+            }
+            Value::Object(object) => {
+                J::String(format!("<object {}>", key_string(&object.callable)))
+            }
+            Value::PersistentId(_) => J::String("<persistent id>".into()),
+        }
+    }
+}
+
+fn is_ordered_dict(v: &Value) -> bool {
+    v.as_global() == Some(("collections", "OrderedDict"))
+}
+
+fn key_string(k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.clone(),
+        Value::Global(g) => format!("{}.{}", g.module, g.name),
+        other => other.to_json().to_string(),
+    }
+}

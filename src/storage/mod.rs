@@ -118,15 +118,60 @@ pub fn is_dir(path: &Path) -> bool {
 
 /// The entries of directory `dir` (files and directories one level down), sorted.
 pub fn list(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out = match remote(dir) {
-        Some(r) => r?.list()?,
+    Ok(listing(dir)?.into_iter().map(|e| e.path).collect())
+}
+
+/// One entry of a directory: its path and what it is (a file's length included).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub path: PathBuf,
+    pub stat: Stat,
+}
+
+impl Entry {
+    /// The last component of the path, as text (empty when it is not UTF-8).
+    pub fn name(&self) -> &str {
+        self.path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+    }
+
+    pub fn is_file(&self) -> bool {
+        matches!(self.stat, Stat::File(_))
+    }
+
+    pub fn is_dir(&self) -> bool {
+        self.stat == Stat::Dir
+    }
+}
+
+/// The entries of directory `dir`, sorted by path, each with its kind and length: one LIST for a
+/// remote directory, after which opening a listed object sends no HEAD. A local entry that
+/// cannot be stat'ed (a dangling link) is left out, as it cannot be read either.
+pub fn listing(dir: &Path) -> Result<Vec<Entry>> {
+    let mut out: Vec<Entry> = match remote(dir) {
+        Some(r) => r?
+            .list()?
+            .into_iter()
+            .map(|(path, stat)| Entry { path, stat })
+            .collect(),
         None => std::fs::read_dir(dir)
             .map_err(|e| Error::io(dir, e))?
             .flatten()
-            .map(|e| e.path())
+            .filter_map(|e| {
+                let path = e.path();
+                let meta = std::fs::metadata(&path).ok()?;
+                let stat = if meta.is_dir() {
+                    Stat::Dir
+                } else {
+                    Stat::File(meta.len())
+                };
+                Some(Entry { path, stat })
+            })
             .collect(),
     };
-    out.sort();
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 

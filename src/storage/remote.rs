@@ -166,6 +166,9 @@ impl Remote {
     }
 
     pub(crate) fn stat(&self) -> Result<Option<super::Stat>> {
+        if let Some((size, _)) = listed_objects().get(&self.path) {
+            return Ok(Some(super::Stat::File(*size)));
+        }
         if !self.key.as_ref().is_empty() {
             match block_on(self.store.objects.head(&self.key))? {
                 Ok(meta) => return Ok(Some(super::Stat::File(meta.size))),
@@ -185,16 +188,26 @@ impl Remote {
         }
     }
 
-    pub(crate) fn list(&self) -> Result<Vec<PathBuf>> {
+    /// The objects and prefixes one level below this location, with each object's length. What
+    /// the listing says of an object is remembered, so opening it next sends no HEAD (a 512-rank
+    /// directory is one LIST, not 512 HEADs as well).
+    pub(crate) fn list(&self) -> Result<Vec<(PathBuf, super::Stat)>> {
         let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
         let listed = block_on(self.store.objects.list_with_delimiter(prefix))?
             .map_err(|e| store_error(&self.path, e))?;
-        let mut out: Vec<PathBuf> = listed
-            .objects
-            .iter()
-            .map(|o| self.path_of(&o.location))
-            .collect();
-        out.extend(listed.common_prefixes.iter().map(|p| self.path_of(p)));
+        let mut seen = listed_objects();
+        let mut out = Vec::with_capacity(listed.objects.len() + listed.common_prefixes.len());
+        for o in &listed.objects {
+            let path = self.path_of(&o.location);
+            seen.insert(path.clone(), (o.size, o.e_tag.clone()));
+            out.push((path, super::Stat::File(o.size)));
+        }
+        out.extend(
+            listed
+                .common_prefixes
+                .iter()
+                .map(|p| (self.path_of(p), super::Stat::Dir)),
+        );
         Ok(out)
     }
 
@@ -212,6 +225,7 @@ impl Remote {
     }
 
     pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
+        listed_objects().remove(&self.path);
         block_on(
             self.store
                 .objects
@@ -234,20 +248,25 @@ impl Remote {
         // The cache knows an object by its location, length and ETag: the executor opens again
         // what the reader opened, and finds the blocks the reader fetched.
         static IDS: OnceLock<Mutex<HashMap<ObjectVersion, u64>>> = OnceLock::new();
-        let meta = block_on(self.store.objects.head(&self.key))?
-            .map_err(|e| store_error(&self.path, e))?;
+        let (size, e_tag) = match listed_objects().get(&self.path).cloned() {
+            Some(known) => known,
+            None => {
+                let meta = block_on(self.store.objects.head(&self.key))?
+                    .map_err(|e| store_error(&self.path, e))?;
+                (meta.size, meta.e_tag)
+            }
+        };
         let id = {
             let mut ids = IDS
                 .get_or_init(Default::default)
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             let next = ids.len() as u64;
-            *ids.entry((self.path.clone(), meta.size, meta.e_tag.clone()))
-                .or_insert(next)
+            *ids.entry((self.path.clone(), size, e_tag)).or_insert(next)
         };
         Ok(Object {
             id,
-            len: meta.size,
+            len: size,
             at: self,
             streams: Mutex::default(),
             ahead: Mutex::new(Windows {
@@ -260,6 +279,19 @@ impl Remote {
 
 /// An object as the block cache knows it: location, length and ETag.
 type ObjectVersion = (PathBuf, u64, Option<String>);
+
+/// Length and ETag of objects, by location.
+type Listed = HashMap<PathBuf, (u64, Option<String>)>;
+
+/// Length and ETag of every object a listing has shown, by location: what [`Remote::open`] would
+/// otherwise ask a HEAD for.
+fn listed_objects() -> std::sync::MutexGuard<'static, Listed> {
+    static LISTED: OnceLock<Mutex<Listed>> = OnceLock::new();
+    LISTED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
 
 /// What the hints tell to check, in the environment variables object_store reads for a scheme.
 struct Vars {

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::formats::safetensors::{
     self, first_duplicate, python_json_string, Entries, DCP_SHARDING_INFO,
 };
+use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{Checkpoint, Format, Pieces, Tensor, Unsupported};
 use crate::storage;
 
@@ -24,18 +25,29 @@ const DCP_VERSION_KEY: &str = "DCP_VERSION";
 /// `str(HF_DCP_VERSION)` in torch's `_hf_utils.py`.
 const DCP_VERSION: &str = "1.0";
 
-/// True when `dir` holds at least one `shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors` file.
-pub fn looks_like(dir: &Path) -> bool {
-    let Ok(entries) = storage::list(dir) else {
-        return false;
-    };
-    entries.iter().any(|e| {
-        e.file_name()
-            .and_then(|n| n.to_str())
-            .and_then(parse_file_name)
-            .is_some()
-            && storage::is_file(e)
-    })
+/// DCP's Hugging Face flavour: a directory with `shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors`
+/// files and no `.metadata`.
+pub struct DcpHf;
+
+impl Layout for DcpHf {
+    fn describe(&self) -> &'static str {
+        "DCP safetensors shards (`shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors`)"
+    }
+
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        let Some(dir) = at.dir() else {
+            return Ok(None);
+        };
+        let ours = at
+            .files()
+            .iter()
+            .any(|e| parse_file_name(e.name()).is_some());
+        Ok(ours.then(|| Found::at(dir)))
+    }
+
+    fn read(&self, found: &Found, _: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.path)
+    }
 }
 
 /// The name torch gives the file of `rank` (0-based) for output file `index` (1-based) of
@@ -381,6 +393,14 @@ mod tests {
         dir
     }
 
+    /// Whether the layout recognises the directory at `dir`.
+    fn probes(dir: &Path) -> bool {
+        DcpHf
+            .probe(&crate::layout::Listing::of(dir).unwrap())
+            .unwrap()
+            .is_some()
+    }
+
     #[test]
     fn names() {
         assert_eq!(
@@ -439,7 +459,7 @@ mod tests {
     #[test]
     fn reads_pieces_and_infers_shapes() {
         let dir = example();
-        assert!(looks_like(dir.path()));
+        assert!(probes(dir.path()));
         let ckpt = read(dir.path()).unwrap();
         assert_eq!(ckpt.format, Format::DcpSafetensors);
         assert_eq!(ckpt.world_size, Some(2));
@@ -579,13 +599,12 @@ mod tests {
         assert!(read(dir.path()).unwrap_err().message.contains("disagree"));
 
         let empty = tempfile::tempdir().unwrap();
-        assert!(!looks_like(empty.path()));
+        assert!(!probes(empty.path()));
         assert_eq!(read(empty.path()).unwrap_err().kind, ErrorKind::Invalid);
         assert_eq!(
             read(&empty.path().join("nope")).unwrap_err().kind,
             ErrorKind::Usage
         );
-        assert!(!looks_like(&empty.path().join("nope")));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::bail_invalid;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::model::{contiguous_strides, numel, KeyPart};
-use crate::pickle::{self, Globals, Kind, Limits, PickleError, Protocol, Stream, View};
+use crate::pickle::{self, Globals, Kind, Limits, PickleError, Protocol, Stream, Value, View};
 
 /// The parts of DCP's `Metadata` ckpt uses, in pickled order.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,10 +74,43 @@ pub struct StorageInfo {
     pub transforms: Vec<String>,
 }
 
+/// What a format built on DCP adds to `.metadata` (megatron-core pickles subclasses of
+/// `Metadata` and `SavePlan` with a `mcore_data` field): the classes of its own the pickle may
+/// name, and the fields of its `Metadata` it wants back. DCP's reader calls it and never names
+/// the format that fills it.
+pub trait Extension: Sync {
+    /// Whether the pickle may name `module.name` (a class of the derived format, read as data).
+    fn allows(&self, module: &str, name: &str) -> bool;
+    /// Whether such a class is a subclass of DCP's `Metadata`, which the pickle's root may be.
+    fn is_metadata(&self, module: &str, name: &str) -> bool;
+    /// Whether such a class is unhashable in Python (a dataclass without `frozen`).
+    fn unhashable(&self, module: &str, name: &str) -> bool;
+    /// Fields of `Metadata` DCP does not define that [`Rest::fields`] should hand back.
+    fn fields(&self) -> &[&str];
+}
+
+/// Plain DCP: no classes or fields beyond DCP's own.
+pub struct NoExtension;
+
+impl Extension for NoExtension {
+    fn allows(&self, _: &str, _: &str) -> bool {
+        false
+    }
+    fn is_metadata(&self, _: &str, _: &str) -> bool {
+        false
+    }
+    fn unhashable(&self, _: &str, _: &str) -> bool {
+        false
+    }
+    fn fields(&self) -> &[&str] {
+        &[]
+    }
+}
+
 /// Parse `.metadata` bytes. Never executes anything; unknown globals are errors naming them.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
     let mut collected = Collect::default();
-    let rest = parse_into(bytes, &mut collected)?;
+    let rest = parse_into(bytes, &mut collected, &NoExtension)?;
     Ok(DcpMetadata {
         entries: collected.entries,
         storage: dedup_storage(collected.storage),
@@ -103,10 +136,8 @@ pub struct Rest {
     pub planner_data: Vec<(String, Vec<KeyPart>)>,
     /// `version`, e.g. "1.0.0".
     pub version: Option<String>,
-    /// Megatron-core's `mcore_data`: for each tensor it saved reformulated (a distributed
-    /// optimizer's `flattened_range` pieces), `nd_reformulated_orig_global_shape`, the shape the
-    /// tensor had before (see `formats::megatron`).
-    pub orig_shapes: Vec<(String, Vec<u64>)>,
+    /// The fields [`Extension::fields`] asked for that the `Metadata` has, as data.
+    pub fields: Vec<(String, Value)>,
 }
 
 /// Parse `.metadata` bytes, handing entries and storage records to `sink` as they are read.
@@ -114,13 +145,15 @@ pub struct Rest {
 /// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), and the
 /// two big dicts are taken from it batch by batch (see [`pickle::Consumer`]), so no owned copy of
 /// the whole pickle is ever built.
-pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
+pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink, extension: &dyn Extension) -> Result<Rest> {
     let mut taken = Taken {
         sink,
+        extension,
         lists: HashMap::new(),
         error: None,
     };
-    let graph = pickle::parse_consuming(bytes, &DcpGlobals, limits_for(bytes.len()), &mut taken)
+    let globals = DcpGlobals { extension };
+    let graph = pickle::parse_consuming(bytes, &globals, limits_for(bytes.len()), &mut taken)
         .map_err(|e| match (e, taken.error.take()) {
             (PickleError::Stopped { offset }, Some(err)) => Error {
                 offset: err.offset.or(Some(offset as u64)),
@@ -129,7 +162,7 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
             (e, _) => pickle_error(e),
         })?;
     let root = graph.root();
-    let state = metadata_state(root).ok_or_else(|| {
+    let state = metadata_state(root, extension).ok_or_else(|| {
         Error::invalid(format!(
             "the pickle holds {}, not a DCP `Metadata`",
             describe(root)
@@ -175,52 +208,30 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink) -> Result<Rest> {
         },
     };
 
-    let orig_shapes = match state.get("mcore_data").filter(|v| !v.is_none()) {
-        None => Vec::new(),
-        Some(v) => mcore_orig_shapes(v)?,
-    };
+    let fields = extension
+        .fields()
+        .iter()
+        .filter_map(|&name| {
+            let value = state.get(name).filter(|v| !v.is_none())?;
+            Some((name.to_string(), value.to_value()))
+        })
+        .collect();
 
     Ok(Rest {
         planner_data,
         version,
-        orig_shapes,
+        fields,
     })
 }
 
-/// The state of the pickle's root: DCP's `Metadata`, or megatron-core 0.15's subclass of it.
-fn metadata_state(root: View<'_>) -> Option<View<'_>> {
-    object_state(root, &[META, OLD_META], "Metadata")
-        .or_else(|| object_state(root, &[MCORE], "MCoreMetadata"))
-}
-
-/// `mcore_data`: `{fqn: {"nd_reformulated_orig_global_shape": (ints)}}`; entries without that
-/// key (megatron stores `{}` for tensors it did not reformulate) are skipped.
-fn mcore_orig_shapes(value: View<'_>) -> Result<Vec<(String, Vec<u64>)>> {
-    let items = dict_items(value).ok_or_else(|| {
-        Error::invalid(format!("`mcore_data` is {}, not a dict", describe(value)))
-    })?;
-    let mut out = Vec::new();
-    for (k, v) in items {
-        let Some(fqn) = k.as_str() else {
-            bail_invalid!("an `mcore_data` key is {}, not a string", describe(k));
-        };
-        let Some(shape) = v.get(ORIG_SHAPE) else {
-            continue;
-        };
-        let shape = torch_size_of(shape).ok_or_else(|| {
-            Error::invalid(format!(
-                "`mcore_data` gives `{ORIG_SHAPE}` as {}, not a tuple of sizes",
-                describe(shape)
-            ))
-            .tensor(fqn)
-        })?;
-        out.push((fqn.to_string(), shape));
+/// The state of the pickle's root: DCP's `Metadata`, or a derived format's subclass of it.
+fn metadata_state<'g>(root: View<'g>, extension: &dyn Extension) -> Option<View<'g>> {
+    match root.class() {
+        Some((m, "Metadata")) if m == META || m == OLD_META => root.state(),
+        Some((m, n)) if extension.is_metadata(m, n) => root.state(),
+        _ => None,
     }
-    Ok(out)
 }
-
-/// The `mcore_data` key megatron-core (0.10 to 0.15) records a reformulated tensor's shape under.
-const ORIG_SHAPE: &str = "nd_reformulated_orig_global_shape";
 
 /// What the `.metadata` writer needs, item by item: an owned [`DcpMetadata`], or a plan that
 /// derives millions of chunks from mesh geometry as they are written, so they are never all in
@@ -392,9 +403,6 @@ const SHARDED_TENSOR_META: &str = "torch.distributed._shard.sharded_tensor.metad
 const FS: &str = "torch.distributed.checkpoint.filesystem";
 /// `SavePlan` and its parts: Megatron-core stores every rank's plan in `Metadata.all_local_plans`.
 const PLANNER: &str = "torch.distributed.checkpoint.planner";
-/// megatron-core 0.13 to 0.15 pickle their subclasses of `Metadata` and `SavePlan` (which add an
-/// `mcore_data` dict) from here.
-const MCORE: &str = "megatron.core.dist_checkpointing.strategies.torch";
 const OLD_FS: &str = "torch.distributed._shard.checkpoint.filesystem";
 
 /// Every dtype torch 2.15 has. All are names of data-only objects, so allowing them is harmless, and
@@ -451,13 +459,25 @@ const TORCH_DTYPES: &[&str] = &[
 
 /// The globals a DCP `.metadata` may name: DCP's own classes, `torch.Size`, dtypes and layouts,
 /// the `pathlib` classes `StorageMeta.checkpoint_id` pickles as (`pathlib._local` is where
-/// Python 3.13 defined them), and the planner dataclasses (plus megatron-core's two subclasses)
-/// that Megatron's `all_local_plans` holds. All are plain dataclasses and an enum, read as data;
-/// ckpt reads nothing from the plans.
-pub struct DcpGlobals;
+/// Python 3.13 defined them), the planner dataclasses that a derived format's `all_local_plans`
+/// holds, and what the derived format's [`Extension`] allows. All are plain dataclasses and an
+/// enum, read as data; ckpt reads nothing from the plans.
+pub struct DcpGlobals<'e> {
+    pub extension: &'e dyn Extension,
+}
 
-impl Globals for DcpGlobals {
+impl DcpGlobals<'static> {
+    /// Plain DCP's globals, without a derived format's.
+    pub const PLAIN: DcpGlobals<'static> = DcpGlobals {
+        extension: &NoExtension,
+    };
+}
+
+impl Globals for DcpGlobals<'_> {
     fn allows(&self, module: &str, name: &str) -> bool {
+        if self.extension.allows(module, name) {
+            return true;
+        }
         match module {
             META | OLD_META => matches!(
                 name,
@@ -476,7 +496,6 @@ impl Globals for DcpGlobals {
                 name,
                 "SavePlan" | "WriteItem" | "WriteItemType" | "TensorWriteData"
             ),
-            MCORE => matches!(name, "MCoreMetadata" | "MCoreSavePlan"),
             "torch" => name == "Size" || TORCH_DTYPES.contains(&name),
             "torch.serialization" => name == "_get_layout",
             "collections" => name == "OrderedDict",
@@ -500,6 +519,9 @@ impl Globals for DcpGlobals {
 
     /// DCP's dataclasses other than the frozen `MetadataIndex`, and `OrderedDict`.
     fn unhashable(&self, module: &str, name: &str) -> bool {
+        if self.extension.unhashable(module, name) {
+            return true;
+        }
         match module {
             META | OLD_META => matches!(
                 name,
@@ -512,7 +534,6 @@ impl Globals for DcpGlobals {
             ),
             SHARDED_TENSOR_META => name == "TensorProperties",
             FS | OLD_FS => name == "_StorageInfo",
-            MCORE => name == "MCoreMetadata",
             "collections" => name == "OrderedDict",
             _ => false,
         }
@@ -564,6 +585,7 @@ impl DcpEntry {
 /// [`pickle::Consumer`]).
 struct Taken<'s> {
     sink: &'s mut dyn Sink,
+    extension: &'s dyn Extension,
     /// The chunks taken from each `chunks` list of a tensor entry, by the list's node id, until
     /// the entry is read.
     lists: HashMap<u32, Vec<Chunk>>,
@@ -586,7 +608,7 @@ impl pickle::Consumer for Taken<'_> {
     fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
         let is_metadata = match owner.class() {
             Some((m, "Metadata")) => m == META || m == OLD_META,
-            Some((m, "MCoreMetadata")) => m == MCORE,
+            Some((m, n)) => self.extension.is_metadata(m, n),
             _ => false,
         };
         is_metadata && (key == "state_dict_metadata" || key == "storage_data")
@@ -1706,7 +1728,7 @@ mod tests {
     fn written_file_uses_torch_classes_at_protocol_4() {
         let written = write(&parse(SHARDED4).unwrap());
         assert_eq!(written.get(..3), Some(&[0x80, 4, 0x95][..]));
-        let tree = pickle::read(&written, &DcpGlobals, Limits::default()).unwrap();
+        let tree = pickle::read(&written, &DcpGlobals::PLAIN, Limits::default()).unwrap();
         assert_eq!(tree.class(), Some((META, "Metadata")));
         let state = tree.state().unwrap();
         let keys: Vec<&str> = state
@@ -1770,7 +1792,7 @@ mod tests {
             bytes.extend_from_slice(b"\x8c\x06valuex");
         }
         bytes.extend_from_slice(b"u.");
-        let fixed = pickle::parse(&bytes, &DcpGlobals, Limits::default()).unwrap_err();
+        let fixed = pickle::parse(&bytes, &DcpGlobals::PLAIN, Limits::default()).unwrap_err();
         assert!(
             matches!(fixed, PickleError::LimitExceeded { .. }),
             "{fixed}"
@@ -1834,13 +1856,16 @@ mod tests {
     }
 
     #[test]
-    fn megatrons_plans_are_read_and_any_other_global_beside_them_refused() {
+    fn plans_are_read_and_any_other_global_beside_them_refused() {
         let chunk = new_obj(META, "ChunkStorageMetadata", None);
         parse(&metadata_with_plan_item(chunk)).unwrap();
         for (module, name) in [
             (PLANNER, "BytesIOWriteData"),
             (PLANNER, "LoadPlan"),
-            (MCORE, "MCoreLoadPlanner"),
+            (
+                "megatron.core.dist_checkpointing.strategies.torch",
+                "MCoreSavePlan",
+            ),
             ("posix", "system"),
         ] {
             let bytes = metadata_with_plan_item(Value::reduce(module, name, Vec::new()));
@@ -1850,28 +1875,37 @@ mod tests {
     }
 
     #[test]
-    fn megatron_0_15_metadata_gives_the_original_shapes() {
+    fn a_derived_formats_classes_and_fields_come_only_through_its_extension() {
+        // megatron-core 0.15 pickles its own subclass of `Metadata`, with a `mcore_data` field.
         let bytes = std::fs::read(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/fixtures/megatron_torch_dist_flat/.metadata"
         ))
         .unwrap();
+        let err = parse(&bytes).unwrap_err();
+        assert!(err.message.contains("MCoreMetadata"), "{err}");
+
+        struct Mcore;
+        impl Extension for Mcore {
+            fn allows(&self, module: &str, name: &str) -> bool {
+                module.starts_with("megatron.") && name.starts_with("MCore")
+            }
+            fn is_metadata(&self, _: &str, name: &str) -> bool {
+                name == "MCoreMetadata"
+            }
+            fn unhashable(&self, _: &str, name: &str) -> bool {
+                name == "MCoreMetadata"
+            }
+            fn fields(&self) -> &[&str] {
+                &["mcore_data", "no_such_field"]
+            }
+        }
         let mut collected = Collect::default();
-        let rest = parse_into(&bytes, &mut collected).unwrap();
+        let rest = parse_into(&bytes, &mut collected, &Mcore).unwrap();
         assert_eq!(collected.entries.len(), 2);
-        assert_eq!(
-            rest.orig_shapes,
-            [
-                (
-                    "optimizer.state.exp_avg.decoder.linear_proj.weight".to_string(),
-                    vec![6, 4]
-                ),
-                (
-                    "optimizer.state.exp_avg.decoder.linear_qkv.weight".to_string(),
-                    vec![4, 3]
-                ),
-            ]
-        );
+        let names: Vec<&str> = rest.fields.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["mcore_data"]);
+        assert!(matches!(rest.fields[0].1, Value::Dict(_)));
     }
 
     #[test]

@@ -10,7 +10,6 @@ pub mod hf;
 pub mod metadata;
 pub mod sfmt;
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -20,11 +19,14 @@ use rayon::prelude::*;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::torch_save::{self, Leaf};
+use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
     Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor, Unsupported,
 };
+use crate::pickle::Value;
 use crate::storage::{self, Access, Input, Stat, View};
 use metadata::DcpEntry;
+pub use metadata::{Extension, NoExtension};
 
 /// Name of the metadata file in a DCP directory.
 pub const METADATA: &str = ".metadata";
@@ -35,37 +37,25 @@ const MAX_VALUE_BYTES: u64 = 256 << 20;
 /// zstd transform descriptor DCP writes.
 pub const ZSTD: &str = "stream.zstd/1";
 
-/// True when `dir` holds a `.metadata` file.
-pub fn looks_like(dir: &Path) -> bool {
-    storage::is_file(&dir.join(METADATA))
-}
+/// A PyTorch Distributed Checkpoint directory: `.metadata` and the rank files it names.
+pub struct Dcp;
 
-thread_local! {
-    // Whether the reads of this command leave small items in object storage unopened (see
-    // [`OpenItemsWhenCopied`]). Set around the read on the thread that starts it.
-    static OPEN_WHEN_COPIED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// While alive, DCP checkpoints whose reads start on this thread leave their small items in
-/// object storage unopened ([`Encoding::Saved`]): for commands that copy every item they read
-/// (consolidate, reshard), which then fetch each item once, framing and data together, instead
-/// of its framing while reading and its data again while copying. `inspect` and `verify` open
-/// every item as they read.
-pub struct OpenItemsWhenCopied {
-    previous: bool,
-}
-
-impl OpenItemsWhenCopied {
-    pub fn install() -> OpenItemsWhenCopied {
-        OpenItemsWhenCopied {
-            previous: OPEN_WHEN_COPIED.with(|c| c.replace(true)),
-        }
+impl Layout for Dcp {
+    fn describe(&self) -> &'static str {
+        "DCP directories (`.metadata`)"
     }
-}
 
-impl Drop for OpenItemsWhenCopied {
-    fn drop(&mut self) {
-        OPEN_WHEN_COPIED.with(|c| c.set(self.previous));
+    fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        Ok(match at {
+            Listing::Dir { path, .. } if at.file_named(METADATA).is_some() => Some(Found::at(path)),
+            // `.metadata` itself stands for its directory.
+            Listing::File(f) if f.name() == METADATA => f.path.parent().map(Found::at),
+            _ => None,
+        })
+    }
+
+    fn read(&self, found: &Found, opts: &ReadOptions) -> Result<Checkpoint> {
+        read(&found.path, opts)
     }
 }
 
@@ -74,17 +64,18 @@ impl Drop for OpenItemsWhenCopied {
 /// fetch all of it for each.
 const UNOPENED_ITEM_BYTES: u64 = storage::BLOCK_BYTES;
 
-/// Megatron's `nd_reformulated_orig_global_shape` of each tensor that has one, by fqn.
-pub type OrigShapes = Vec<(String, Vec<u64>)>;
-
 /// Read a DCP directory into the model.
-pub fn read(dir: &Path) -> Result<Checkpoint> {
-    read_with_orig_shapes(dir).map(|(ckpt, _)| ckpt)
+pub fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
+    read_extended(dir, opts, &NoExtension).map(|(ckpt, _)| ckpt)
 }
 
-/// [`read`], and the original shapes megatron-core's `mcore_data` records for tensors it saved
-/// reformulated (see `formats::megatron`), which that reader puts back.
-pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
+/// [`read`] for a format built on DCP: `.metadata` may also name the classes `extension` allows,
+/// and the `Metadata` fields it asks for come back beside the checkpoint, as data.
+pub fn read_extended(
+    dir: &Path,
+    opts: &ReadOptions,
+    extension: &dyn Extension,
+) -> Result<(Checkpoint, Vec<(String, Value)>)> {
     let meta_path = dir.join(METADATA);
     let meta = Input::open(&meta_path, Access::Map)?;
     let len = meta.len();
@@ -99,7 +90,8 @@ pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
     // these bytes.
     let bytes = meta.bytes(0, len)?;
     let mut built = Builder::default();
-    let rest = metadata::parse_into(&bytes, &mut built).map_err(|e| e.file(&meta_path))?;
+    let rest =
+        metadata::parse_into(&bytes, &mut built, extension).map_err(|e| e.file(&meta_path))?;
     drop(bytes);
     drop(meta);
     built.apply_pending();
@@ -110,7 +102,7 @@ pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
         .collect();
     let key_path = |fqn: &str| paths.get(fqn).map(|p| p.to_vec()).unwrap_or_default();
     let slots = std::mem::take(&mut built.slots);
-    let files = Files::map_all(dir, &built)?;
+    let files = Files::map_all(dir, &built, opts.open_items_when_copied)?;
     let world_size = world_size(dir, &built.file_names);
     let mut tensors = Vec::new();
     let mut values = Vec::new();
@@ -124,7 +116,7 @@ pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
                     Ok(pieces) => pieces,
                     Err(errors) => {
                         for e in errors {
-                            crate::error::recoverable(e.file(&meta_path).tensor(&t.fqn))?;
+                            opts.step_past(e.file(&meta_path).tensor(&t.fqn))?;
                         }
                         continue;
                     }
@@ -146,7 +138,7 @@ pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
                 let (blob, value) = match files.value(&item) {
                     Ok(found) => found,
                     Err(e) => {
-                        crate::error::recoverable(e.tensor(&fqn))?;
+                        opts.step_past(e.tensor(&fqn))?;
                         continue;
                     }
                 };
@@ -172,7 +164,7 @@ pub fn read_with_orig_shapes(dir: &Path) -> Result<(Checkpoint, OrigShapes)> {
         values,
         unsupported,
     };
-    Ok((ckpt, rest.orig_shapes))
+    Ok((ckpt, rest.fields))
 }
 
 /// Where an item's bytes are: `_StorageInfo`, with its file numbered.
@@ -441,7 +433,7 @@ struct Files<'a> {
 
 impl<'a> Files<'a> {
     /// Map every file the storage records name, once each.
-    fn map_all(dir: &'a Path, built: &'a Builder) -> Result<Files<'a>> {
+    fn map_all(dir: &'a Path, built: &'a Builder, unopened: bool) -> Result<Files<'a>> {
         let maps = built
             .file_names
             .iter()
@@ -451,7 +443,7 @@ impl<'a> Files<'a> {
         Ok(Files {
             dir,
             blobs: (0..maps.len()).map(|_| OnceLock::new()).collect(),
-            unopened: OPEN_WHEN_COPIED.with(Cell::get),
+            unopened,
             saved: (0..maps.len()).map(|_| OnceLock::new()).collect(),
             maps,
             transforms: &built.transforms,

@@ -23,8 +23,11 @@ use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
 use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
 
+mod checkpoint;
 mod read;
 mod write;
+
+pub use checkpoint::{read_checkpoint, TorchSave};
 
 pub use read::{
     read, read_cached, read_with_extra, Archive, Extra, Leaf, SavedTensor, TorchGlobals,

@@ -289,7 +289,7 @@ fn read_legacy(bytes: &[u8]) -> Result<Archive> {
     if protocol.as_int() != Some(LEGACY_PROTOCOL) || matches!(protocol, Value::Bool(_)) {
         return Err(Error::invalid(format!(
             "legacy torch.save file has protocol version {}, not {LEGACY_PROTOCOL}",
-            crate::inspect::to_json(&protocol)
+            protocol.to_json()
         ))
         .at(at as u64));
     }
