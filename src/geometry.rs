@@ -3,7 +3,78 @@
 //! A box is an N-d hyper-rectangle given by per-dimension offsets and sizes, exactly DCP's
 //! `ChunkStorageMetadata`. Everything here is pure arithmetic; callers decide what a result means.
 
-use crate::model::numel;
+/// Product of a shape, `None` on overflow. The empty shape (0-dim) has one element.
+pub fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// True when `strides` are the row-major contiguous strides of `sizes`.
+pub fn is_contiguous(sizes: &[u64], strides: &[u64]) -> bool {
+    let mut expected = 1u64;
+    for (&size, &stride) in sizes.iter().zip(strides).rev() {
+        if stride != expected {
+            return false;
+        }
+        expected = expected.saturating_mul(size);
+    }
+    sizes.len() == strides.len()
+}
+
+/// Row-major contiguous strides, in elements.
+pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+    }
+    strides
+}
+
+/// The boxes (offsets, sizes) that elements `[lo, hi)` of a row-major tensor of `shape` make, in
+/// order: at most `2 * (ndim - 1) + 1`, each a contiguous run of the flat elements. A flat
+/// range of a 1-D buffer (an FSDP1 flat parameter, a ZeRO partition, a Megatron
+/// `flattened_range`) is so expressed as ordinary pieces of the tensor it holds.
+pub fn flat_range_boxes(shape: &[u64], lo: u64, hi: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
+    if lo >= hi {
+        return Vec::new();
+    }
+    let Some((&rows, rest)) = shape.split_first() else {
+        return vec![(Vec::new(), Vec::new())];
+    };
+    let inner = numel(rest).unwrap_or(0);
+    if inner == 0 {
+        return Vec::new();
+    }
+    let row = |r: u64, sub: Vec<(Vec<u64>, Vec<u64>)>| {
+        sub.into_iter().map(move |(mut o, mut s)| {
+            o.insert(0, r);
+            s.insert(0, 1);
+            (o, s)
+        })
+    };
+    let (r0, c0) = (lo / inner, lo % inner);
+    let (r1, c1) = (hi / inner, hi % inner);
+    let mut out = Vec::new();
+    if r0 == r1 {
+        out.extend(row(r0, flat_range_boxes(rest, c0, c1)));
+        return out;
+    }
+    let mut first_full = r0;
+    if c0 != 0 {
+        out.extend(row(r0, flat_range_boxes(rest, c0, inner)));
+        first_full += 1;
+    }
+    if r1 > first_full {
+        let mut o = vec![first_full];
+        o.extend(std::iter::repeat_n(0, rest.len()));
+        let mut s = vec![r1 - first_full];
+        s.extend_from_slice(rest);
+        out.push((o, s));
+    }
+    if c1 != 0 && r1 < rows {
+        out.extend(row(r1, flat_range_boxes(rest, 0, c1)));
+    }
+    out
+}
 
 /// An N-d box: `offsets[d] .. offsets[d] + sizes[d]` in each dimension.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

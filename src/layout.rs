@@ -45,6 +45,17 @@ pub enum Listing {
 impl Listing {
     /// What is at `path`, listed once: a directory's entries, or the file itself.
     pub fn of(path: &Path) -> Result<Listing> {
+        // In an object store a directory is a prefix: one LIST tells it and lists it, where a
+        // HEAD (is it an object?) and a LIST (is anything below it?) would come first.
+        if storage::is_remote(path) {
+            let entries = storage::listing(path)?;
+            if !entries.is_empty() {
+                return Ok(Listing::Dir {
+                    path: path.to_path_buf(),
+                    entries,
+                });
+            }
+        }
         match storage::stat(path)? {
             Some(stat @ Stat::File(_)) => Ok(Listing::File(Entry {
                 path: path.to_path_buf(),

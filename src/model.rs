@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+pub use crate::geometry::{contiguous_strides, is_contiguous, numel};
 use crate::pickle::Value;
 
 /// On-disk layouts ckpt reads and writes.
@@ -445,36 +446,10 @@ fn effective_key_path(name: &str, path: &[KeyPart]) -> Vec<KeyPart> {
     }
 }
 
-/// Product of a shape, `None` on overflow. The empty shape (0-dim) has one element.
-pub fn numel(shape: &[u64]) -> Option<u64> {
-    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
-}
-
-/// True when `strides` are the row-major contiguous strides of `sizes`.
-pub fn is_contiguous(sizes: &[u64], strides: &[u64]) -> bool {
-    let mut expected = 1u64;
-    for (&size, &stride) in sizes.iter().zip(strides).rev() {
-        if stride != expected {
-            return false;
-        }
-        expected = expected.saturating_mul(size);
-    }
-    sizes.len() == strides.len()
-}
-
-/// Row-major contiguous strides, in elements.
 /// A shape as [`Encoding::Saved`] keeps it: a hash (an encoding is a few words, copied by value).
 pub fn shape_key(shape: &[u64]) -> u64 {
     let bytes: Vec<u8> = shape.iter().flat_map(|d| d.to_le_bytes()).collect();
     xxhash_rust::xxh3::xxh3_64(&bytes)
-}
-
-pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
-    let mut strides = vec![1u64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
-    }
-    strides
 }
 
 /// The name FSDP1 gives a unit's flattened parameters, after the unit's prefix: an FSDP1

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::formats::dcp;
 use crate::formats::torch_save::{self, Extra, Leaf};
+use crate::geometry::flat_range_boxes;
 use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
     contiguous_strides, numel, Checkpoint, Format, KeyPart, NonTensor, Pieces, Tensor,
@@ -314,49 +315,6 @@ fn restore_shape(t: &mut Tensor, orig: &[u64]) -> Result<()> {
 /// Row-major index of `at` in `shape`.
 fn flat_index(shape: &[u64], at: &[u64]) -> u64 {
     at.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
-}
-
-/// The boxes (offsets, sizes) of `shape` that the row-major elements `start..end` fill, in
-/// order: each box is contiguous in that order, so its elements are one run of the source. At
-/// most `2 * ndim - 1` boxes.
-fn flat_range_boxes(shape: &[u64], mut start: u64, end: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
-    let n = shape.len();
-    let mut out = Vec::new();
-    if n == 0 {
-        if start < end {
-            out.push((Vec::new(), Vec::new()));
-        }
-        return out;
-    }
-    while start < end {
-        // The widest run of whole trailing dims that starts at `start` and fits before `end`.
-        let mut k = 0;
-        let mut run = 1u64;
-        while k + 1 < n {
-            let d = n - 1 - k;
-            let bigger = run * shape[d];
-            if start % bigger != 0 || start + bigger > end {
-                break;
-            }
-            run = bigger;
-            k += 1;
-        }
-        let d = n - 1 - k;
-        let at = (start / run) % shape[d];
-        let count = ((end - start) / run).min(shape[d] - at);
-        let mut offsets = vec![0u64; n];
-        let mut rest = start;
-        for i in (0..n).rev() {
-            offsets[i] = rest % shape[i];
-            rest /= shape[i];
-        }
-        let mut sizes = vec![1u64; n];
-        sizes[d] = count;
-        sizes[d + 1..].copy_from_slice(&shape[d + 1..]);
-        out.push((offsets, sizes));
-        start += count * run;
-    }
-    out
 }
 
 /// `argparse.Namespace`, the one class `common.pt` may name beyond torch.save's own.

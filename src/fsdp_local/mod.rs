@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::geometry::flat_range_boxes;
 use crate::model::{
     is_flat_param, Checkpoint, Encoding, Format, KeyPart, PieceRef, Pieces, Tensor, FLAT_PARAM,
     SHAPES_HINT,
@@ -625,7 +626,7 @@ fn cut(flat: &Tensor, chunks: &[PieceRef], entry: &RefEntry, slot: &Slot) -> Res
                 .at(p.offset()));
         }
         let mut byte = p.offset() + (a - o) * elem;
-        for (offsets, sizes) in boxes(&entry.shape, a - lo, b - lo) {
+        for (offsets, sizes) in flat_range_boxes(&entry.shape, a - lo, b - lo) {
             let n = crate::model::numel(&sizes).unwrap_or(0);
             // Each box is a contiguous run of the rank's bytes: row-major in its own sizes.
             let box_strides = crate::model::contiguous_strides(&sizes);
@@ -660,51 +661,6 @@ fn cut(flat: &Tensor, chunks: &[PieceRef], entry: &RefEntry, slot: &Slot) -> Res
         shape: entry.shape.clone(),
         pieces,
     })
-}
-
-/// The boxes (offsets, sizes) that elements `[lo, hi)` of a row-major tensor of `shape` make, in
-/// order: at most `2 * (ndim - 1) + 1`, each a contiguous run of the flat elements.
-pub fn boxes(shape: &[u64], lo: u64, hi: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
-    if lo >= hi {
-        return Vec::new();
-    }
-    let Some((&rows, rest)) = shape.split_first() else {
-        return vec![(Vec::new(), Vec::new())];
-    };
-    let inner = crate::model::numel(rest).unwrap_or(0);
-    if inner == 0 {
-        return Vec::new();
-    }
-    let row = |r: u64, sub: Vec<(Vec<u64>, Vec<u64>)>| {
-        sub.into_iter().map(move |(mut o, mut s)| {
-            o.insert(0, r);
-            s.insert(0, 1);
-            (o, s)
-        })
-    };
-    let (r0, c0) = (lo / inner, lo % inner);
-    let (r1, c1) = (hi / inner, hi % inner);
-    let mut out = Vec::new();
-    if r0 == r1 {
-        out.extend(row(r0, boxes(rest, c0, c1)));
-        return out;
-    }
-    let mut first_full = r0;
-    if c0 != 0 {
-        out.extend(row(r0, boxes(rest, c0, inner)));
-        first_full += 1;
-    }
-    if r1 > first_full {
-        let mut o = vec![first_full];
-        o.extend(std::iter::repeat_n(0, rest.len()));
-        let mut s = vec![r1 - first_full];
-        s.extend_from_slice(rest);
-        out.push((o, s));
-    }
-    if c1 != 0 && r1 < rows {
-        out.extend(row(r1, boxes(rest, 0, c1)));
-    }
-    out
 }
 
 /// The rebuilt tensor's nesting: the flat parameter's, with its last step renamed. A DCP state

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 /// Every element of `[lo, hi)` exactly once, in order, each box contiguous, at most
 /// 2*(ndim-1)+1 boxes.
 fn check(shape: &[u64], lo: u64, hi: u64) {
-    let bs = boxes(shape, lo, hi);
+    let bs = flat_range_boxes(shape, lo, hi);
     let strides = contiguous_strides(shape);
     let mut next = lo;
     for (o, s) in &bs {
@@ -34,10 +34,10 @@ fn flat_ranges_decompose_into_contiguous_boxes() {
             }
         }
     }
-    assert_eq!(boxes(&[], 0, 1), vec![(vec![], vec![])]);
-    assert!(boxes(&[0, 3], 0, 0).is_empty());
+    assert_eq!(flat_range_boxes(&[], 0, 1), vec![(vec![], vec![])]);
+    assert!(flat_range_boxes(&[0, 3], 0, 0).is_empty());
     assert_eq!(
-        boxes(&[3, 4], 2, 11),
+        flat_range_boxes(&[3, 4], 2, 11),
         vec![
             (vec![0, 2], vec![1, 2]),
             (vec![1, 0], vec![1, 4]),
