@@ -1375,18 +1375,12 @@ fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
             let needed = needed.max(had.saturating_mul(2));
             let mut item = vec![0u8; item_length as usize];
             src.read_at(item_offset, &mut item)?;
-            let decoded = match fill.encoding {
-                Encoding::Deflate { .. } => crate::formats::zip::inflate_prefix(&item, needed),
-                Encoding::Saved { numel, shape, .. } => {
-                    crate::formats::dcp::saved_elements(&item, fill.dtype, numel, shape)
-                }
-                _ => crate::formats::dcp::decompress_prefix(&item, needed),
-            }
-            .map_err(|e| match fill.encoding {
-                // The archive's own offsets, made file offsets as the reader makes them.
-                Encoding::Saved { .. } => e.file(src.path()).within(item_offset),
-                _ => e.file(src.path()).at(item_offset),
-            })?;
+            let decoded = crate::formats::codec::decode(&fill.encoding, &item, needed, fill.dtype)
+                .map_err(|e| match fill.encoding {
+                    // The archive's own offsets, made file offsets as the reader makes them.
+                    Encoding::Saved { .. } => e.file(src.path()).within(item_offset),
+                    _ => e.file(src.path()).at(item_offset),
+                })?;
             *cell = Some(((fill.input, item_offset), decoded));
         }
         Ok(FillSource::Decoded(src, item_offset))

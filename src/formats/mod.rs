@@ -4,6 +4,7 @@
 //! around tensor data), which the planner places and the executor writes. Every layout ckpt reads
 //! is one entry of [`LAYOUTS`].
 
+pub mod codec;
 pub mod dcp;
 pub mod hf_index;
 pub mod megatron;

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::codec;
 use crate::formats::torch_save::{self, Leaf};
 use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
@@ -635,7 +636,8 @@ impl<'a> Files<'a> {
                 .unwrap_or(u64::MAX)
                 .saturating_mul(dtype.size() as u64);
             let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
-            decoded = decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
+            decoded =
+                codec::zstd_decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
             &decoded
         } else {
             bytes
@@ -685,7 +687,7 @@ impl<'a> Files<'a> {
         let bytes: &[u8] = &view;
         let decoded;
         let bytes: &[u8] = if zstd {
-            decoded = decompress(bytes, MAX_VALUE_BYTES)?;
+            decoded = codec::zstd_decompress(bytes, MAX_VALUE_BYTES)?;
             &decoded
         } else {
             bytes
@@ -828,35 +830,6 @@ pub fn saved_elements(item: &[u8], dtype: DType, numel: u64, shape: u64) -> Resu
             }
             idx[d] = 0;
         }
-    }
-    Ok(out)
-}
-
-/// The first `len` bytes of a zstd item (fewer if it is shorter).
-pub fn decompress_prefix(item: &[u8], len: u64) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
-    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
-    let mut out = Vec::new();
-    decoder.take(len).read_to_end(&mut out).map_err(fail)?;
-    Ok(out)
-}
-
-/// A whole zstd item, refused when it decompresses to more than `limit` bytes.
-pub fn decompress(item: &[u8], limit: u64) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
-    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
-    let mut out = Vec::new();
-    decoder
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut out)
-        .map_err(fail)?;
-    if out.len() as u64 > limit {
-        return Err(Error::invalid(format!(
-            "zstd item decompresses to more than {limit} bytes, larger than its metadata allows"
-        ))
-        .hint("the item may be a decompression bomb; ckpt stops before filling memory"));
     }
     Ok(out)
 }
