@@ -38,6 +38,10 @@ pub struct Cli {
     /// model.named_parameters(), or a SHARDED checkpoint of the same model.
     #[arg(long, global = true, value_name = "REF")]
     shapes_from: Option<PathBuf>,
+    /// Which saved tag to read where a checkpoint directory holds several (DeepSpeed's
+    /// `global_stepN`); by default the one its `latest` file names.
+    #[arg(long, global = true, value_name = "TAG")]
+    tag: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -237,12 +241,15 @@ pub fn to_stderr(line: std::fmt::Arguments) {
 
 /// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
 pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
-    let shapes_from = cli.shapes_from.as_deref();
+    let reading = Reading {
+        shapes_from: cli.shapes_from.as_deref(),
+        tag: cli.tag.as_deref(),
+    };
     match cli.command {
-        Command::Inspect(args) => inspect(args, shapes_from),
-        Command::Verify(args) => verify(args, shapes_from),
-        Command::Consolidate(args) => consolidate(args, shapes_from, &cancel),
-        Command::Reshard(args) => reshard(args, shapes_from, &cancel),
+        Command::Inspect(args) => inspect(args, reading),
+        Command::Verify(args) => verify(args, reading),
+        Command::Consolidate(args) => consolidate(args, reading, &cancel),
+        Command::Reshard(args) => reshard(args, reading, &cancel),
         Command::GenerateShellCompletion(args) => completion(args),
     }
 }
@@ -258,12 +265,8 @@ fn completion(args: CompletionArgs) -> Result<i32> {
 }
 
 /// `ckpt inspect`: the report as a table or as JSON.
-fn inspect(args: InspectArgs, shapes_from: Option<&Path>) -> Result<i32> {
-    let ckpt = read(
-        &Source::new(args.path)?,
-        &ReadOptions::default(),
-        shapes_from,
-    )?;
+fn inspect(args: InspectArgs, reading: Reading) -> Result<i32> {
+    let ckpt = read(&Source::new(args.path)?, reading, false)?;
     let sel = Selection::new(&args.filters, &[], &[])?;
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {
@@ -279,7 +282,7 @@ fn inspect(args: InspectArgs, shapes_from: Option<&Path>) -> Result<i32> {
 
 /// `ckpt verify`: the checkpoint's problems, then (if it is sound) the comparisons and manifests
 /// that need its data. Exit 1 when anything was found.
-fn verify(args: VerifyArgs, shapes_from: Option<&Path>) -> Result<i32> {
+fn verify(args: VerifyArgs, reading: Reading) -> Result<i32> {
     let VerifyArgs {
         path,
         json,
@@ -293,15 +296,16 @@ fn verify(args: VerifyArgs, shapes_from: Option<&Path>) -> Result<i32> {
         deep,
         threads: run.threads,
         io: run.io.into(),
-        shapes_from,
+        shapes_from: reading.shapes_from,
+        tag: reading.tag,
     };
     let input = Source::new(path)?;
     let mut report = verify::verify_input(&input, &opts)?;
     let needs_data = against.is_some() || write_manifest.is_some() || manifest.is_some();
     if needs_data && report.is_sound() {
-        let ckpt = read(&input, &ReadOptions::default(), shapes_from)?;
+        let ckpt = read(&input, reading, false)?;
         if let Some(other) = &against {
-            let b = read(&Source::one(other), &ReadOptions::default(), shapes_from)?;
+            let b = read(&Source::one(other), reading, false)?;
             report
                 .problems
                 .extend(verify::compare(&ckpt, &b, &opts, 20)?);
@@ -369,11 +373,7 @@ fn verify(args: VerifyArgs, shapes_from: Option<&Path>) -> Result<i32> {
 
 /// `ckpt consolidate`: the FULL target follows from `--format`, `--max-shard-size` and the
 /// output's name.
-fn consolidate(
-    args: ConsolidateArgs,
-    shapes_from: Option<&Path>,
-    cancel: &AtomicBool,
-) -> Result<i32> {
+fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> Result<i32> {
     let name = args
         .output
         .file_name()
@@ -414,7 +414,7 @@ fn consolidate(
     let input = Source::new(args.path)?;
     let job = Conversion {
         input: &input,
-        shapes_from,
+        reading,
         output: &args.output,
         kind,
         select: &args.select,
@@ -426,7 +426,7 @@ fn consolidate(
 }
 
 /// `ckpt reshard`: a SHARDED target over a mesh, some tensors possibly replicated whole.
-fn reshard(args: ReshardArgs, shapes_from: Option<&Path>, cancel: &AtomicBool) -> Result<i32> {
+fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i32> {
     let (shape, placements) = match (args.world_size, &args.mesh) {
         (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
         (None, Some(m)) => (
@@ -471,7 +471,7 @@ fn reshard(args: ReshardArgs, shapes_from: Option<&Path>, cancel: &AtomicBool) -
     let input = Source::new(args.path)?;
     let job = Conversion {
         input: &input,
-        shapes_from,
+        reading,
         output: &args.output,
         kind: OutputKind::Dir,
         select: &args.select,
@@ -482,9 +482,23 @@ fn reshard(args: ReshardArgs, shapes_from: Option<&Path>, cancel: &AtomicBool) -
     convert(&job, target_of)
 }
 
+/// How every checkpoint a command reads is read: the global flags.
+#[derive(Clone, Copy, Debug, Default)]
+struct Reading<'a> {
+    /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
+    shapes_from: Option<&'a Path>,
+    /// `--tag`: which of a DeepSpeed directory's tags.
+    tag: Option<&'a str>,
+}
+
 /// Read a checkpoint, an FSDP1 LOCAL one resolved with `--shapes-from`.
-fn read(source: &Source, opts: &ReadOptions, shapes_from: Option<&Path>) -> Result<Checkpoint> {
-    crate::fsdp_local::apply(source.read(opts)?, shapes_from)
+fn read(source: &Source, reading: Reading, open_items_when_copied: bool) -> Result<Checkpoint> {
+    let opts = ReadOptions {
+        open_items_when_copied,
+        tag: reading.tag,
+        ..ReadOptions::default()
+    };
+    crate::fsdp_local::apply(source.read(&opts)?, reading.shapes_from)
 }
 
 /// Write a small file (a manifest) under a temporary name, then rename it into place.
@@ -524,8 +538,8 @@ impl From<Io> for IoMode {
 /// reshard's depends on the names left after selection.
 struct Conversion<'a> {
     input: &'a Source,
-    /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
-    shapes_from: Option<&'a Path>,
+    /// How the input is read (`--shapes-from`, `--tag`).
+    reading: Reading<'a>,
     output: &'a Path,
     kind: OutputKind,
     select: &'a SelectArgs,
@@ -550,11 +564,7 @@ fn convert(
     } = *job;
     let started = Instant::now();
     // Every item read is copied: small ones in object storage are opened when copied.
-    let opts = ReadOptions {
-        open_items_when_copied: true,
-        ..ReadOptions::default()
-    };
-    let ckpt = read(input, &opts, job.shapes_from)?;
+    let ckpt = read(input, job.reading, true)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -585,7 +595,7 @@ fn convert(
             select.exclude,
             select.strip_prefix,
             part.count,
-            crate::fsdp_local::fingerprint(job.shapes_from)?,
+            crate::fsdp_local::fingerprint(job.reading.shapes_from)?,
         );
         return convert_part(job, part, &description, &ckpt, &plan, started);
     }

@@ -16,6 +16,9 @@ pub struct Report<'a> {
     pub format: &'static str,
     pub state_dict_type: &'static str,
     pub world_size: Option<usize>,
+    /// What the layout says of itself (DeepSpeed's ZeRO stage and tag), in the order it says it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub details: Vec<Detail<'a>>,
     /// The finest way a tensor is cut: the number of pieces along each cut dim (`[4]` for FSDP over
     /// 4 ranks, `[2, 2]` for Shard(0),Shard(1) on a 2x2 mesh). DCP does not record the device
     /// mesh, so this is read off the pieces; null when no tensor is cut.
@@ -32,6 +35,13 @@ pub struct Report<'a> {
     /// An FSDP1 LOCAL_STATE_DICT checkpoint read without `--shapes-from`; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fsdp_local: Option<LocalReport<'a>>,
+}
+
+/// One thing a layout says of itself.
+#[derive(Debug, Serialize)]
+pub struct Detail<'a> {
+    pub what: &'a str,
+    pub value: &'a str,
 }
 
 /// What an FSDP1 LOCAL checkpoint lacks: its tensors are flat parameters, not the model's.
@@ -191,6 +201,11 @@ pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'
         format: ckpt.format.name(),
         state_dict_type: ckpt.state_dict_type().name(),
         world_size: ckpt.world_size,
+        details: ckpt
+            .details
+            .iter()
+            .map(|(what, value)| Detail { what, value })
+            .collect(),
         mesh: inferred_mesh(ckpt),
         tensor_count: tensors.len(),
         total_bytes,
@@ -272,6 +287,10 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(s, "state dict type: {}", report.state_dict_type);
     let ws = report.world_size.map_or("-".to_string(), |w| w.to_string());
     let _ = writeln!(s, "world size:      {ws}");
+    for d in &report.details {
+        let label = format!("{}:", d.what);
+        let _ = writeln!(s, "{label:<16} {}", d.value);
+    }
     if let Some(mesh) = &report.mesh {
         let cut: Vec<String> = mesh.iter().map(|n| n.to_string()).collect();
         // DCP does not record the mesh; per-rank DTensors do, and their pieces follow it.

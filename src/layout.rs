@@ -134,6 +134,9 @@ pub struct ReadOptions<'a> {
     /// Where problems a reader can step past (one broken item, one unreadable file among
     /// several) go, so `verify` lists them all; without it the first is the read's error.
     pub problems: Option<&'a Problems>,
+    /// Which saved tag to read where a checkpoint directory holds several (DeepSpeed's
+    /// `global_stepN`; without it, the one `latest` names).
+    pub tag: Option<&'a str>,
 }
 
 impl ReadOptions<'_> {

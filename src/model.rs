@@ -36,6 +36,8 @@ pub enum Format {
     /// Megatron-core `dist_checkpointing` with the `torch_dist` backend: a DCP directory plus
     /// `metadata.json` and `common.pt`.
     MegatronTorchDist,
+    /// DeepSpeed ZeRO (stages 1-3): model and optimizer states per data-parallel rank.
+    DeepSpeedZero,
 }
 
 impl Format {
@@ -49,6 +51,7 @@ impl Format {
             Format::TorchSave => "torch-save",
             Format::PerRankTorchSave => "per-rank-torch-save",
             Format::MegatronTorchDist => "megatron-torch-dist",
+            Format::DeepSpeedZero => "deepspeed-zero",
         }
     }
 
@@ -57,7 +60,8 @@ impl Format {
             Format::Dcp
             | Format::DcpSafetensors
             | Format::PerRankTorchSave
-            | Format::MegatronTorchDist => StateDictType::Sharded,
+            | Format::MegatronTorchDist
+            | Format::DeepSpeedZero => StateDictType::Sharded,
             Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
                 StateDictType::Full
             }
@@ -98,6 +102,9 @@ pub struct Checkpoint {
     /// Tensors of a dtype ckpt cannot carry, by name: a selection may leave them out before
     /// [`Checkpoint::check_supported`] refuses the checkpoint for them.
     pub unsupported: Vec<Unsupported>,
+    /// What the layout says of itself beyond the tensors, for `inspect` (DeepSpeed's ZeRO stage
+    /// and tag): (what, value).
+    pub details: Vec<(String, String)>,
 }
 
 /// A tensor whose dtype ckpt does not support (`torch.bits8`, safetensors `F4`).

@@ -1266,6 +1266,7 @@ mod tests {
             tensors: vec![tensor_of_boxes(&[8, 10], &boxes)],
             values: Vec::new(),
             unsupported: Vec::new(),
+            details: Vec::new(),
         };
         let src = Sourcing::new(&ckpt, &PlanOptions::default()).unwrap();
         let b = NdBox {
@@ -1315,6 +1316,7 @@ mod tests {
                 raw: None,
             }],
             unsupported: Vec::new(),
+            details: Vec::new(),
         };
         let mesh = MeshSpec {
             shape: vec![2],

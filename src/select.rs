@@ -123,6 +123,7 @@ mod tests {
                     file: PathBuf::from("m.pt"),
                 })
                 .collect(),
+            details: Vec::new(),
         }
     }
 

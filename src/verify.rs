@@ -102,6 +102,8 @@ pub struct VerifyOptions<'a> {
     pub io: exec::IoMode,
     /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
     pub shapes_from: Option<&'a Path>,
+    /// `--tag`: which of a DeepSpeed directory's tags.
+    pub tag: Option<&'a str>,
 }
 
 /// The outcome, serialised by `--json`.
@@ -188,6 +190,7 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
     let problems = Problems::default();
     let read_opts = ReadOptions {
         problems: Some(&problems),
+        tag: opts.tag,
         ..ReadOptions::default()
     };
     let read = input
@@ -292,6 +295,7 @@ fn replica_problems(ckpt: &Checkpoint, opts: &VerifyOptions) -> Result<Vec<Probl
         tensors,
         values: Vec::new(),
         unsupported: Vec::new(),
+        details: Vec::new(),
     };
     let digests: BTreeMap<String, u64> = digests(&copy_ckpt, opts)?
         .into_iter()

@@ -101,6 +101,7 @@ fn full_model(specs: &[(DType, Vec<u64>)]) -> Checkpoint {
         tensors,
         values: vec![],
         unsupported: vec![],
+        details: Vec::new(),
     }
 }
 

@@ -195,6 +195,7 @@ pub fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
         tensors,
         values: Vec::new(),
         unsupported,
+        details: Vec::new(),
     })
 }
 

@@ -6,6 +6,7 @@
 
 pub mod codec;
 pub mod dcp;
+pub mod deepspeed;
 pub mod hf_index;
 pub mod megatron;
 pub mod per_rank;
@@ -22,6 +23,7 @@ use crate::layout::Layout;
 /// file of a kind.
 pub static LAYOUTS: &[&dyn Layout] = &[
     &megatron::Megatron,
+    &deepspeed::DeepSpeed,
     &dcp::Dcp,
     &hf_index::HfIndex,
     &dcp::hf::DcpHf,

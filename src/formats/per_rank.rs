@@ -802,6 +802,7 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         tensors: merged.tensors.into_iter().map(|(t, _)| t).collect(),
         values: merged.values.into_iter().map(|(v, _)| v).collect(),
         unsupported: merged.unsupported,
+        details: Vec::new(),
     })
 }
 

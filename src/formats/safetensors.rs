@@ -388,6 +388,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         tensors,
         values: Vec::new(),
         unsupported: unsupported(&header, &file),
+        details: Vec::new(),
     })
 }
 

@@ -104,6 +104,7 @@ fn ckpt(tensors: Vec<Tensor>) -> Checkpoint {
         tensors,
         values: Vec::new(),
         unsupported: Vec::new(),
+        details: Vec::new(),
     }
 }
 

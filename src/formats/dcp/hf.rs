@@ -266,6 +266,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         tensors,
         values: Vec::new(),
         unsupported,
+        details: Vec::new(),
     })
 }
 

@@ -164,6 +164,7 @@ pub fn read_extended(
         tensors,
         values,
         unsupported,
+        details: Vec::new(),
     };
     Ok((ckpt, rest.fields))
 }

@@ -125,6 +125,7 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
         tensors,
         values,
         unsupported,
+        details: Vec::new(),
     })
 }
 
