@@ -23,6 +23,9 @@ pub struct Tag {
     /// `global_step3`, or the directory's own name when it was given itself.
     pub name: String,
     pub dir: PathBuf,
+    /// Weights exported beside the DeepSpeed state (a Hugging Face Trainer's `checkpoint-N/`
+    /// holds `model.safetensors` too): their names, for `inspect` to point at.
+    pub beside: Vec<String>,
 }
 
 impl Tag {
@@ -41,11 +44,13 @@ impl Tag {
                 Some(e) if e.is_dir() => Ok(Tag {
                     name: tag.to_string(),
                     dir: e.path.clone(),
+                    beside: exports(&entries),
                 }),
                 _ if own_name() == tag && entries.iter().any(|e| is_states_file(e.name())) => {
                     Ok(Tag {
                         name: tag.to_string(),
                         dir: path.to_path_buf(),
+                        beside: Vec::new(),
                     })
                 }
                 _ => Err(Error::usage(format!("--tag {tag}: no such tag directory"))
@@ -60,6 +65,7 @@ impl Tag {
             return Ok(Tag {
                 name: own_name(),
                 dir: path.to_path_buf(),
+                beside: Vec::new(),
             });
         }
         let Some(latest) = named(LATEST).filter(|e| e.is_file()) else {
@@ -82,6 +88,7 @@ impl Tag {
             Some(e) if e.is_dir() => Ok(Tag {
                 dir: e.path.clone(),
                 name,
+                beside: exports(&entries),
             }),
             _ => Err(Error::invalid(format!(
                 "`latest` names the tag `{name}`, which is not here"
@@ -90,6 +97,21 @@ impl Tag {
             .hint(tags_hint(&entries))),
         }
     }
+}
+
+/// The weights files a directory holds beside a DeepSpeed save.
+fn exports(entries: &[Entry]) -> Vec<String> {
+    entries
+        .iter()
+        .filter(|e| e.is_file())
+        .map(|e| e.name())
+        .filter(|n| {
+            n.ends_with(".safetensors")
+                || n.ends_with(".safetensors.index.json")
+                || *n == "pytorch_model.bin"
+        })
+        .map(str::to_string)
+        .collect()
 }
 
 /// The hint listing the tags a directory holds, for `--tag`.

@@ -85,6 +85,23 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     }
     aliases(&model[0], &mut out)?;
     let (tensors, values) = out.finish();
+    let mut details: Vec<(String, String)> = vec![
+        ("zero stage".into(), stage.to_string()),
+        ("tag".into(), tag.name.clone()),
+        (
+            "training dtype".into(),
+            training_dtype(&model[0], &optim[0]),
+        ),
+    ];
+    if !tag.beside.is_empty() {
+        details.push((
+            "also here".into(),
+            format!(
+                "{}: weights exported beside the DeepSpeed state, which is what is read here; point ckpt at that file to read it instead",
+                tag.beside.join(", ")
+            ),
+        ));
+    }
     Ok(Checkpoint {
         root: tag.dir.clone(),
         format: Format::DeepSpeedZero,
@@ -92,14 +109,7 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
         tensors,
         values,
         unsupported: Vec::new(),
-        details: vec![
-            ("zero stage".into(), stage.to_string()),
-            ("tag".into(), tag.name.clone()),
-            (
-                "training dtype".into(),
-                training_dtype(&model[0], &optim[0]),
-            ),
-        ],
+        details,
     })
 }
 
@@ -279,11 +289,7 @@ fn aliases(model: &StateFile, out: &mut Out) -> Result<()> {
 }
 
 /// Stages 1 and 2: each group's flat buffer in equal partitions over the ranks.
-fn partitioned_groups(
-    optim: &[StateFile],
-    groups: &[Group],
-    out: &mut Out,
-) -> Result<()> {
+fn partitioned_groups(optim: &[StateFile], groups: &[Group], out: &mut Out) -> Result<()> {
     let first = &optim[0];
     let alignment = first.value(&key(&[OPTIMIZER, "param_alignment_paddings"]));
     let state = key(&[OPTIMIZER, "base_optimizer_state", "state"]);
@@ -396,11 +402,7 @@ fn partitioned_groups(
 }
 
 /// Stage 3: each parameter cut on its own.
-fn per_parameter(
-    optim: &[StateFile],
-    groups: &[Group],
-    out: &mut Out,
-) -> Result<()> {
+fn per_parameter(optim: &[StateFile], groups: &[Group], out: &mut Out) -> Result<()> {
     let first = &optim[0];
     let world = optim.len() as u64;
     let inner = key(&[OPTIMIZER, OPTIMIZER]);
