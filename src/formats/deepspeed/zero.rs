@@ -41,11 +41,7 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
         .map(|p| StateFile::open(p))
         .collect::<Result<Vec<_>>>()?;
     let Some(first) = optim.first() else {
-        return Err(Error::invalid(
-            "no optimizer states (`*_optim_states.pt`) in this tag: a save without ZeRO is not read yet",
-        )
-        .file(&tag.dir)
-        .hint("ckpt reads ZeRO stage 1, 2 and 3 checkpoints"));
+        return unpartitioned(tag, &model);
     };
     let stage = first
         .value(&key(&[OPTIMIZER, "zero_stage"]))
@@ -110,6 +106,68 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
         values,
         unsupported: Vec::new(),
         details,
+    })
+}
+
+/// ZeRO stage 0 (no partitioning): the model states hold the whole `module` and the client
+/// optimizer's own `state_dict` (`optimizer`), keyed by parameter index as torch keys it (the
+/// file does not say which parameter an index is).
+fn unpartitioned(tag: &Tag, model: &[StateFile]) -> Result<Checkpoint> {
+    let [file] = model else {
+        return Err(Error::invalid(format!(
+            "{} model state files and no optimizer states: not a save ckpt knows",
+            model.len()
+        ))
+        .file(&tag.dir));
+    };
+    let mut tensors = Vec::new();
+    let mut values = Vec::new();
+    for (k, leaf) in &file.archive.leaves {
+        let (section, rest) = match k.split_first() {
+            Some((KeyPart::Key(s), rest)) if s == "module" => ("model", rest),
+            Some((KeyPart::Key(s), rest)) if s == "optimizer" => ("optim", rest),
+            _ => continue,
+        };
+        let mut key_path = vec![KeyPart::Key(section.into())];
+        key_path.extend(rest.iter().cloned());
+        let name = KeyPart::flat_name(&key_path);
+        match leaf {
+            crate::formats::torch_save::Leaf::Tensor(_) => {
+                let (dtype, shape, pieces) = file.whole(k)?;
+                tensors.push(Tensor {
+                    name,
+                    key_path,
+                    dtype,
+                    shape,
+                    pieces,
+                });
+            }
+            crate::formats::torch_save::Leaf::Value(v) if *v != Value::None => {
+                values.push(NonTensor {
+                    name,
+                    key_path,
+                    value: Some(v.clone()),
+                    raw: None,
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(Checkpoint {
+        root: tag.dir.clone(),
+        format: Format::DeepSpeedZero,
+        // Every rank saved the same; `dp_world_size` says how many there were.
+        world_size: file
+            .value(&key(&["dp_world_size"]))
+            .and_then(Value::as_int)
+            .and_then(|n| usize::try_from(n).ok()),
+        tensors,
+        values,
+        unsupported: Vec::new(),
+        details: vec![
+            ("zero stage".into(), "0".into()),
+            ("tag".into(), tag.name.clone()),
+        ],
     })
 }
 
