@@ -14,6 +14,7 @@ tensor}, "optim": {flat key: tensor or value}}, every DTensor gathered with `ful
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -81,8 +82,15 @@ def main() -> None:
     held = {"model": gathered(msd), "optim": gathered(osd)}
     if dist.get_rank() == 0:
         torch.save(held, out)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # All work is done and saved. gloo's background threads can abort the interpreter's own
+    # teardown ("terminate called without an active exception"), failing a finished run, so leave
+    # without it (as torchrun_load.py does).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,6 +9,10 @@ use crate::storage::{self, Entry, Stat};
 
 /// The file naming the tag the last save wrote.
 pub const LATEST: &str = "latest";
+/// The file `ds_to_universal` writes beside the tags, naming the Universal Checkpoint it made.
+pub const LATEST_UNIVERSAL: &str = "latest_universal";
+/// A Universal Checkpoint's folder of per-parameter files, in its tag's directory.
+pub const UNIVERSAL_DIR: &str = "zero";
 /// `latest` is a tag name: a few bytes.
 const MAX_LATEST_BYTES: u64 = 4096;
 
@@ -68,7 +72,11 @@ impl Tag {
                 beside: Vec::new(),
             });
         }
-        let Some(latest) = named(LATEST).filter(|e| e.is_file()) else {
+        // A save's own tag first; a Universal Checkpoint when it is all there is.
+        let latest = named(LATEST)
+            .filter(|e| e.is_file())
+            .or_else(|| named(LATEST_UNIVERSAL).filter(|e| e.is_file()));
+        let Some(latest) = latest else {
             return Err(Error::invalid("no `latest` file and no model states here")
                 .file(path)
                 .hint(tags_hint(&entries)));
@@ -91,7 +99,8 @@ impl Tag {
                 beside: exports(&entries),
             }),
             _ => Err(Error::invalid(format!(
-                "`latest` names the tag `{name}`, which is not here"
+                "`{}` names the tag `{name}`, which is not here",
+                latest.name()
             ))
             .file(&latest.path)
             .hint(tags_hint(&entries))),

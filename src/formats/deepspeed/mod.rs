@@ -24,6 +24,7 @@
 //! refused as for any torch.save file.
 
 mod files;
+mod universal;
 mod zero;
 
 use std::collections::HashMap;
@@ -39,7 +40,7 @@ use crate::model::{Checkpoint, DataRef, Encoding, KeyPart, Piece, Pieces};
 use crate::pickle::{Globals, Object, Value};
 use crate::storage::{self, Access};
 
-pub use files::LATEST;
+pub use files::{LATEST, LATEST_UNIVERSAL};
 
 /// A DeepSpeed checkpoint directory (with `latest`), one tag's directory, or a Hugging Face
 /// Trainer `checkpoint-N/` that holds one.
@@ -56,7 +57,8 @@ impl Layout for DeepSpeed {
                 let holds_states = entries
                     .iter()
                     .any(|e| e.is_file() && files::is_states_file(e.name()));
-                (holds_states || at.file_named(LATEST).is_some()).then(|| Found::at(path))
+                let named = at.file_named(LATEST).or(at.file_named(LATEST_UNIVERSAL));
+                (holds_states || named.is_some()).then(|| Found::at(path))
             }
             // One of a tag's files stands for the tag's directory.
             Listing::File(f) if files::is_states_file(f.name()) => f.path.parent().map(Found::at),
@@ -73,6 +75,10 @@ impl Layout for DeepSpeed {
 /// directory), or a tag's directory itself.
 pub fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let tag = files::Tag::find(path, opts.tag)?;
+    let universal = tag.dir.join(files::UNIVERSAL_DIR);
+    if storage::is_dir(&universal) {
+        return universal::read(&tag, &universal);
+    }
     let set = files::Set::list(&tag.dir)?;
     zero::read(&tag, &set)
 }
@@ -145,6 +151,12 @@ struct StateFile {
 
 impl StateFile {
     fn open(path: &Path) -> Result<StateFile> {
+        let name = PathBuf::from(path.file_name().unwrap_or_default());
+        StateFile::open_as(path, name)
+    }
+
+    /// [`StateFile::open`], its pieces naming it `name` (relative to the checkpoint's root).
+    fn open_as(path: &Path, name: PathBuf) -> Result<StateFile> {
         let input = storage::Input::open(path, Access::Map)?;
         let bytes = input.zip_view(0, input.len())?;
         let extra = Extra {
@@ -160,9 +172,7 @@ impl StateFile {
             .collect();
         Ok(StateFile {
             path: path.to_path_buf(),
-            name: PathBuf::from(path.file_name().unwrap_or_default())
-                .as_path()
-                .into(),
+            name: name.as_path().into(),
             archive,
             index,
         })
