@@ -16,6 +16,9 @@ use crate::model::{Checkpoint, Format, KeyPart, NonTensor, Pieces, Tensor};
 use crate::pickle::Value;
 use crate::storage;
 
+/// Each parameter's shape, by name.
+type Shapes = HashMap<String, Vec<u64>>;
+
 /// The states `ds_to_universal` writes per parameter, and where each goes.
 const STATES: [(&str, Option<&str>); 4] = [
     ("fp32", None),
@@ -122,7 +125,7 @@ pub fn read(tag: &Tag, zero: &Path) -> Result<Checkpoint> {
 
 /// Each parameter's shape (stage 3's flat files need it) and the trainable parameters of each
 /// group, from the model states beside `zero/`.
-fn model_states(dir: &Path) -> Result<(HashMap<String, Vec<u64>>, Vec<Vec<String>>)> {
+fn model_states(dir: &Path) -> Result<(Shapes, Vec<Vec<String>>)> {
     let Listing::Dir { entries, .. } = Listing::of(dir)? else {
         return Ok(Default::default());
     };
