@@ -274,3 +274,14 @@ def test_reads_the_same_from_s3(tmp_path):
         assert json.loads(insp.stdout)["format"] == "deepspeed-zero"
     finally:
         server.stop()
+
+
+def test_parts_of_a_consolidation_make_the_whole(run_ckpt, tmp_path):
+    """Split over machines with `--part`, as for any layout: the parts' output is the whole's."""
+    whole = tmp_path / "whole.safetensors"
+    parts = tmp_path / "parts.safetensors"
+    assert run_ckpt("consolidate", DS / "zero3_bf16", "-o", whole).returncode == 0
+    for i in range(3):
+        proc = run_ckpt("consolidate", DS / "zero3_bf16", "-o", parts, "--part", f"{i}/3")
+        assert proc.returncode == 0, proc.stderr
+    assert parts.read_bytes() == whole.read_bytes()
