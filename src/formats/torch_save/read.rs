@@ -216,6 +216,7 @@ fn read_with(bytes: &[u8], cached: bool, extra: Option<&Extra<'_>>) -> Result<Ar
         Some(extra) => pickle::read(pkl_bytes, &WithExtra(extra.globals), Limits::default())
             .map(|v| replace_objects(v, extra.plain)),
     }
+    .map(|v| replace_objects(v, &counter_as_dict))
     .map_err(|e| pickle_error(e, &pkl_name, pkl.data_offset))?;
     // After the reader, so a hostile pickle meets its limits and names first.
     if let Some((opcode, at)) = opcode_torch_refuses(pkl_bytes) {
@@ -583,6 +584,11 @@ fn check_calls(value: &Value) -> Result<()> {
                 check_build(module, name, state)?;
             }
             match (module, name) {
+                ("collections", "Counter") => {
+                    return Err(bad(
+                        "a `collections.Counter` made other than from one dict, which ckpt does not read",
+                    ))
+                }
                 ("torch", "Size") => check_size_args(&object.args)?,
                 ("_codecs", "encode") => check_encode_args(&object.args)?,
                 ("builtins", "set") => check_set_args(&object.args)?,
@@ -1566,7 +1572,8 @@ impl Globals for TorchGlobals {
                     || DType::from_torch_name(name).is_some()
                     || OTHER_DTYPES.contains(&name)
             }
-            "collections" => name == "OrderedDict",
+            // A `Counter` is read as the dict it is (see `counters_as_dicts`).
+            "collections" => matches!(name, "OrderedDict" | "Counter"),
             // How protocol 2 spells bytes, sets and complex numbers.
             "_codecs" => name == "encode",
             // Not `frozenset`: torch's weights-only unpickler refuses it.
@@ -1582,6 +1589,25 @@ struct WithExtra<'a>(&'a dyn Globals);
 impl Globals for WithExtra<'_> {
     fn allows(&self, module: &str, name: &str) -> bool {
         TorchGlobals.allows(module, name) || self.0.allows(module, name)
+    }
+}
+
+/// `collections.Counter(d)` (how a Counter pickles: `REDUCE` of the class on one dict), or an
+/// empty `Counter()`, as the dict it is; torch's weights-only reader loads it, and a dict of the
+/// same items compares equal to it. Any other Counter is left for [`check_calls`] to refuse.
+fn counter_as_dict(object: &Object) -> Option<Value> {
+    if object.callable.as_global() != Some(("collections", "Counter"))
+        || object.new_obj
+        || object.state.is_some()
+        || !object.dict_items.is_empty()
+        || !object.list_items.is_empty()
+    {
+        return None;
+    }
+    match object.args.as_slice() {
+        [] => Some(Value::Dict(Vec::new())),
+        [items @ Value::Dict(_)] => Some(items.clone()),
+        _ => None,
     }
 }
 
