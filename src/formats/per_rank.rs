@@ -62,6 +62,10 @@ pub enum Layout {
         /// The saving rank (global) and world size, from the process group state.
         rank: Option<u64>,
         world_size: Option<u64>,
+        /// The saving rank and the size of the process group that saved it, which the shards'
+        /// placements count in: not the whole job under a subgroup or hybrid sharding.
+        group_rank: Option<u64>,
+        group_size: Option<u64>,
         /// Every rank's shard: offsets, sizes and the rank the metadata places it on.
         shards: Vec<(Vec<u64>, Vec<u64>, Option<u64>)>,
     },
@@ -75,13 +79,30 @@ impl Layout {
         }
     }
 
+    /// Whether a file named as rank `named`'s can be what the saving rank wrote: the rank is
+    /// not recorded, or it is `named` in the job or in the process group that saved the value
+    /// (a group that is not the whole job numbers its files either way: FSDP1 on a subgroup by
+    /// the group's ranks, hybrid sharding by the job's).
+    pub fn saved_by(&self, named: u64) -> bool {
+        match self {
+            Layout::ShardedTensor {
+                rank, group_rank, ..
+            } => rank.is_none_or(|r| r == named) || *group_rank == Some(named),
+            Layout::DTensor { rank, .. } => rank.is_none_or(|r| r == named),
+        }
+    }
+
     /// The highest rank that must have saved a file for this tensor to be whole.
     fn last_rank(&self) -> Option<u64> {
         match self {
             Layout::DTensor { mesh_ranks, .. } => mesh_ranks.iter().max().copied(),
+            // The shards are placed on the saving group's ranks.
             Layout::ShardedTensor {
-                world_size, shards, ..
-            } => match world_size {
+                world_size,
+                group_size,
+                shards,
+                ..
+            } => match group_size.or(*world_size) {
                 Some(w) => w.checked_sub(1),
                 None => shards.iter().filter_map(|s| s.2).max(),
             },
@@ -427,13 +448,19 @@ fn sharded_tensor(
         .iter()
         .map(shard_metadata)
         .collect::<Result<Vec<_>>>()?;
-    let (mut rank, mut world_size) = (None, None);
+    let (mut rank, mut world_size, mut group_rank, mut group_size) = (None, None, None, None);
     if let Some(pg) = state.get(2) {
         if is_process_group_state(&pg_class(pg)) {
             let pg = pg.state().and_then(fields).unwrap_or_default();
-            let get = |k| spec_field(pg, k).and_then(Value::as_int);
-            rank = get("global_rank").and_then(|r| u64::try_from(r).ok());
-            world_size = get("global_world_size").and_then(|w| u64::try_from(w).ok());
+            let get = |k| {
+                spec_field(pg, k)
+                    .and_then(Value::as_int)
+                    .and_then(|v| u64::try_from(v).ok())
+            };
+            rank = get("global_rank");
+            world_size = get("global_world_size");
+            group_rank = get("local_rank");
+            group_size = get("local_world_size");
         }
     }
     let mut pieces = Vec::new();
@@ -465,6 +492,8 @@ fn sharded_tensor(
         layout: Layout::ShardedTensor {
             rank,
             world_size,
+            group_rank,
+            group_size,
             shards,
         },
     })
@@ -721,16 +750,15 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                     }
                 }
                 Leaf::Sharded(s) => {
-                    if let Some(saved_by) = s.layout.rank() {
-                        if saved_by != f.rank as u64 {
-                            return Err(Error::invalid(format!(
-                                "the file is named as rank {}'s, but rank {saved_by} saved it",
-                                f.rank
-                            ))
-                            .file(&f.path)
-                            .tensor(&name)
-                            .hint("rename the files after the ranks that saved them"));
-                        }
+                    if !s.layout.saved_by(f.rank as u64) {
+                        return Err(Error::invalid(format!(
+                            "the file is named as rank {}'s, but rank {} saved it",
+                            f.rank,
+                            s.layout.rank().unwrap_or_default()
+                        ))
+                        .file(&f.path)
+                        .tensor(&name)
+                        .hint("rename the files after the ranks that saved them"));
                     }
                     if let Some(r) = s.layout.last_rank() {
                         if last_needed.as_ref().is_none_or(|(l, ..)| r > *l) {
