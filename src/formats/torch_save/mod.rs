@@ -23,15 +23,29 @@ use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
 use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
 
+mod archive;
 mod checkpoint;
-mod read;
+mod distributed;
+mod interpret;
+mod legacy;
+mod weights_only;
 mod write;
 
 pub use checkpoint::{read_checkpoint, TorchSave};
+pub use distributed::{LocalPiece, ShardedLeaf, Sharding};
 
-pub use read::{
-    read, read_cached, read_with_extra, Archive, Extra, Leaf, SavedTensor, TorchGlobals,
-};
+pub use archive::{read, read_cached, read_with_extra, Archive, Extra, Leaf, SavedTensor};
+pub use weights_only::TorchGlobals;
+
+// Each part of the reader sees the others' items (they are one reader, split by job).
+use archive::*;
+use distributed::{allows_global, check_getattr, decode, is_process_group_state};
+use interpret::*;
+use legacy::*;
+use weights_only::*;
+
+#[cfg(test)]
+mod tests;
 pub use write::{check_key_paths, data_pkl, records, WriteLeaf};
 
 fn bad(message: impl Into<String>) -> Error {
