@@ -95,7 +95,7 @@ impl Interpreter<'_> {
         let err = if path.is_empty() {
             err
         } else {
-            err.tensor(join_path(path))
+            err.tensor(KeyPart::flat_name(path))
         };
         err.at(self.pkl_offset)
     }

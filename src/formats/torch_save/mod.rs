@@ -52,12 +52,6 @@ fn bad(message: impl Into<String>) -> Error {
     Error::invalid(format!("malformed `data.pkl`: {}", message.into()))
 }
 
-/// A key path as the flattened name the rest of ckpt uses (`model.layers.0.weight`).
-fn join_path(path: &[KeyPart]) -> String {
-    let parts: Vec<String> = path.iter().map(KeyPart::as_name).collect();
-    parts.join(".")
-}
-
 fn cmp_path(a: &[KeyPart], b: &[KeyPart]) -> std::cmp::Ordering {
     fn rank(p: &KeyPart) -> (u8, &str, i64) {
         match p {

@@ -79,8 +79,8 @@ pub fn check_key_paths(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Result<()> {
             if b.starts_with(a) {
                 return Err(Error::invalid(format!(
                     "entry `{}` is both a value and a dict holding `{}`",
-                    join_path(a),
-                    join_path(b)
+                    KeyPart::flat_name(a),
+                    KeyPart::flat_name(b)
                 )));
             }
         }
