@@ -18,7 +18,6 @@ use rayon::prelude::*;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::formats::codec;
 use crate::formats::torch_save::{self, Leaf};
 use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
@@ -638,7 +637,7 @@ impl<'a> Files<'a> {
                 .saturating_mul(dtype.size() as u64);
             let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
             decoded =
-                codec::zstd_decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
+                zstd_decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
             &decoded
         } else {
             bytes
@@ -688,7 +687,7 @@ impl<'a> Files<'a> {
         let bytes: &[u8] = &view;
         let decoded;
         let bytes: &[u8] = if zstd {
-            decoded = codec::zstd_decompress(bytes, MAX_VALUE_BYTES)?;
+            decoded = zstd_decompress(bytes, MAX_VALUE_BYTES)?;
             &decoded
         } else {
             bytes
@@ -849,6 +848,35 @@ pub fn safe_relative_path(name: &str) -> Result<PathBuf> {
         ))
         .hint("the metadata may be hostile; ckpt reads only files inside the checkpoint"))
     }
+}
+
+/// The first `len` bytes of a zstd item (fewer if it is shorter).
+pub fn zstd_prefix(item: &[u8], len: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
+    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
+    let mut out = Vec::new();
+    decoder.take(len).read_to_end(&mut out).map_err(fail)?;
+    Ok(out)
+}
+
+/// A whole zstd item, refused when it decompresses to more than `limit` bytes.
+pub fn zstd_decompress(item: &[u8], limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let fail = |e: std::io::Error| Error::invalid(format!("cannot decompress zstd item: {e}"));
+    let decoder = zstd::stream::read::Decoder::new(item).map_err(fail)?;
+    let mut out = Vec::new();
+    decoder
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(fail)?;
+    if out.len() as u64 > limit {
+        return Err(Error::invalid(format!(
+            "zstd item decompresses to more than {limit} bytes, larger than its metadata allows"
+        ))
+        .hint("the item may be a decompression bomb; ckpt stops before filling memory"));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
