@@ -57,8 +57,10 @@ impl Layout for DeepSpeed {
                 let holds_states = entries
                     .iter()
                     .any(|e| e.is_file() && files::is_states_file(e.name()));
-                let named = at.file_named(LATEST).or(at.file_named(LATEST_UNIVERSAL));
-                (holds_states || named.is_some()).then(|| Found::at(path))
+                // `latest` alone could be anyone's file: with it, a tag's directory beside it.
+                let latest = at.file_named(LATEST).or(at.file_named(LATEST_UNIVERSAL));
+                let tags = entries.iter().any(|e| e.is_dir());
+                (holds_states || (latest.is_some() && tags)).then(|| Found::at(path))
             }
             // One of a tag's files stands for the tag's directory.
             Listing::File(f) if files::is_states_file(f.name()) => f.path.parent().map(Found::at),
