@@ -636,8 +636,7 @@ impl<'a> Files<'a> {
                 .unwrap_or(u64::MAX)
                 .saturating_mul(dtype.size() as u64);
             let limit = chunk_bytes.saturating_mul(4).saturating_add(64 << 20);
-            decoded =
-                zstd_decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
+            decoded = zstd_decompress(bytes, limit).map_err(|e| e.file(path()).at(item.offset))?;
             &decoded
         } else {
             bytes
