@@ -38,6 +38,14 @@ AGREE_FIXTURE_NAMES = ["legacy_torch_save", "deflated_torch_save"]
 # Written by fixtures/generate_dcp_safetensors_format.py: DCP saved with serialization_format=SAFETENSORS
 # (plain and zstd), which torch's own FileSystemReader cannot read back (tests/interop/test_dcp_sfmt.py).
 SFMT_FIXTURE_NAMES = ["dcp_sfmt", "dcp_sfmt_zstd"]
+# DeepSpeed ZeRO cases written by fixtures/generate_deepspeed.py under fixtures/deepspeed/<case>/
+# (tests/interop/test_deepspeed.py); expected/deepspeed_<case>.{pt,json} is what DeepSpeed's own tools give.
+DEEPSPEED_FIXTURE_NAMES = [
+    f"zero{stage}_{dtype}" for stage in (1, 2, 3) for dtype in ("bf16", "fp16", "fp32")
+] + ["zero0_fp32"]
+# Per-rank and DCP fixtures saved by process subgroups and hybrid sharding
+# (fixtures/generate_subgroups.py, tests/interop/test_subgroups.py): expected/<name>.pt only.
+SUBGROUP_FIXTURE_NAMES = ["subgroup_fsdp1", "hybrid_fsdp1", "hsdp_fsdp2", "hsdp_fsdp2_dcp"]
 # LoRA cases written by fixtures/generate_lora.py with the real PEFT, under fixtures/lora/<case>/; their
 # expected/lora_<case>.{pt,json} and expected/lora_<case>_logits.pt are what merge_and_unload gives
 # (fixtures/lora/FORMAT.md), not the checkpoint's own tensors.

@@ -10,6 +10,8 @@ import torch
 
 from ckpt_helpers import (
     AGREE_FIXTURE_NAMES,
+    DEEPSPEED_FIXTURE_NAMES,
+    SUBGROUP_FIXTURE_NAMES,
     FIXTURE_NAMES,
     LORA_FIXTURE_NAMES,
     MEGATRON_FIXTURE_NAMES,
@@ -29,8 +31,9 @@ def test_every_fixture_is_committed(fixtures_dir):
     names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
     every = FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES + AGREE_FIXTURE_NAMES + SFMT_FIXTURE_NAMES
     lora = [f"lora_{case}" for case in LORA_FIXTURE_NAMES]
-    assert names == sorted(every + lora)
-    for name in every + lora:
+    deepspeed = [f"deepspeed_{case}" for case in DEEPSPEED_FIXTURE_NAMES]
+    assert names == sorted(every + lora + deepspeed)
+    for name in every + lora + deepspeed + SUBGROUP_FIXTURE_NAMES:
         assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
     for case in LORA_FIXTURE_NAMES:
         assert (fixtures_dir / "expected" / f"lora_{case}_logits.pt").is_file()
@@ -40,20 +43,28 @@ def test_every_fixture_is_committed(fixtures_dir):
 def test_fixtures_stay_small(fixtures_dir):
     every = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
 
-    def is_lora(f):
-        rel = f.relative_to(fixtures_dir)
-        return rel.parts[0] == "lora" or (rel.parts[0] == "expected" and f.name.startswith("lora_"))
+    def family(name):
+        def holds(f):
+            rel = f.relative_to(fixtures_dir)
+            return rel.parts[0] == name or (rel.parts[0] == "expected" and f.name.startswith(f"{name}_"))
+
+        return holds
 
     # the LoRA cases (fixtures/generate_lora.py: 7 tiny models, their merged state dicts and logits)
-    # have a budget of their own
-    lora = [f for f in every if is_lora(f)]
+    # and the DeepSpeed ones (fixtures/generate_deepspeed.py: 12 saves of one tiny model, a few
+    # files each) have budgets of their own
+    lora = [f for f in every if family("lora")(f)]
     assert sum(f.stat().st_size for f in lora) < 1_500_000
     assert len(lora) < 60
-    files = [f for f in every if not is_lora(f)]
+    deepspeed = [f for f in every if family("deepspeed")(f)]
+    assert sum(f.stat().st_size for f in deepspeed) < 700_000
+    assert len(deepspeed) < 110
+    files = [f for f in every if not family("lora")(f) and not family("deepspeed")(f)]
     assert sum(f.stat().st_size for f in files) < 2_000_000
     # per-rank layouts are one small file per rank and prefix (veRL's 3 prefixes x 4 ranks); the
-    # two serialization_format=SAFETENSORS DCP fixtures add 11 files
-    assert len(files) < 175
+    # two serialization_format=SAFETENSORS DCP fixtures add 11 files, the subgroup and hybrid
+    # sharding ones (fixtures/generate_subgroups.py) 19
+    assert len(files) < 200
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
