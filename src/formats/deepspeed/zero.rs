@@ -43,10 +43,22 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     let Some(first) = optim.first() else {
         return unpartitioned(tag, &model);
     };
-    let stage = first
-        .value(&key(&[OPTIMIZER, "zero_stage"]))
-        .and_then(Value::as_int)
-        .ok_or_else(|| first.missing(&key(&[OPTIMIZER, "zero_stage"]), "ZeRO stage"))?;
+    // DeepSpeed's BF16_Optimizer (bf16 with stage 1 and fp32 gradient accumulation) records no
+    // stage; its partitions are stage 1's.
+    let bf16_optimizer = first.value(&key(&[OPTIMIZER, "zero_stage"])).is_none()
+        && first
+            .leaf(&with(
+                &key(&[OPTIMIZER, "single_partition_of_fp32_groups"]),
+                KeyPart::Index(0),
+            ))
+            .is_some();
+    let stage = match first.value(&key(&[OPTIMIZER, "zero_stage"])) {
+        _ if bf16_optimizer => 1,
+        Some(v) => v
+            .as_int()
+            .ok_or_else(|| first.missing(&key(&[OPTIMIZER, "zero_stage"]), "ZeRO stage"))?,
+        None => return Err(first.missing(&key(&[OPTIMIZER, "zero_stage"]), "ZeRO stage")),
+    };
     let world = partition_count(first)?;
     if world != optim.len() {
         return Err(Error::invalid(format!(
@@ -82,7 +94,14 @@ pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     aliases(&model[0], &mut out)?;
     let (tensors, values) = out.finish();
     let mut details: Vec<(String, String)> = vec![
-        ("zero stage".into(), stage.to_string()),
+        (
+            "zero stage".into(),
+            if bf16_optimizer {
+                "1 (BF16_Optimizer)".into()
+            } else {
+                stage.to_string()
+            },
+        ),
         ("tag".into(), tag.name.clone()),
         (
             "training dtype".into(),
@@ -367,7 +386,8 @@ fn partitioned_groups(optim: &[StateFile], groups: &[Group], out: &mut Out) -> R
             .collect::<Result<Vec<_>>>()?;
         let partition = flats[0].len + paddings[0];
         for (r, (flat, pad)) in flats.iter().zip(&paddings).enumerate() {
-            if flat.len + pad != partition {
+            // ZeRO's optimizer saves a partition without its padding, BF16_Optimizer with it.
+            if flat.len + pad != partition && flat.len != partition {
                 return Err(Error::invalid(format!(
                     "group {g}'s partition on rank {r} is {} elements and {pad} of padding; rank 0's is {partition} in all",
                     flat.len
