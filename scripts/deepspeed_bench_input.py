@@ -7,11 +7,13 @@
 Llama-like shapes (an embedding, per layer q/k/v/o and gate/up/down projections and two norms),
 sized so the fp32 master weights are about --gb gigabytes; every size is odd, so ZeRO-3's
 `ceil(numel / ranks)` split pads the last rank. Per rank: `zero_pp_rank_{r}_mp_rank_00_model_states.pt`
-(the module's 0-size parameter placeholders, `param_shapes`, empty frozen and shared entries) and
-`bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (`fp32_flat_groups` and the inner optimizer's
-`exp_avg`/`exp_avg_sq` in the same flat layout), with DeepSpeed's own `ZeroStageEnum` and
-`LossScaler` objects, and the installed DeepSpeed's `zero_to_fp32.py` copied beside `latest`, as a
-real save has. Values are seeded random, so tools that read the wrong element disagree.
+(the module's 0-size parameter placeholders and a persistent fp32 buffer, `buffer_names`,
+`param_shapes`, empty frozen and shared entries) and `bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt`
+(`fp32_flat_groups` and the inner optimizer's `exp_avg`/`exp_avg_sq` in the same flat layout, one
+per parameter group: matrices with weight decay, norms without, as training scripts split them),
+with DeepSpeed's own `ZeroStageEnum` and `LossScaler` objects, and the installed DeepSpeed's
+`zero_to_fp32.py` copied beside `latest`, as a real save has. Values are seeded random, so tools
+that read the wrong element disagree.
 
 The layout is checked against DeepSpeed's reader by tests/interop/test_deepspeed_bench_input.py
 (a small version, read by `get_fp32_state_dict_from_zero_checkpoint` and by ckpt).
@@ -58,8 +60,10 @@ def shapes(gb: float, layers: int | None) -> "OrderedDict[str, torch.Size]":
     return out
 
 
-def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed: int = 0) -> dict:
-    """Write the checkpoint; returns {name: full fp32 tensor} when the model is small (for checks)."""
+def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed: int = 0,
+          buffers: "OrderedDict[str, torch.Size] | None" = None) -> dict:
+    """Write the checkpoint; returns {name: full fp32 tensor}, buffers included, when the model is
+    small (for checks)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     import deepspeed.utils.zero_to_fp32 as z2f
@@ -68,35 +72,47 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
     tag.mkdir(parents=True, exist_ok=True)
     (outdir / "latest").write_text(TAG)
     shutil.copy(z2f.__file__, outdir / "zero_to_fp32.py")
+    buffers = buffers or OrderedDict()
     small = sum(s.numel() for s in params.values()) < 10_000_000
     full = {}
     gen = torch.Generator().manual_seed(seed)
-    share = {n: math.ceil(s.numel() / ranks) for n, s in params.items()}
-    total = sum(share.values())
-    # Each rank's flat buffers, filled parameter by parameter to keep memory to one parameter.
-    flats = {k: [torch.empty(total, dtype=torch.float32) for _ in range(ranks)] for k in ("w", "m", "v")}
-    at = 0
-    for name, shape in params.items():
-        n = shape.numel()
-        s = share[name]
-        for k in ("w", "m", "v"):
-            values = torch.randn(n, generator=gen, dtype=torch.float32)
-            if k == "v":
-                values = values.abs()
-            padded = torch.zeros(s * ranks, dtype=torch.float32)
-            padded[:n] = values
+    groups = [OrderedDict((n, s) for n, s in params.items() if len(s) > 1),
+              OrderedDict((n, s) for n, s in params.items() if len(s) <= 1)]
+    groups = [g for g in groups if g]
+    # Each rank's flat buffers, one per group, filled parameter by parameter to keep memory to one
+    # parameter.
+    flats = {k: [[] for _ in range(ranks)] for k in ("w", "m", "v")}
+    for group in groups:
+        share = {n: math.ceil(s.numel() / ranks) for n, s in group.items()}
+        total = sum(share.values())
+        for k in flats:
             for r in range(ranks):
-                flats[k][r][at : at + s] = padded[r * s : (r + 1) * s]
-            if small and k == "w":
-                full[name] = values.reshape(shape).clone()
-        at += s
+                flats[k][r].append(torch.empty(total, dtype=torch.float32))
+        at = 0
+        for name, shape in group.items():
+            n = shape.numel()
+            s = share[name]
+            for k in ("w", "m", "v"):
+                values = torch.randn(n, generator=gen, dtype=torch.float32)
+                if k == "v":
+                    values = values.abs()
+                padded = torch.zeros(s * ranks, dtype=torch.float32)
+                padded[:n] = values
+                for r in range(ranks):
+                    flats[k][r][-1][at : at + s] = padded[r * s : (r + 1) * s]
+                if small and k == "w":
+                    full[name] = values.reshape(shape).clone()
+            at += s
+    buffer_values = OrderedDict((n, torch.randn(s, generator=gen, dtype=torch.float32)) for n, s in buffers.items())
+    full.update(buffer_values)
     for r in range(ranks):
         module = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n in params)
+        module.update(buffer_values)
         model_states = {
             "module": module,
-            "buffer_names": [],
+            "buffer_names": list(buffers),
             "optimizer": None,
-            "param_shapes": [OrderedDict(params)],
+            "param_shapes": groups,
             "frozen_param_shapes": OrderedDict(),
             "shared_params": {},
             "frozen_param_fragments": OrderedDict(),
@@ -108,9 +124,10 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
             "ds_version": "0.19.8",
         }
         torch.save(model_states, tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-        settings = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-                    "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-                    "fused": None, "decoupled_weight_decay": True, "params": [0]}
+        settings = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if g == 0 else 0.0,
+                     "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                     "differentiable": False, "fused": None, "decoupled_weight_decay": True, "params": [g]}
+                    for g in range(len(groups))]
         optim_states = {
             "optimizer_state_dict": {
                 "zero_stage": ZeroStageEnum.weights,
@@ -119,10 +136,13 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
                 "overflow": False,
                 "partition_count": ranks,
                 "optimizer_state_dict": {
-                    "state": {0: {"step": torch.tensor(100.0), "exp_avg": flats["m"][r], "exp_avg_sq": flats["v"][r]}},
-                    "param_groups": [settings],
+                    "state": {
+                        g: {"step": torch.tensor(100.0), "exp_avg": flats["m"][r][g], "exp_avg_sq": flats["v"][r][g]}
+                        for g in range(len(groups))
+                    },
+                    "param_groups": settings,
                 },
-                "fp32_flat_groups": [flats["w"][r]],
+                "fp32_flat_groups": flats["w"][r],
             },
             "ds_config": model_states["ds_config"],
             "ds_version": "0.19.8",
@@ -139,7 +159,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     args = ap.parse_args()
     params = shapes(args.gb, args.layers)
-    write(args.outdir, params, args.ranks)
+    write(args.outdir, params, args.ranks, buffers=OrderedDict([("model.rotary_emb.inv_freq", torch.Size([64]))]))
     n = sum(s.numel() for s in params.values())
     print(f"{args.outdir}: ZeRO-3 over {args.ranks} ranks, {len(params)} parameters, {n * 4 / 1e9:.2f} GB fp32")
 

@@ -26,7 +26,8 @@ def test_a_small_bench_input_reads_right_in_deepspeed_and_in_ckpt(run_ckpt, tmp_
         [("embed.weight", torch.Size([37, 11])), ("layers.0.q.weight", torch.Size([11, 11])),
          ("layers.0.norm.weight", torch.Size([11])), ("head.weight", torch.Size([5, 11]))]
     )
-    wrote = gen.write(tmp_path / "ds", params, ranks=8)
+    wrote = gen.write(tmp_path / "ds", params, ranks=8, buffers=OrderedDict([("rope.inv_freq", torch.Size([6]))]))
+    assert "rope.inv_freq" in wrote
     deepspeed = {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds")).items()}
     assert sorted(deepspeed) == sorted(wrote)
     assert all(bitwise_equal(deepspeed[k], wrote[k]) for k in wrote)
