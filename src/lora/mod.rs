@@ -228,10 +228,6 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
         )
         .file(&loc.config));
     }
-    let adapter_ckpt = match &loc.adapter_file {
-        Some(file) => Some(crate::detect::read(file)?),
-        None => None,
-    };
     // Base tensors, unwrapped: the checkpoint's own adapter tensors set apart.
     let mut base: Vec<Tensor> = Vec::new();
     let mut own: Vec<(AdapterName, Tensor)> = Vec::new();
@@ -259,6 +255,12 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
         }
         base.push(t);
     }
+    // The checkpoint's own adapter tensors win: PEFT's `save_pretrained` also writes
+    // adapter_model.safetensors beside the config of a wrapped model saved whole.
+    let adapter_ckpt = match &loc.adapter_file {
+        Some(file) if own.is_empty() => Some(crate::detect::read(file)?),
+        _ => None,
+    };
     let held: BTreeSet<&str> = own.iter().map(|(a, _)| a.adapter.as_str()).collect();
     let chosen: String = if adapter_ckpt.is_some() {
         String::new()
@@ -295,14 +297,6 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
             },
         }
     };
-    if adapter_ckpt.is_some() && !own.is_empty() {
-        return Err(Error::usage(format!(
-            "the checkpoint holds LoRA adapter tensors of its own (`{}`) and `{}` holds an adapter too",
-            own[0].1.name,
-            loc.config.parent().unwrap_or(Path::new(".")).display()
-        ))
-        .hint("point --merge-lora at adapter_config.json alone to merge the checkpoint's adapter"));
-    }
     // modules_to_save: the chosen adapter's copy replaces the module, as `merge_and_unload` does.
     let copied: BTreeSet<usize> = saved_copies
         .iter()
@@ -457,7 +451,7 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
         let want_w = if transposed { [inn, out] } else { [out, inn] };
         if w.shape != want_w {
             return Err(Error::invalid(format!(
-                "the base weight is {:?} but B @ A of its LoRA adapter is [{out}, {inn}]{}",
+                "the base weight is {:?}, which does not fit B @ A of its LoRA adapter ([{out}, {inn}]{})",
                 w.shape,
                 if transposed { ", transposed" } else { "" }
             ))
