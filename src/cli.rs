@@ -692,6 +692,7 @@ fn merge_lora(
         scratch_dir: &scratch_dir,
         threads: job.run.threads,
         io: job.run.io.into(),
+        cancel: job.cancel,
     };
     crate::lora::apply(ckpt, &opts)
 }

@@ -41,6 +41,8 @@ pub struct LoraOptions<'a> {
     /// Worker threads (0: one per core).
     pub threads: usize,
     pub io: IoMode,
+    /// Set on Ctrl-C: no further module is folded.
+    pub cancel: &'a std::sync::atomic::AtomicBool,
 }
 
 /// The scratch file of merged weights, removed when dropped (the run over, however it ended).
@@ -231,7 +233,8 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
     // Base tensors, unwrapped: the checkpoint's own adapter tensors set apart.
     let mut base: Vec<Tensor> = Vec::new();
     let mut own: Vec<(AdapterName, Tensor)> = Vec::new();
-    // `M.modules_to_save.N.P`: (N, index in base) to rename to `M.P` or drop.
+    // `M.modules_to_save.N.P`: (N, index in base), renamed `M.P`; `M.original_module.P` the
+    // module before training.
     let mut saved_copies: Vec<(String, usize)> = Vec::new();
     let mut originals: Vec<usize> = Vec::new();
     for mut t in ckpt.tensors {
@@ -297,31 +300,33 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
             },
         }
     };
-    // modules_to_save: the chosen adapter's copy replaces the module, as `merge_and_unload` does.
+    // modules_to_save: the chosen adapter's copy replaces the module, as `merge_and_unload` does;
+    // a module without one for this adapter keeps its original.
     let copied: BTreeSet<usize> = saved_copies
         .iter()
         .filter(|(n, _)| *n == chosen)
         .map(|(_, i)| *i)
         .collect();
-    let dropped: BTreeSet<usize> = saved_copies
+    let copied_names: BTreeSet<String> = copied.iter().map(|&i| base[i].name.clone()).collect();
+    let mut dropped: BTreeSet<usize> = saved_copies
         .iter()
         .filter(|(n, _)| *n != chosen)
         .map(|(_, i)| *i)
-        .chain(originals.iter().copied().filter(|_| !copied.is_empty()))
         .collect();
-    let mut kept = Vec::new();
-    for (i, t) in base.into_iter().enumerate() {
-        if !dropped.contains(&i) {
-            if copied.contains(&i) || !t.name.contains(".original_module.") {
-                kept.push(t);
-            } else {
-                // A wrapped module without a copy for this adapter keeps its original.
-                let mut t = t;
-                t.name = t.name.replacen(".original_module.", ".", 1);
-                kept.push(t);
-            }
+    for &i in &originals {
+        let name = base[i].name.replacen(".original_module.", ".", 1);
+        if copied_names.contains(&name) {
+            dropped.insert(i);
+        } else {
+            base[i].name = name;
         }
     }
+    let kept: Vec<Tensor> = base
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !dropped.contains(i))
+        .map(|(_, t)| t)
+        .collect();
     let mut base = kept;
 
     // The adapter tensors to merge: (name, tensor) from the checkpoint or the adapter file.
@@ -538,6 +543,9 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
             .par_iter()
             .zip(&offsets)
             .try_for_each(|(m, &at)| -> Result<()> {
+                if opts.cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+                }
                 let w = &base[m.weight];
                 let w_bytes = read_one(&base_root, ckpt.format, w, opts.io)?;
                 let mut ab = vec![

@@ -224,3 +224,20 @@ def test_inspect_shows_the_adapters(run_ckpt, tmp_path):
     r = run_ckpt("inspect", ckpt_file, "--lora-config", adapter)
     assert r.returncode == 0, r.stderr
     assert "alpha 16/5" in r.stdout or "alpha 5/16" in r.stdout, r.stdout
+
+
+def test_scratch_file_is_removed_when_the_run_fails_after_the_fold(run_ckpt, tmp_path):
+    _, model = make("plain")
+    ckpt_file = wrapped_checkpoint(tmp_path, model)
+    adapter = config_dir(tmp_path, model)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "out.safetensors").write_bytes(b"already here")
+    r = run_ckpt("consolidate", ckpt_file, "-o", out_dir / "out.safetensors", "--merge-lora", adapter)
+    assert r.returncode != 0
+    assert [p.name for p in out_dir.iterdir()] == ["out.safetensors"]
+    assert (out_dir / "out.safetensors").read_bytes() == b"already here"
+    r = run_ckpt("consolidate", ckpt_file, "-o", out_dir / "out.safetensors", "--merge-lora", adapter, "--force")
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in out_dir.iterdir()] == ["out.safetensors"]
+    assert_matches(load_file(out_dir / "out.safetensors"), merged(model))
