@@ -38,6 +38,18 @@ AGREE_FIXTURE_NAMES = ["legacy_torch_save", "deflated_torch_save"]
 # Written by fixtures/generate_dcp_safetensors_format.py: DCP saved with serialization_format=SAFETENSORS
 # (plain and zstd), which torch's own FileSystemReader cannot read back (tests/interop/test_dcp_sfmt.py).
 SFMT_FIXTURE_NAMES = ["dcp_sfmt", "dcp_sfmt_zstd"]
+# LoRA cases written by fixtures/generate_lora.py with the real PEFT, under fixtures/lora/<case>/; their
+# expected/lora_<case>.{pt,json} and expected/lora_<case>_logits.pt are what merge_and_unload gives
+# (fixtures/lora/FORMAT.md), not the checkpoint's own tensors.
+LORA_FIXTURE_NAMES = [
+    "llama_fsdp2",
+    "rslora_bf16",
+    "dora",
+    "dora_f32",
+    "gpt2_fan_in_fan_out",
+    "embedding",
+    "adapter_apart",
+]
 
 # safetensors dtype code <-> torch dtype
 CODE_TO_DTYPE = {

@@ -11,6 +11,7 @@ import torch
 from ckpt_helpers import (
     AGREE_FIXTURE_NAMES,
     FIXTURE_NAMES,
+    LORA_FIXTURE_NAMES,
     MEGATRON_FIXTURE_NAMES,
     PER_RANK_NAMES,
     SFMT_FIXTURE_NAMES,
@@ -27,13 +28,28 @@ from ckpt_helpers import (
 def test_every_fixture_is_committed(fixtures_dir):
     names = sorted(p.stem for p in (fixtures_dir / "expected").glob("*.json"))
     every = FIXTURE_NAMES + MEGATRON_FIXTURE_NAMES + PER_RANK_NAMES + AGREE_FIXTURE_NAMES + SFMT_FIXTURE_NAMES
-    assert names == sorted(every)
-    for name in every:
+    lora = [f"lora_{case}" for case in LORA_FIXTURE_NAMES]
+    assert names == sorted(every + lora)
+    for name in every + lora:
         assert (fixtures_dir / "expected" / f"{name}.pt").is_file()
+    for case in LORA_FIXTURE_NAMES:
+        assert (fixtures_dir / "expected" / f"lora_{case}_logits.pt").is_file()
+        assert (fixtures_dir / "lora" / case / "config.json").is_file()
 
 
 def test_fixtures_stay_small(fixtures_dir):
-    files = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    every = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+
+    def is_lora(f):
+        rel = f.relative_to(fixtures_dir)
+        return rel.parts[0] == "lora" or (rel.parts[0] == "expected" and f.name.startswith("lora_"))
+
+    # the LoRA cases (fixtures/generate_lora.py: 7 tiny models, their merged state dicts and logits)
+    # have a budget of their own
+    lora = [f for f in every if is_lora(f)]
+    assert sum(f.stat().st_size for f in lora) < 1_500_000
+    assert len(lora) < 60
+    files = [f for f in every if not is_lora(f)]
     assert sum(f.stat().st_size for f in files) < 2_000_000
     # per-rank layouts are one small file per rank and prefix (veRL's 3 prefixes x 4 ranks); the
     # two serialization_format=SAFETENSORS DCP fixtures add 11 files
@@ -117,3 +133,35 @@ def test_torch_save_keeps_shared_storage_and_views(fixtures_dir):
     assert sd["proj.weight_tail"].storage_offset() == 8
     assert sd["proj.row_strided"].stride() == (4,) and sd["proj.row_strided"].storage_offset() == 1
     assert isinstance(sd["config"], dict) and sd["version"] == 2
+
+
+@pytest.mark.parametrize("case", LORA_FIXTURE_NAMES)
+def test_lora_fixture_is_what_its_json_says(fixtures_dir, case):
+    """A LoRA case's checkpoint holds the names, dtypes and shapes expected/lora_<case>.json lists,
+    and expected/lora_<case>.pt those of merge_and_unload's state dict."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    doc = json.loads((fixtures_dir / "expected" / f"lora_{case}.json").read_text())
+    path = fixtures_dir / "lora" / case
+
+    def meta(sd):
+        return {k: {"dtype": dtype_code(v.dtype), "shape": list(v.shape)} for k, v in sd.items()}
+
+    if (path / ".metadata").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "full.pt")
+            assert meta(torch.load(Path(tmp) / "full.pt", weights_only=True)) == doc["checkpoint_names"]
+    elif (path / "peft_model.safetensors").is_file():
+        assert meta(load_file(path / "peft_model.safetensors")) == doc["checkpoint_names"]
+    else:
+        assert meta(load_file(path / "model.safetensors")) == doc["base_names"]
+        assert meta(load_file(path / "lora_adapter" / "adapter_model.safetensors")) == doc["adapter_names"]
+    merged = torch.load(fixtures_dir / "expected" / f"lora_{case}.pt", weights_only=True)
+    assert meta(merged) == doc["merged_names"]
+    assert doc["agreement"]["exact_rules_vs_merge_and_unload"]["max_ulp_diff"] == 0
+    logits = torch.load(fixtures_dir / "expected" / f"lora_{case}_logits.pt", weights_only=True)
+    assert logits["logits"].shape[:2] == logits["input_ids"].shape
