@@ -96,7 +96,7 @@ pub fn fold(
         *d = round_to(f.adapter, *d * s);
     }
     match (f.kind, magnitude) {
-        (Kind::Embedding, _) => {
+        (Kind::Embedding, None) => {
             // `get_delta_weight(...).to(orig_dtype)`, then added in the weight's dtype.
             w.iter()
                 .zip(&delta)
@@ -110,7 +110,9 @@ pub fn fold(
                 .map(|(&w, &d)| round_to(f.weight, w + d))
                 .collect()
         }
-        (Kind::Linear { .. }, Some(mag)) => {
+        // DoRA on a Linear, or on an embedding (one magnitude per embedding column, the delta not
+        // rounded first).
+        (_, Some(mag)) => {
             let sum_t = promote(f.weight, f.adapter);
             let sum: Vec<f32> = w
                 .iter()

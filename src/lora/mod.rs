@@ -340,7 +340,9 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
                 match adapter_name(&name, true) {
                     Some(an) => list.push((an, t)),
                     None => {
-                        // modules_to_save copies and trained biases replace the base tensor.
+                        // modules_to_save copies, trained biases and an adapted embedding's
+                        // `base_layer.weight` replace the base tensor, as loading the adapter does.
+                        let name = name.replacen(".base_layer.", ".", 1);
                         let Some(i) = base.iter().position(|b| b.name == name) else {
                             return Err(Error::invalid(format!(
                                 "the adapter's tensor `{}` replaces `{name}`, which the checkpoint does not hold",
@@ -425,11 +427,6 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
         let (a, b) = (&adapter_tensors[ka].1, &adapter_tensors[kb].1);
         let w = &base[wi];
         let magnitude = roles.get("magnitude").copied();
-        if embedding && magnitude.is_some() {
-            return Err(where_(
-                Error::invalid("ckpt does not merge DoRA on an embedding").tensor(first),
-            ));
-        }
         if a.shape.len() != 2 || b.shape.len() != 2 || w.shape.len() != 2 {
             return Err(where_(
                 Error::invalid(format!(
@@ -452,7 +449,16 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
                 .file(&loc.config),
             ));
         }
-        let transposed = embedding || config.fan_in_fan_out;
+        // PEFT sets `fan_in_fan_out` per module type (Conv1D or Linear) on the shared config, so
+        // the file holds the last module's: the weight's shape decides, the file only when square.
+        let fan_in_fan_out = if w.shape == [inn, out] && w.shape != [out, inn] {
+            true
+        } else if w.shape == [out, inn] && w.shape != [inn, out] {
+            false
+        } else {
+            config.fan_in_fan_out
+        };
+        let transposed = embedding || fan_in_fan_out;
         let want_w = if transposed { [inn, out] } else { [out, inn] };
         if w.shape != want_w {
             return Err(Error::invalid(format!(
@@ -493,9 +499,7 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
                 kind: if embedding {
                     fold::Kind::Embedding
                 } else {
-                    fold::Kind::Linear {
-                        fan_in_fan_out: config.fan_in_fan_out,
-                    }
+                    fold::Kind::Linear { fan_in_fan_out }
                 },
                 scaling: config.scaling(r, alpha),
                 weight: w.dtype,

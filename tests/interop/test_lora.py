@@ -40,6 +40,7 @@ CASES = {
     "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"]),
     "embedding_modules_to_save": dict(
         r=4, lora_alpha=4, target_modules=["embed", "q_proj"], modules_to_save=["head"]),
+    "dora_embedding": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["embed", "v_proj"]),
     "fan_in_fan_out": dict(r=4, lora_alpha=8, fan_in_fan_out=True, target_modules=["c_attn"]),
 }
 
@@ -241,3 +242,51 @@ def test_scratch_file_is_removed_when_the_run_fails_after_the_fold(run_ckpt, tmp
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out_dir.iterdir()] == ["out.safetensors"]
     assert_matches(load_file(out_dir / "out.safetensors"), merged(model))
+
+
+FIXTURES = {
+    # case: (input, --merge-lora), relative to fixtures/lora/
+    "llama_fsdp2": ("llama_fsdp2", "llama_fsdp2"),
+    "dora": ("dora", "dora"),
+    "embedding": ("embedding", "embedding"),
+    "gpt2_fan_in_fan_out": ("gpt2_fan_in_fan_out", "gpt2_fan_in_fan_out"),
+    "rslora_bf16": ("rslora_bf16/peft_model.safetensors", "rslora_bf16"),
+    "dora_f32": ("dora_f32/peft_model.safetensors", "dora_f32"),
+    "adapter_apart": ("adapter_apart/model.safetensors", "adapter_apart/lora_adapter"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIXTURES))
+def test_fixtures_merge_as_peft_did(run_ckpt, tmp_path, case):
+    """The committed PEFT 0.21.2 fixtures (FSDP2 DCP, one file, an adapter saved apart): bitwise
+    equal to merge_and_unload's state dict, but for DoRA in f32, whose row norm torch sums in an
+    order of its own (within 2 ulp, fixtures/lora/FORMAT.md §5)."""
+    from ckpt_helpers import FIXTURES_DIR
+
+    src, config = FIXTURES[case]
+    lora = FIXTURES_DIR / "lora"
+    out = tmp_path / "out.safetensors"
+    r = run_ckpt("consolidate", lora / src, "-o", out, "--merge-lora", lora / config)
+    assert r.returncode == 0, r.stderr
+    got = load_file(out)
+    want = torch.load(FIXTURES_DIR / "expected" / f"lora_{case}.pt", weights_only=True)
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        if case == "dora_f32":
+            torch.testing.assert_close(got[k], w, rtol=2.5e-7, atol=1e-7, msg=k)
+        else:
+            assert torch.equal(got[k], w), k
+
+
+def test_fixture_resharded_with_the_merge_reads_back_bitwise(run_ckpt, tmp_path):
+    from ckpt_helpers import FIXTURES_DIR
+
+    lora = FIXTURES_DIR / "lora" / "llama_fsdp2"
+    r = run_ckpt("reshard", lora, "-o", tmp_path / "dcp", "--world-size", "3", "--merge-lora", lora)
+    assert r.returncode == 0, r.stderr
+    assert run_ckpt("consolidate", tmp_path / "dcp", "-o", tmp_path / "back.safetensors").returncode == 0
+    want = torch.load(FIXTURES_DIR / "expected" / "lora_llama_fsdp2.pt", weights_only=True)
+    got = load_file(tmp_path / "back.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], w) for k, w in want.items())
