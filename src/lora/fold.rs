@@ -37,6 +37,19 @@ pub fn round_to(dtype: DType, x: f32) -> f32 {
     }
 }
 
+/// `vals`, each already a value of `dtype`, as `dtype`'s little-endian bytes.
+pub fn encode(vals: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::BF16 => out.extend(half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            DType::F16 => out.extend(half::f16::from_f32(v).to_bits().to_le_bytes()),
+            _ => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
 /// The dtype torch gives an elementwise operation on tensors of dtypes `a` and `b`.
 fn promote(a: DType, b: DType) -> DType {
     if a == b {
@@ -98,27 +111,26 @@ pub fn fold(
     match (f.kind, magnitude) {
         (Kind::Embedding, None) => {
             // `get_delta_weight(...).to(orig_dtype)`, then added in the weight's dtype.
-            w.iter()
-                .zip(&delta)
-                .map(|(&w, &d)| round_to(f.weight, w + round_to(f.weight, d)))
-                .collect()
+            for (d, &w) in delta.iter_mut().zip(w) {
+                *d = round_to(f.weight, w + round_to(f.weight, *d));
+            }
+            delta
         }
         (Kind::Linear { .. }, None) => {
             // `weight.data += delta`: added in f32, stored in the weight's dtype.
-            w.iter()
-                .zip(&delta)
-                .map(|(&w, &d)| round_to(f.weight, w + d))
-                .collect()
+            for (d, &w) in delta.iter_mut().zip(w) {
+                *d = round_to(f.weight, w + *d);
+            }
+            delta
         }
         // DoRA on a Linear, or on an embedding (one magnitude per embedding column, the delta not
         // rounded first).
         (_, Some(mag)) => {
             let sum_t = promote(f.weight, f.adapter);
-            let sum: Vec<f32> = w
-                .iter()
-                .zip(&delta)
-                .map(|(&w, &d)| round_to(sum_t, w + d))
-                .collect();
+            let mut sum = delta;
+            for (d, &w) in sum.iter_mut().zip(w) {
+                *d = round_to(sum_t, w + *d);
+            }
             // The norm of each output row of `W + delta` (a column when transposed).
             let mut sq = vec![0f64; out];
             for (k, &v) in sum.iter().enumerate() {
@@ -136,13 +148,11 @@ pub fn fold(
                 })
                 .collect();
             let prod_t = promote(factor_t, sum_t);
-            sum.iter()
-                .enumerate()
-                .map(|(k, &v)| {
-                    let o = if transposed { k % out } else { k / inn.max(1) };
-                    round_to(f.weight, round_to(prod_t, factor[o] * v))
-                })
-                .collect()
+            for (k, v) in sum.iter_mut().enumerate() {
+                let o = if transposed { k % out } else { k / inn.max(1) };
+                *v = round_to(f.weight, round_to(prod_t, factor[o] * *v));
+            }
+            sum
         }
     }
 }

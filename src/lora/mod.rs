@@ -551,7 +551,7 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
                     return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
                 }
                 let w = &base[m.weight];
-                let w_bytes = read_one(&base_root, ckpt.format, w, opts.io)?;
+                let w_f32 = to_f32(&read_one(&base_root, ckpt.format, w, opts.io)?, w.dtype);
                 let mut ab = vec![
                     adapter_tensors[m.a].1.clone(),
                     adapter_tensors[m.b].1.clone(),
@@ -583,15 +583,15 @@ pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option
                     .collect();
                 let merged = fold::fold(
                     &m.fold,
-                    &to_f32(&w_bytes, w.dtype),
+                    &w_f32,
                     &f32s[0],
                     &f32s[1],
                     m.r as usize,
                     f32s.get(2).map(Vec::as_slice),
                 );
-                let mut out = vec![0u8; merged.len() * w.dtype.size()];
-                let raw: Vec<u8> = merged.iter().flat_map(|v| v.to_le_bytes()).collect();
-                crate::cast::convert(&raw, DType::F32, &mut out, w.dtype);
+                drop(w_f32);
+                let out = fold::encode(&merged, w.dtype);
+                drop(merged);
                 file.write_all_at(&out, at)
                     .map_err(|e| Error::io(&scratch.path, e))
                     .map_err(|e| e.tensor(&m.name))
