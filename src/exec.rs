@@ -390,7 +390,10 @@ pub fn read_tensors(ckpt: &crate::model::Checkpoint, io: IoMode) -> Result<Vec<V
                 .find(|r| r.name == t.name)
                 .ok_or_else(|| Error::bug("a tensor read has no region").tensor(&t.name))?;
             let start = r.offset as usize;
-            Ok(bytes[start..start + r.nbytes() as usize].to_vec())
+            bytes
+                .get(start..start + r.nbytes() as usize)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| Error::bug("a region outside its file").tensor(&t.name))
         })
         .collect()
 }

@@ -290,3 +290,14 @@ def test_fixture_resharded_with_the_merge_reads_back_bitwise(run_ckpt, tmp_path)
     got = load_file(tmp_path / "back.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], w) for k, w in want.items())
+
+
+def test_merge_lora_refuses_a_partitioned_run(run_ckpt, tmp_path):
+    _, model = make("plain")
+    ckpt_file = wrapped_checkpoint(tmp_path, model)
+    adapter = config_dir(tmp_path, model)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    r = run_ckpt("consolidate", ckpt_file, "-o", out_dir / "o.safetensors", "--merge-lora", adapter, "--part", "0/2")
+    assert r.returncode == 2 and "--part" in r.stderr, r.stderr
+    assert list(out_dir.iterdir()) == []
