@@ -200,17 +200,14 @@ pub fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(String, 
                 ranks.join("/")
             );
             if let Some(c) = config {
-                let alphas: BTreeSet<String> = modules
+                let mut alphas: Vec<f64> = modules
                     .iter()
-                    .map(|(m, _)| {
-                        let (_, alpha) = c.rank_alpha(&unwrap_name(m));
-                        format!("{alpha}")
-                    })
+                    .map(|(m, _)| c.rank_alpha(&unwrap_name(m)).1)
                     .collect();
-                line.push_str(&format!(
-                    ", alpha {}",
-                    alphas.into_iter().collect::<Vec<_>>().join("/")
-                ));
+                alphas.sort_by(f64::total_cmp);
+                alphas.dedup();
+                let alphas: Vec<String> = alphas.iter().map(f64::to_string).collect();
+                line.push_str(&format!(", alpha {}", alphas.join("/")));
                 if c.use_dora {
                     line.push_str(", DoRA");
                 }
