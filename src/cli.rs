@@ -71,6 +71,9 @@ struct InspectArgs {
     /// Only entries whose name matches this glob (repeatable).
     #[arg(long = "filter", value_name = "GLOB")]
     filters: Vec<String>,
+    /// PEFT's `adapter_config.json` (or its directory): show each LoRA adapter's alpha too.
+    #[arg(long, value_name = "CONFIG")]
+    lora_config: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -111,6 +114,8 @@ struct ConsolidateArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     max_shard_size: Option<u64>,
     #[command(flatten)]
+    lora: LoraArgs,
+    #[command(flatten)]
     select: SelectArgs,
     #[command(flatten)]
     run: RunArgs,
@@ -140,6 +145,8 @@ struct ReshardArgs {
     #[arg(long, value_enum, default_value = "dcp")]
     format: ShardedFormat,
     #[command(flatten)]
+    lora: LoraArgs,
+    #[command(flatten)]
     select: SelectArgs,
     #[command(flatten)]
     run: RunArgs,
@@ -163,6 +170,17 @@ enum FullFormat {
 enum ShardedFormat {
     Dcp,
     DcpSafetensors,
+}
+
+#[derive(clap::Args, Debug)]
+struct LoraArgs {
+    /// Fold a LoRA adapter into the base weights: PEFT's `adapter_config.json` or the directory
+    /// holding it (and, if there, `adapter_model.safetensors` with the adapter's tensors).
+    #[arg(long, value_name = "CONFIG")]
+    merge_lora: Option<PathBuf>,
+    /// Which of the checkpoint's LoRA adapters to merge, when it holds several.
+    #[arg(long, value_name = "NAME", requires = "merge_lora")]
+    adapter: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -266,7 +284,13 @@ fn completion(args: CompletionArgs) -> Result<i32> {
 
 /// `ckpt inspect`: the report as a table or as JSON.
 fn inspect(args: InspectArgs, reading: Reading) -> Result<i32> {
-    let ckpt = read(&Source::new(args.path)?, reading, false)?;
+    let mut ckpt = read(&Source::new(args.path)?, reading, false)?;
+    let lora = match &args.lora_config {
+        Some(path) => Some(crate::lora::config::read(path)?.0),
+        None => None,
+    };
+    let adapters = crate::lora::describe(&ckpt, lora.as_ref());
+    ckpt.details.extend(adapters);
     let sel = Selection::new(&args.filters, &[], &[])?;
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {
@@ -417,6 +441,7 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
         reading,
         output: &args.output,
         kind,
+        lora: &args.lora,
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -474,6 +499,7 @@ fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i
         reading,
         output: &args.output,
         kind: OutputKind::Dir,
+        lora: &args.lora,
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -542,6 +568,8 @@ struct Conversion<'a> {
     reading: Reading<'a>,
     output: &'a Path,
     kind: OutputKind,
+    /// `--merge-lora`, `--adapter`.
+    lora: &'a LoraArgs,
     select: &'a SelectArgs,
     run: &'a RunArgs,
     write: &'a WriteArgs,
@@ -565,6 +593,8 @@ fn convert(
     let started = Instant::now();
     // Every item read is copied: small ones in object storage are opened when copied.
     let ckpt = read(input, job.reading, true)?;
+    // Kept until the output is written: the merged weights are read from it.
+    let (ckpt, _scratch) = merge_lora(ckpt, job)?;
     let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -631,6 +661,40 @@ fn convert(
         ));
     }
     Ok(0)
+}
+
+/// Fold `--merge-lora`'s adapter into `ckpt`, its merged weights in a scratch file beside the
+/// output (for an output in an object store, in the temporary directory).
+fn merge_lora(
+    ckpt: Checkpoint,
+    job: &Conversion,
+) -> Result<(Checkpoint, Option<crate::lora::Scratch>)> {
+    let Some(config) = job.lora.merge_lora.as_deref() else {
+        return Ok((ckpt, None));
+    };
+    if job.write.part.is_some() {
+        return Err(
+            Error::usage("--merge-lora does not run in parts (--part) yet")
+                .hint("run once without --part"),
+        );
+    }
+    let scratch_dir = if crate::storage::is_remote(job.output) {
+        std::env::temp_dir()
+    } else {
+        match job.output.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
+    };
+    let opts = crate::lora::LoraOptions {
+        config,
+        adapter: job.lora.adapter.as_deref(),
+        scratch_dir: &scratch_dir,
+        threads: job.run.threads,
+        io: job.run.io.into(),
+        cancel: job.cancel,
+    };
+    crate::lora::apply(ckpt, &opts)
 }
 
 /// How a conversion (whole or one part of it) runs: outputs made durable before they commit.

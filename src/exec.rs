@@ -370,6 +370,34 @@ fn run_on(
     Ok((digests, outcome))
 }
 
+/// The bytes of every tensor of `ckpt`, each whole and row-major in its own dtype, gathered from
+/// its pieces as a copy gathers them: for a step that computes on tensor data (LoRA folding), one
+/// small checkpoint of a few tensors at a time.
+pub fn read_tensors(ckpt: &crate::model::Checkpoint, io: IoMode) -> Result<Vec<Vec<u8>>> {
+    let target = crate::plan::Target::Safetensors {
+        file_name: "tensors".into(),
+    };
+    let plan = crate::plan::plan(ckpt, &target, &crate::plan::PlanOptions::default())?;
+    let sources = open_inputs(&plan, io)?;
+    let file = plan.file(0)?;
+    let bytes = assemble(&plan, &file, &sources)?;
+    ckpt.tensors
+        .iter()
+        .map(|t| {
+            let r = file
+                .regions
+                .iter()
+                .find(|r| r.name == t.name)
+                .ok_or_else(|| Error::bug("a tensor read has no region").tensor(&t.name))?;
+            let start = r.offset as usize;
+            bytes
+                .get(start..start + r.nbytes() as usize)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| Error::bug("a region outside its file").tensor(&t.name))
+        })
+        .collect()
+}
+
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
 fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; f.len as usize];

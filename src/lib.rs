@@ -32,6 +32,7 @@ pub mod fsdp_local;
 pub mod geometry;
 pub mod inspect;
 pub mod layout;
+pub mod lora;
 pub mod model;
 pub mod output;
 pub mod part;

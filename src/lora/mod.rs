@@ -1,0 +1,724 @@
+//! LoRA adapters folded into their base weights (`--merge-lora`), as PEFT's `merge_and_unload`
+//! does: a step between reading and selection, like [`crate::fsdp_local::apply`].
+//!
+//! The adapter's tensors come from the checkpoint itself (a PEFT-wrapped model saved whole or
+//! sharded: `…q_proj.base_layer.weight`, `…q_proj.lora_A.default.weight`) or, when the config's
+//! directory holds `adapter_model.safetensors`, from there. Each merged weight is computed from
+//! its module's tensors (read through the planner and executor, one module per worker) into a
+//! scratch file, and the returned [`Checkpoint`] names it there as one piece: the executor still
+//! only copies bytes. The names are the base model's: the wrapper prefix `base_model.model.`,
+//! `.base_layer` and the adapter's name removed, the adapter's tensors consumed.
+
+pub mod config;
+pub mod fold;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::exec::IoMode;
+use crate::model::{Checkpoint, DataRef, Encoding, Piece, Pieces, Tensor};
+
+pub use config::LoraConfig;
+
+/// The prefix PEFT's `PeftModel` puts before the base model's names.
+const WRAPPER: &str = "base_model.model.";
+
+/// How `--merge-lora` runs.
+#[derive(Clone, Debug)]
+pub struct LoraOptions<'a> {
+    /// PEFT's `adapter_config.json` or the directory holding it.
+    pub config: &'a Path,
+    /// `--adapter`: which of the checkpoint's adapters to merge.
+    pub adapter: Option<&'a str>,
+    /// Where the scratch file of merged weights goes: beside the output, on its filesystem.
+    pub scratch_dir: &'a Path,
+    /// Worker threads (0: one per core).
+    pub threads: usize,
+    pub io: IoMode,
+    /// Set on Ctrl-C: no further module is folded.
+    pub cancel: &'a std::sync::atomic::AtomicBool,
+}
+
+/// The scratch file of merged weights, removed when dropped (the run over, however it ended).
+#[derive(Debug)]
+pub struct Scratch {
+    path: PathBuf,
+}
+
+impl Scratch {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// What a name of a PEFT-wrapped model says it is, after the wrapper prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Role {
+    /// `M.lora_A.N.weight` (or `M.lora_A.weight` in an adapter file, `N` empty).
+    A,
+    B,
+    Magnitude,
+    EmbeddingA,
+    EmbeddingB,
+    /// `M.lora_B.N.bias` and other adapter tensors ckpt does not merge.
+    Other(String),
+}
+
+/// An adapter tensor's module, role and adapter name (empty in an adapter file).
+#[derive(Clone, Debug)]
+struct AdapterName {
+    module: String,
+    role: Role,
+    adapter: String,
+}
+
+/// `name` without PEFT's wrapper prefix, at the start or after an outer prefix (`model.` of an
+/// app state saved with DCP).
+fn unwrap_name(name: &str) -> String {
+    if let Some(rest) = name.strip_prefix(WRAPPER) {
+        return rest.to_string();
+    }
+    match name.find(&format!(".{WRAPPER}")) {
+        Some(at) => format!("{}{}", &name[..at + 1], &name[at + 1 + WRAPPER.len()..]),
+        None => name.to_string(),
+    }
+}
+
+/// Parse an adapter tensor's (unwrapped) name; `None` for a base model tensor. In a saved
+/// checkpoint the adapter name follows the role (`lora_A.default.weight`); in PEFT's
+/// adapter file it is gone (`lora_A.weight`, `lora_magnitude_vector`, `lora_embedding_A`).
+fn adapter_name(name: &str, in_file: bool) -> Option<AdapterName> {
+    const ROLES: [&str; 5] = [
+        ".lora_A.",
+        ".lora_B.",
+        ".lora_magnitude_vector",
+        ".lora_embedding_A",
+        ".lora_embedding_B",
+    ];
+    let (at, marker) = ROLES
+        .iter()
+        .filter_map(|m| name.find(m).map(|at| (at, *m)))
+        .min_by_key(|(at, _)| *at)?;
+    let module = name[..at].to_string();
+    let rest = &name[at + marker.len()..];
+    let rest = rest.strip_prefix('.').unwrap_or(rest);
+    // What follows the role: `N.weight`, `weight`, `N`, ``.
+    let parts: Vec<&str> = if rest.is_empty() {
+        Vec::new()
+    } else {
+        rest.split('.').collect()
+    };
+    let (adapter, tail) = if in_file {
+        (String::new(), parts.join("."))
+    } else {
+        match parts.split_first() {
+            Some((n, tail)) => (n.to_string(), tail.join(".")),
+            None => (String::new(), String::new()),
+        }
+    };
+    let role = match (marker, tail.as_str()) {
+        (".lora_A.", "weight") => Role::A,
+        (".lora_B.", "weight") => Role::B,
+        (".lora_magnitude_vector", "weight" | "") => Role::Magnitude,
+        (".lora_embedding_A", "") => Role::EmbeddingA,
+        (".lora_embedding_B", "") => Role::EmbeddingB,
+        _ => Role::Other(name.to_string()),
+    };
+    Some(AdapterName {
+        module,
+        role,
+        adapter,
+    })
+}
+
+/// One module to fold: where its tensors are.
+#[derive(Clone, Debug)]
+struct Module {
+    name: String,
+    /// Index of the base weight in the base tensors.
+    weight: usize,
+    a: usize,
+    b: usize,
+    magnitude: Option<usize>,
+    fold: fold::Fold,
+    r: u64,
+}
+
+/// The LoRA modules a checkpoint holds, by adapter: (module, rank), for `inspect`.
+pub fn held(ckpt: &Checkpoint) -> BTreeMap<String, Vec<(String, u64)>> {
+    let mut out: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
+    for t in &ckpt.tensors {
+        let name = unwrap_name(&t.name);
+        // A saved model names the adapter (`lora_A.default.weight`), PEFT's file does not.
+        let Some(a) = adapter_name(&name, false)
+            .filter(|a| matches!(a.role, Role::A | Role::EmbeddingA))
+            .or_else(|| adapter_name(&name, true))
+        else {
+            continue;
+        };
+        if matches!(a.role, Role::A | Role::EmbeddingA) {
+            let name = if a.adapter.is_empty() {
+                "default".to_string()
+            } else {
+                a.adapter
+            };
+            out.entry(name)
+                .or_default()
+                .push((a.module, t.shape.first().copied().unwrap_or(0)));
+        }
+    }
+    out
+}
+
+/// What `inspect` says of the LoRA adapters a checkpoint holds: one detail per adapter.
+pub fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(String, String)> {
+    held(ckpt)
+        .into_iter()
+        .map(|(adapter, modules)| {
+            let kinds: BTreeSet<&str> = modules
+                .iter()
+                .map(|(m, _)| m.rsplit('.').next().unwrap_or(m))
+                .collect();
+            let ranks: BTreeSet<u64> = modules.iter().map(|(_, r)| *r).collect();
+            let ranks: Vec<String> = ranks.iter().map(u64::to_string).collect();
+            let mut line = format!(
+                "{} modules ({}), r {}",
+                modules.len(),
+                kinds.into_iter().collect::<Vec<_>>().join(", "),
+                ranks.join("/")
+            );
+            if let Some(c) = config {
+                let mut alphas: Vec<f64> = modules
+                    .iter()
+                    .map(|(m, _)| c.rank_alpha(&unwrap_name(m)).1)
+                    .collect();
+                alphas.sort_by(f64::total_cmp);
+                alphas.dedup();
+                let alphas: Vec<String> = alphas.iter().map(f64::to_string).collect();
+                line.push_str(&format!(", alpha {}", alphas.join("/")));
+                if c.use_dora {
+                    line.push_str(", DoRA");
+                }
+            }
+            (format!("lora adapter `{adapter}`"), line)
+        })
+        .collect()
+}
+
+/// Fold the adapter described by `opts.config` into `ckpt`. The returned scratch file holds the
+/// merged weights the checkpoint now names; keep it until the output is written.
+pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option<Scratch>)> {
+    let (config, loc) = config::read(opts.config)?;
+    if config.lora_bias {
+        return Err(Error::invalid(
+            "the adapter trains biases of its own (`lora_bias`), which ckpt does not merge",
+        )
+        .file(&loc.config));
+    }
+    // Base tensors, unwrapped: the checkpoint's own adapter tensors set apart.
+    let mut base: Vec<Tensor> = Vec::new();
+    let mut own: Vec<(AdapterName, Tensor)> = Vec::new();
+    // `M.modules_to_save.N.P`: (N, index in base), renamed `M.P`; `M.original_module.P` the
+    // module before training.
+    let mut saved_copies: Vec<(String, usize)> = Vec::new();
+    let mut originals: Vec<usize> = Vec::new();
+    for mut t in ckpt.tensors {
+        let name = unwrap_name(&t.name);
+        if let Some(a) = adapter_name(&name, false) {
+            own.push((a, t));
+            continue;
+        }
+        let name = name.replacen(".base_layer.", ".", 1);
+        if name != t.name {
+            t.name = name;
+            t.key_path.clear();
+        }
+        if let Some((m, rest)) = t.name.split_once(".modules_to_save.") {
+            if let Some((n, p)) = rest.split_once('.') {
+                saved_copies.push((n.to_string(), base.len()));
+                t.name = format!("{m}.{p}");
+            }
+        } else if t.name.contains(".original_module.") {
+            originals.push(base.len());
+        }
+        base.push(t);
+    }
+    // The checkpoint's own adapter tensors win: PEFT's `save_pretrained` also writes
+    // adapter_model.safetensors beside the config of a wrapped model saved whole.
+    let adapter_ckpt = match &loc.adapter_file {
+        Some(file) if own.is_empty() => Some(crate::detect::read(file)?),
+        _ => None,
+    };
+    let held: BTreeSet<&str> = own.iter().map(|(a, _)| a.adapter.as_str()).collect();
+    let chosen: String = if adapter_ckpt.is_some() {
+        String::new()
+    } else {
+        match (opts.adapter, held.len()) {
+            (Some(n), _) if held.contains(n) => n.to_string(),
+            (Some(n), _) => {
+                return Err(Error::invalid(format!(
+                    "the checkpoint holds no LoRA adapter `{n}`{}",
+                    listed(&held)
+                ))
+                .hint("--adapter names one the checkpoint holds"))
+            }
+            (None, 0) => {
+                return Err(Error::invalid(
+                    "the checkpoint holds no LoRA adapter tensors to merge",
+                )
+                .hint(format!(
+                    "put PEFT's {} beside `{}` to merge an adapter saved apart",
+                    config::ADAPTER_FILE,
+                    loc.config.display()
+                )))
+            }
+            (None, 1) => held.iter().next().map(|s| s.to_string()).unwrap_or_default(),
+            (None, _) => match loc.dir_name.as_deref().filter(|d| held.contains(d)) {
+                Some(d) => d.to_string(),
+                None => {
+                    return Err(Error::usage(format!(
+                        "the checkpoint holds several LoRA adapters{} and the config does not say which",
+                        listed(&held)
+                    ))
+                    .hint("name one with --adapter NAME"))
+                }
+            },
+        }
+    };
+    // modules_to_save: the chosen adapter's copy replaces the module, as `merge_and_unload` does;
+    // a module without one for this adapter keeps its original.
+    let copied: BTreeSet<usize> = saved_copies
+        .iter()
+        .filter(|(n, _)| *n == chosen)
+        .map(|(_, i)| *i)
+        .collect();
+    let copied_names: BTreeSet<String> = copied.iter().map(|&i| base[i].name.clone()).collect();
+    let mut dropped: BTreeSet<usize> = saved_copies
+        .iter()
+        .filter(|(n, _)| *n != chosen)
+        .map(|(_, i)| *i)
+        .collect();
+    for &i in &originals {
+        let name = base[i].name.replacen(".original_module.", ".", 1);
+        if copied_names.contains(&name) {
+            dropped.insert(i);
+        } else {
+            base[i].name = name;
+        }
+    }
+    let kept: Vec<Tensor> = base
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !dropped.contains(i))
+        .map(|(_, t)| t)
+        .collect();
+    let mut base = kept;
+
+    // The adapter tensors to merge: (name, tensor) from the checkpoint or the adapter file.
+    let (adapter_root, adapter_tensors): (PathBuf, Vec<(AdapterName, Tensor)>) = match adapter_ckpt
+    {
+        Some(a) => {
+            let root = a.root.clone();
+            let mut list = Vec::new();
+            for t in a.tensors {
+                let name = unwrap_name(&t.name);
+                match adapter_name(&name, true) {
+                    Some(an) => list.push((an, t)),
+                    None => {
+                        // modules_to_save copies, trained biases and an adapted embedding's
+                        // `base_layer.weight` replace the base tensor, as loading the adapter does.
+                        let name = name.replacen(".base_layer.", ".", 1);
+                        let Some(i) = base.iter().position(|b| b.name == name) else {
+                            return Err(Error::invalid(format!(
+                                "the adapter's tensor `{}` replaces `{name}`, which the checkpoint does not hold",
+                                t.name
+                            ))
+                            .file(loc.adapter_file.as_deref().unwrap_or(&loc.config)));
+                        };
+                        let mut t = t;
+                        t.name = name;
+                        t.key_path.clear();
+                        base[i] = absolute(t, &root)?;
+                    }
+                }
+            }
+            (root, list)
+        }
+        None => (
+            ckpt.root.clone(),
+            own.into_iter()
+                .filter(|(a, _)| a.adapter == chosen)
+                .collect(),
+        ),
+    };
+    let adapter_file = loc.adapter_file.as_deref();
+    let where_ = |e: Error| match adapter_file {
+        Some(f) => e.file(f),
+        None => e,
+    };
+
+    // Group by module.
+    let mut by_module: BTreeMap<String, HashMap<&'static str, usize>> = BTreeMap::new();
+    for (k, (a, t)) in adapter_tensors.iter().enumerate() {
+        let role = match &a.role {
+            Role::A => "A",
+            Role::B => "B",
+            Role::Magnitude => "magnitude",
+            Role::EmbeddingA => "embA",
+            Role::EmbeddingB => "embB",
+            Role::Other(_) => {
+                return Err(where_(
+                    Error::invalid("ckpt does not merge this LoRA tensor (a LoRA bias?)")
+                        .tensor(&t.name),
+                ))
+            }
+        };
+        by_module
+            .entry(a.module.clone())
+            .or_default()
+            .insert(role, k);
+    }
+    let base_index: HashMap<&str, usize> = base
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    let mut modules = Vec::new();
+    for (module, roles) in &by_module {
+        let first = &adapter_tensors[*roles.values().min().unwrap_or(&0)].1.name;
+        let embedding = roles.contains_key("embA") || roles.contains_key("embB");
+        let (ka, kb) = if embedding {
+            (roles.get("embA"), roles.get("embB"))
+        } else {
+            (roles.get("A"), roles.get("B"))
+        };
+        let (Some(&ka), Some(&kb)) = (ka, kb) else {
+            return Err(where_(
+                Error::invalid(format!(
+                    "module `{module}` has only half of a LoRA pair (A and B)"
+                ))
+                .tensor(first),
+            ));
+        };
+        let weight_name = format!("{module}.weight");
+        let Some(&wi) = base_index.get(weight_name.as_str()) else {
+            return Err(where_(
+                Error::invalid(format!(
+                    "the LoRA adapter of `{module}` has no base weight `{weight_name}` in the checkpoint"
+                ))
+                .tensor(first),
+            ));
+        };
+        let (a, b) = (&adapter_tensors[ka].1, &adapter_tensors[kb].1);
+        let w = &base[wi];
+        let magnitude = roles.get("magnitude").copied();
+        if a.shape.len() != 2 || b.shape.len() != 2 || w.shape.len() != 2 {
+            return Err(where_(
+                Error::invalid(format!(
+                    "only 2-D LoRA modules are merged (linear and embedding); `{module}` has A {:?}, B {:?}, weight {:?}",
+                    a.shape, b.shape, w.shape
+                ))
+                .tensor(&a.name),
+            ));
+        }
+        let (r, inn) = (a.shape[0], a.shape[1]);
+        let out = b.shape[0];
+        let (want_r, alpha) = config.rank_alpha(&unwrap_name(module));
+        if want_r != r || b.shape[1] != r {
+            return Err(where_(
+                Error::invalid(format!(
+                    "the config gives `{module}` rank {want_r} but its A is {:?} and its B {:?}",
+                    a.shape, b.shape
+                ))
+                .tensor(&a.name)
+                .file(&loc.config),
+            ));
+        }
+        // PEFT sets `fan_in_fan_out` per module type (Conv1D or Linear) on the shared config, so
+        // the file holds the last module's: the weight's shape decides, the file only when square.
+        let fan_in_fan_out = if w.shape == [inn, out] && w.shape != [out, inn] {
+            true
+        } else if w.shape == [out, inn] && w.shape != [inn, out] {
+            false
+        } else {
+            config.fan_in_fan_out
+        };
+        let transposed = embedding || fan_in_fan_out;
+        let want_w = if transposed { [inn, out] } else { [out, inn] };
+        if w.shape != want_w {
+            return Err(Error::invalid(format!(
+                "the base weight is {:?}, which does not fit B @ A of its LoRA adapter ([{out}, {inn}]{})",
+                w.shape,
+                if transposed { ", transposed" } else { "" }
+            ))
+            .tensor(&w.name));
+        }
+        for t in [w, a, b]
+            .into_iter()
+            .chain(magnitude.map(|k| &adapter_tensors[k].1))
+        {
+            if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                return Err(Error::invalid(format!(
+                    "LoRA is merged in f32, bf16 or f16, not {}",
+                    t.dtype
+                ))
+                .tensor(&t.name));
+            }
+        }
+        if let Some(k) = magnitude {
+            let m = &adapter_tensors[k].1;
+            if m.shape != [out] {
+                return Err(where_(
+                    Error::invalid(format!("the DoRA magnitude is {:?}, not [{out}]", m.shape))
+                        .tensor(&m.name),
+                ));
+            }
+        }
+        modules.push(Module {
+            name: module.clone(),
+            weight: wi,
+            a: ka,
+            b: kb,
+            magnitude,
+            fold: fold::Fold {
+                kind: if embedding {
+                    fold::Kind::Embedding
+                } else {
+                    fold::Kind::Linear { fan_in_fan_out }
+                },
+                scaling: config.scaling(r, alpha),
+                weight: w.dtype,
+                adapter: b.dtype,
+                magnitude: magnitude.map(|k| adapter_tensors[k].1.dtype),
+            },
+            r,
+        });
+    }
+    if modules.is_empty() {
+        return Err(where_(Error::invalid(
+            "the adapter holds no LoRA modules to merge",
+        )));
+    }
+
+    // The scratch file: each merged weight at its offset, 64-byte aligned.
+    let mut offsets = Vec::with_capacity(modules.len());
+    let mut len = 0u64;
+    for m in &modules {
+        let t = &base[m.weight];
+        offsets.push(len);
+        let n = crate::model::numel(&t.shape).unwrap_or(0) * t.dtype.size() as u64;
+        len = (len + n).div_ceil(64) * 64;
+    }
+    let scratch = Scratch {
+        path: std::path::absolute(opts.scratch_dir)
+            .unwrap_or_else(|_| opts.scratch_dir.to_path_buf())
+            .join(format!(".ckpt-lora-{}.scratch", std::process::id())),
+    };
+    let _ = std::fs::remove_file(&scratch.path);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&scratch.path)
+        .and_then(|f| f.set_len(len).map(|_| f))
+        .map_err(|e| Error::io(&scratch.path, e))?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads)
+        .build()
+        .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
+    let base_root = ckpt.root.clone();
+    pool.install(|| {
+        modules
+            .par_iter()
+            .zip(&offsets)
+            .try_for_each(|(m, &at)| -> Result<()> {
+                if opts.cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
+                }
+                let w = &base[m.weight];
+                let w_f32 = to_f32(&read_one(&base_root, ckpt.format, w, opts.io)?, w.dtype);
+                let mut ab = vec![
+                    adapter_tensors[m.a].1.clone(),
+                    adapter_tensors[m.b].1.clone(),
+                ];
+                ab.extend(m.magnitude.map(|k| adapter_tensors[k].1.clone()));
+                let sub = Checkpoint {
+                    root: adapter_root.clone(),
+                    format: ckpt.format,
+                    world_size: None,
+                    tensors: ab
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, mut t)| {
+                            t.name = format!("{i}");
+                            t.key_path.clear();
+                            t
+                        })
+                        .collect(),
+                    values: Vec::new(),
+                    unsupported: Vec::new(),
+                    details: Vec::new(),
+                };
+                let bytes = crate::exec::read_tensors(&sub, opts.io)?;
+                let f32s: Vec<Vec<f32>> = sub
+                    .tensors
+                    .iter()
+                    .zip(&bytes)
+                    .map(|(t, b)| to_f32(b, t.dtype))
+                    .collect();
+                let merged = fold::fold(
+                    &m.fold,
+                    &w_f32,
+                    &f32s[0],
+                    &f32s[1],
+                    m.r as usize,
+                    f32s.get(2).map(Vec::as_slice),
+                );
+                drop(w_f32);
+                let out = fold::encode(&merged, w.dtype);
+                drop(merged);
+                file.write_all_at(&out, at)
+                    .map_err(|e| Error::io(&scratch.path, e))
+                    .map_err(|e| e.tensor(&m.name))
+            })
+    })?;
+    let scratch_file: Arc<Path> = Arc::from(scratch.path.as_path());
+    for (m, &at) in modules.iter().zip(&offsets) {
+        let t = &mut base[m.weight];
+        let piece = Piece {
+            offsets: vec![0; t.shape.len()],
+            sizes: t.shape.clone(),
+            data: DataRef {
+                file: scratch_file.clone(),
+                offset: at,
+                strides: crate::model::contiguous_strides(&t.shape),
+                encoding: Encoding::Raw,
+            },
+        };
+        t.pieces = Pieces::single(piece)?;
+    }
+    let values = ckpt
+        .values
+        .into_iter()
+        .map(|mut v| {
+            let name = unwrap_name(&v.name);
+            if name != v.name {
+                v.name = name;
+                v.key_path.clear();
+            }
+            v
+        })
+        .collect();
+    Ok((
+        Checkpoint {
+            tensors: base,
+            values,
+            ..ckpt
+        },
+        Some(scratch),
+    ))
+}
+
+fn listed(held: &BTreeSet<&str>) -> String {
+    if held.is_empty() {
+        return String::new();
+    }
+    let names: Vec<String> = held.iter().map(|n| format!("`{n}`")).collect();
+    format!(" ({})", names.join(", "))
+}
+
+/// A tensor of another checkpoint (the adapter file), its files named absolutely so that it
+/// reads from any root.
+fn absolute(t: Tensor, root: &Path) -> Result<Tensor> {
+    let ndim = t.pieces.ndim();
+    let pieces = (0..t.pieces.len())
+        .map(|k| {
+            let mut p = t.pieces.get(k).to_piece();
+            let path = root.join(&*p.data.file);
+            p.data.file = Arc::from(std::path::absolute(&path).unwrap_or(path).as_path());
+            p
+        })
+        .collect();
+    Ok(Tensor {
+        pieces: Pieces::from_vec(ndim, pieces)?,
+        ..t
+    })
+}
+
+fn read_one(root: &Path, format: crate::model::Format, t: &Tensor, io: IoMode) -> Result<Vec<u8>> {
+    let mut t = t.clone();
+    t.name = "weight".into();
+    t.key_path.clear();
+    let sub = Checkpoint {
+        root: root.to_path_buf(),
+        format,
+        world_size: None,
+        tensors: vec![t],
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        details: Vec::new(),
+    };
+    Ok(crate::exec::read_tensors(&sub, io)?.remove(0))
+}
+
+fn to_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    let n = bytes.len() / dtype.size();
+    let mut raw = vec![0u8; n * 4];
+    crate::cast::convert(bytes, dtype, &mut raw, DType::F32);
+    raw.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_unwrap() {
+        assert_eq!(
+            unwrap_name("base_model.model.model.layers.0.q_proj.base_layer.weight"),
+            "model.layers.0.q_proj.base_layer.weight"
+        );
+        assert_eq!(
+            unwrap_name("model.base_model.model.lm_head.weight"),
+            "model.lm_head.weight"
+        );
+        assert_eq!(unwrap_name("lm_head.weight"), "lm_head.weight");
+    }
+
+    #[test]
+    fn adapter_names_parse() {
+        let a = adapter_name("m.q_proj.lora_A.default.weight", false).unwrap();
+        assert_eq!(
+            (a.module.as_str(), a.adapter.as_str()),
+            ("m.q_proj", "default")
+        );
+        assert_eq!(a.role, Role::A);
+        let a = adapter_name("m.q_proj.lora_B.weight", true).unwrap();
+        assert_eq!((a.module.as_str(), a.role), ("m.q_proj", Role::B));
+        let a = adapter_name("m.q_proj.lora_magnitude_vector", true).unwrap();
+        assert_eq!(a.role, Role::Magnitude);
+        let a = adapter_name("m.q_proj.lora_magnitude_vector.other.weight", false).unwrap();
+        assert_eq!((a.role, a.adapter.as_str()), (Role::Magnitude, "other"));
+        let a = adapter_name("m.embed.lora_embedding_A.default", false).unwrap();
+        assert_eq!((a.role, a.adapter.as_str()), (Role::EmbeddingA, "default"));
+        assert!(matches!(
+            adapter_name("m.q.lora_B.default.bias", false).unwrap().role,
+            Role::Other(_)
+        ));
+        assert!(adapter_name("m.q_proj.base_layer.weight", false).is_none());
+    }
+}
