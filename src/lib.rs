@@ -33,7 +33,6 @@ pub mod inspect;
 pub mod model;
 pub mod output;
 pub mod part;
-pub mod part_output;
 pub mod pickle;
 pub mod plan;
 pub mod select;

@@ -50,7 +50,39 @@ pub struct FilePlan {
     /// see [`FilePlan::for_each_literal`].
     pub tensor_items: Vec<TensorItem>,
     pub regions: Vec<Region>,
+    /// What the file is to the output; an output backend orders its writes by it.
+    pub role: FileRole,
 }
+
+/// What a destination file is to the output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FileRole {
+    /// Tensor data and its framing, written from literals and regions, in any order.
+    #[default]
+    Data,
+    /// Its literals make the output a checkpoint (a split safetensors index): written once
+    /// every data file is.
+    CommitMarker,
+    /// Written by [`Plan::write_streamed`] once every data file is, and makes the output a
+    /// checkpoint (a DCP `.metadata`).
+    StreamedCommitMarker,
+}
+
+impl FileRole {
+    /// Whether the file is written by [`Plan::write_streamed`] rather than from regions.
+    pub fn is_streamed(self) -> bool {
+        self == FileRole::StreamedCommitMarker
+    }
+
+    /// Whether the file's presence makes the output a checkpoint, so it is written last.
+    pub fn is_commit_marker(self) -> bool {
+        self != FileRole::Data
+    }
+}
+
+/// Names of the files that make an output a checkpoint, for every target the planner knows:
+/// an output being replaced loses them before anything else.
+pub const COMMIT_MARKERS: [&str; 2] = [dcp::METADATA, hf_index::INDEX_NAME];
 
 impl FilePlan {
     /// Visit every literal byte run of the file in offset order: `literals`, and the framing of
@@ -196,6 +228,7 @@ impl Plan<'_> {
             Some(dcp) if k < dcp.names.len() => Ok(Cow::Owned(dcp.rank_file(k)?)),
             _ => Ok(Cow::Owned(FilePlan {
                 path: self.path(i),
+                role: self.role(i),
                 ..FilePlan::default()
             })),
         }
@@ -215,11 +248,20 @@ impl Plan<'_> {
         }
     }
 
+    /// What destination file `i` is to the output.
+    pub fn role(&self, i: usize) -> FileRole {
+        match (self.files.get(i), &self.dcp) {
+            (Some(f), _) => f.role,
+            (None, Some(d)) if i == self.files.len() + d.names.len() => {
+                FileRole::StreamedCommitMarker
+            }
+            _ => FileRole::Data,
+        }
+    }
+
     /// True when file `i` is written by [`Plan::write_streamed`] rather than from regions.
     pub fn is_streamed(&self, i: usize) -> bool {
-        self.dcp
-            .as_ref()
-            .is_some_and(|d| i == self.files.len() + d.names.len())
+        self.role(i).is_streamed()
     }
 
     /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length.
@@ -652,6 +694,7 @@ impl Planner<'_> {
             path: PathBuf::from(hf_index::INDEX_NAME),
             len: index.len() as u64,
             literals: vec![(0, index)],
+            role: FileRole::CommitMarker,
             ..FilePlan::default()
         });
     }
