@@ -276,12 +276,12 @@ impl Plan<'_> {
         }
     }
 
-    /// The fills of region `r` that meet its part at `start` of `sizes` (in region coordinates;
-    /// all of them for `None`), in source piece order.
+    /// The fills of region `r` that meet its sub-box at `start` of `sizes` (in region
+    /// coordinates; all of them for `None`), in source piece order.
     pub fn fills<'r>(
         &self,
         r: &'r Region,
-        part: Option<(&[u64], &[u64])>,
+        within: Option<(&[u64], &[u64])>,
     ) -> Result<std::borrow::Cow<'r, [Fill]>> {
         use std::borrow::Cow;
         match &r.source {
@@ -292,7 +292,7 @@ impl Plan<'_> {
                     .as_ref()
                     .or(self.dcp.as_ref().map(|d| &d.src))
                     .ok_or_else(|| Error::bug("a region of a tensor in a plan without one"))?;
-                Ok(Cow::Owned(src.fills(*tensor, b, part)))
+                Ok(Cow::Owned(src.fills(*tensor, b, within)))
             }
         }
     }
@@ -510,11 +510,11 @@ impl<'a> Sourcing<'a> {
         }
     }
 
-    /// The fills of box `b` of tensor `ti` from the pieces that meet its part at `start` of
+    /// The fills of box `b` of tensor `ti` from the pieces that meet its sub-box at `start` of
     /// `sizes` (relative to `b`), or all of it.
-    fn fills(&self, ti: usize, b: &NdBox, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
+    fn fills(&self, ti: usize, b: &NdBox, within: Option<(&[u64], &[u64])>) -> Vec<Fill> {
         let t = &self.ckpt.tensors[ti];
-        let query = match part {
+        let query = match within {
             Some((start, sizes)) => NdBox {
                 offsets: b.offsets.iter().zip(start).map(|(o, s)| o + s).collect(),
                 sizes: sizes.to_vec(),
@@ -528,7 +528,7 @@ impl<'a> Sourcing<'a> {
                 offsets: piece.offsets().to_vec(),
                 sizes: piece.sizes().to_vec(),
             };
-            if part.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
+            if within.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
                 continue;
             }
             let Some(common) = pb.intersect(b) else {
@@ -1300,7 +1300,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fills_of_a_part_are_the_fills_of_the_whole_that_meet_it() {
+    fn the_fills_of_a_sub_box_are_the_fills_of_the_whole_that_meet_it() {
         let boxes = uneven_grid();
         let ckpt = Checkpoint {
             root: PathBuf::from("/nonexistent"),
