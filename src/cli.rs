@@ -17,9 +17,9 @@ use crate::geometry::Placement;
 use crate::inspect::human_bytes;
 use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
+use crate::output::part::{Finished, PartOutput};
 use crate::output::{OutputKind, Staging};
 use crate::part::PartSpec;
-use crate::part_output::{Finished, PartOutput};
 use crate::plan::{self, MeshSpec, PlanOptions, Target};
 use crate::select::Selection;
 use crate::verify::{self, VerifyOptions};
@@ -632,7 +632,7 @@ fn convert(
     let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
     let opts = durable_options(job.run, &bar, cancel);
     let final_path = if crate::storage::is_remote(output) {
-        crate::storage::upload::write(&plan, input.path(), output, kind, write.force, &opts)?;
+        crate::output::remote::write(&plan, input.path(), output, kind, write.force, &opts)?;
         output.to_path_buf()
     } else {
         let staging = Staging::prepare(output, input.path(), kind, write.force)?;
@@ -768,7 +768,7 @@ fn convert_part(
         })
         .collect();
     let fingerprint =
-        crate::part_output::fingerprint(&description, &plan.inputs, job.input.path())?;
+        crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?;
     let out = PartOutput::prepare(
         job.output,
         job.input.path(),

@@ -335,11 +335,11 @@ fn run_on(
                     .iter()
                     .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
                     .collect();
-                let (batch, part) = pool
+                let (batch, left) = pool
                     .install(|| run_files(plan, &files, &outputs, &clips, dest, sources, opts))?;
                 digests.extend(batch);
-                outcome.crcs.extend(part.crcs);
-                outcome.open_slots.extend(part.open_slots);
+                outcome.crcs.extend(left.crcs);
+                outcome.open_slots.extend(left.open_slots);
                 if opts.durable {
                     for ((i, _), out) in files.iter().zip(&outputs) {
                         if let (Some(out), Some(path)) = (out, dest.get(*i)) {
@@ -587,20 +587,20 @@ fn run_files(
         let mut crc_patches = Vec::new();
         for ri in 0..f.regions.len() {
             let mut crc = crc32fast::Hasher::new();
-            let mut parts = Vec::new();
+            let mut unit_hashes = Vec::new();
             let mut digest = RegionDigest::default();
             while k < units.len() && units[k].file == fi && units[k].region == ri {
                 let r = &results[k];
                 crc.combine(&crc32fast::Hasher::new_with_initial_len(r.crc, r.len));
-                parts.extend_from_slice(&r.xxh3.to_le_bytes());
+                unit_hashes.extend_from_slice(&r.xxh3.to_le_bytes());
                 digest.nan += r.nan;
                 digest.inf += r.inf;
                 k += 1;
             }
-            digest.xxh3 = match parts.len() {
+            digest.xxh3 = match unit_hashes.len() {
                 0 => xxhash_rust::xxh3::xxh3_64(&[]),
-                8 => u64::from_le_bytes(parts[..8].try_into().unwrap_or_default()),
-                _ => xxhash_rust::xxh3::xxh3_64(&parts),
+                8 => u64::from_le_bytes(unit_hashes[..8].try_into().unwrap_or_default()),
+                _ => xxhash_rust::xxh3::xxh3_64(&unit_hashes),
             };
             digests.push(digest);
             let r = &f.regions[ri];
@@ -649,7 +649,7 @@ fn run_files(
 
 /// `f` of every unit on every worker, the units taken in their order: the workers then go through
 /// each input together, front to back, so an object's blocks are fetched in a few large GETs
-/// read ahead of them, as a download would, rather than by workers in distant parts of it
+/// read ahead of them, as a download would, rather than by workers in distant places of it
 /// (rayon's split hands each worker its own half) whose blocks crowd each other out of the cache.
 fn in_order(
     units: &[Unit],
@@ -714,15 +714,15 @@ fn create_output(path: &Path, len: u64) -> Result<File> {
     Ok(file)
 }
 
-/// The fills of region `r` that meet its part `part` (all for `None`), each checked to lie
+/// The fills of region `r` that meet its sub-box `within` (all for `None`), each checked to lie
 /// inside its source file.
 fn checked_fills<'r>(
     plan: &Plan,
     r: &'r Region,
-    part: Option<(&[u64], &[u64])>,
+    within: Option<(&[u64], &[u64])>,
     sources: &[Source],
 ) -> Result<std::borrow::Cow<'r, [Fill]>> {
-    let fills = plan.fills(r, part).map_err(|e| e.tensor(&r.name))?;
+    let fills = plan.fills(r, within).map_err(|e| e.tensor(&r.name))?;
     for fill in fills.iter() {
         check_fill(fill, r, sources)?;
     }
@@ -874,9 +874,9 @@ fn run_unit(
             }
             let n = b - a;
             let src_offset = src_offset + (a - at);
-            let part = copy_direct(src, src_offset, file, path, dest_offset + a, n, want_crc)
+            let run_crc = copy_direct(src, src_offset, file, path, dest_offset + a, n, want_crc)
                 .map_err(|e| e.tensor(&r.name))?;
-            crc.combine(&crc32fast::Hasher::new_with_initial_len(part, n));
+            crc.combine(&crc32fast::Hasher::new_with_initial_len(run_crc, n));
             copied += n;
         }
         if covered != len || copied != keep.end - keep.start {
@@ -939,7 +939,7 @@ fn run_unit(
     })
 }
 
-/// Where the part of a fill that falls in a unit lies: `outer` leading dims iterated with an
+/// Where the slice of a fill that falls in a unit lies: `outer` leading dims iterated with an
 /// odometer, each step one contiguous `run` of elements on both sides.
 struct Span {
     /// Source byte offset of the first element.
@@ -951,7 +951,7 @@ struct Span {
     run: u64,
 }
 
-/// The part of `fill` inside unit `u`, or `None` when they do not meet.
+/// The slice of `fill` inside unit `u`, or `None` when they do not meet.
 fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
     let nd = r.shape.len();
     let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
@@ -999,7 +999,7 @@ fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
 }
 
 /// Fetch the source bytes of unit `u` that lie in objects: for each plain fill, the byte range
-/// covering its part of the unit, coalesced and fetched concurrently into this thread's window,
+/// covering its slice of the unit, coalesced and fetched concurrently into this thread's window,
 /// from which [`gather`] then copies as it does from a map. A range much larger than the unit (a
 /// strided view read across) is left to ranged reads as the copy asks for it.
 fn fetch_remote(
@@ -1032,7 +1032,7 @@ fn fetch_remote(
     crate::storage::fetch_window(&ranges)
 }
 
-/// Copy the part of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
+/// Copy the slice of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
 /// of destination bytes written.
 fn gather(
     fill: &Fill,

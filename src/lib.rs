@@ -36,7 +36,6 @@ pub mod lora;
 pub mod model;
 pub mod output;
 pub mod part;
-pub mod part_output;
 pub mod pickle;
 pub mod plan;
 pub mod select;

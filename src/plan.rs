@@ -50,7 +50,39 @@ pub struct FilePlan {
     /// see [`FilePlan::for_each_literal`].
     pub tensor_items: Vec<TensorItem>,
     pub regions: Vec<Region>,
+    /// What the file is to the output; an output backend orders its writes by it.
+    pub role: FileRole,
 }
+
+/// What a destination file is to the output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FileRole {
+    /// Tensor data and its framing, written from literals and regions, in any order.
+    #[default]
+    Data,
+    /// Its literals make the output a checkpoint (a split safetensors index): written once
+    /// every data file is.
+    CommitMarker,
+    /// Written by [`Plan::write_streamed`] once every data file is, and makes the output a
+    /// checkpoint (a DCP `.metadata`).
+    StreamedCommitMarker,
+}
+
+impl FileRole {
+    /// Whether the file is written by [`Plan::write_streamed`] rather than from regions.
+    pub fn is_streamed(self) -> bool {
+        self == FileRole::StreamedCommitMarker
+    }
+
+    /// Whether the file's presence makes the output a checkpoint, so it is written last.
+    pub fn is_commit_marker(self) -> bool {
+        self != FileRole::Data
+    }
+}
+
+/// Names of the files that make an output a checkpoint, for every target the planner knows:
+/// an output being replaced loses them before anything else.
+pub const COMMIT_MARKERS: [&str; 2] = [dcp::METADATA, hf_index::INDEX_NAME];
 
 impl FilePlan {
     /// Visit every literal byte run of the file in offset order: `literals`, and the framing of
@@ -196,6 +228,7 @@ impl Plan<'_> {
             Some(dcp) if k < dcp.names.len() => Ok(Cow::Owned(dcp.rank_file(k)?)),
             _ => Ok(Cow::Owned(FilePlan {
                 path: self.path(i),
+                role: self.role(i),
                 ..FilePlan::default()
             })),
         }
@@ -215,11 +248,20 @@ impl Plan<'_> {
         }
     }
 
+    /// What destination file `i` is to the output.
+    pub fn role(&self, i: usize) -> FileRole {
+        match (self.files.get(i), &self.dcp) {
+            (Some(f), _) => f.role,
+            (None, Some(d)) if i == self.files.len() + d.names.len() => {
+                FileRole::StreamedCommitMarker
+            }
+            _ => FileRole::Data,
+        }
+    }
+
     /// True when file `i` is written by [`Plan::write_streamed`] rather than from regions.
     pub fn is_streamed(&self, i: usize) -> bool {
-        self.dcp
-            .as_ref()
-            .is_some_and(|d| i == self.files.len() + d.names.len())
+        self.role(i).is_streamed()
     }
 
     /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length.
@@ -234,12 +276,12 @@ impl Plan<'_> {
         }
     }
 
-    /// The fills of region `r` that meet its part at `start` of `sizes` (in region coordinates;
-    /// all of them for `None`), in source piece order.
+    /// The fills of region `r` that meet its sub-box at `start` of `sizes` (in region
+    /// coordinates; all of them for `None`), in source piece order.
     pub fn fills<'r>(
         &self,
         r: &'r Region,
-        part: Option<(&[u64], &[u64])>,
+        within: Option<(&[u64], &[u64])>,
     ) -> Result<std::borrow::Cow<'r, [Fill]>> {
         use std::borrow::Cow;
         match &r.source {
@@ -250,7 +292,7 @@ impl Plan<'_> {
                     .as_ref()
                     .or(self.dcp.as_ref().map(|d| &d.src))
                     .ok_or_else(|| Error::bug("a region of a tensor in a plan without one"))?;
-                Ok(Cow::Owned(src.fills(*tensor, b, part)))
+                Ok(Cow::Owned(src.fills(*tensor, b, within)))
             }
         }
     }
@@ -468,11 +510,11 @@ impl<'a> Sourcing<'a> {
         }
     }
 
-    /// The fills of box `b` of tensor `ti` from the pieces that meet its part at `start` of
+    /// The fills of box `b` of tensor `ti` from the pieces that meet its sub-box at `start` of
     /// `sizes` (relative to `b`), or all of it.
-    fn fills(&self, ti: usize, b: &NdBox, part: Option<(&[u64], &[u64])>) -> Vec<Fill> {
+    fn fills(&self, ti: usize, b: &NdBox, within: Option<(&[u64], &[u64])>) -> Vec<Fill> {
         let t = &self.ckpt.tensors[ti];
-        let query = match part {
+        let query = match within {
             Some((start, sizes)) => NdBox {
                 offsets: b.offsets.iter().zip(start).map(|(o, s)| o + s).collect(),
                 sizes: sizes.to_vec(),
@@ -486,7 +528,7 @@ impl<'a> Sourcing<'a> {
                 offsets: piece.offsets().to_vec(),
                 sizes: piece.sizes().to_vec(),
             };
-            if part.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
+            if within.is_some() && pb.intersect(&query).is_none_or(|c| c.is_empty()) {
                 continue;
             }
             let Some(common) = pb.intersect(b) else {
@@ -652,6 +694,7 @@ impl Planner<'_> {
             path: PathBuf::from(hf_index::INDEX_NAME),
             len: index.len() as u64,
             literals: vec![(0, index)],
+            role: FileRole::CommitMarker,
             ..FilePlan::default()
         });
     }
@@ -1257,7 +1300,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fills_of_a_part_are_the_fills_of_the_whole_that_meet_it() {
+    fn the_fills_of_a_sub_box_are_the_fills_of_the_whole_that_meet_it() {
         let boxes = uneven_grid();
         let ckpt = Checkpoint {
             root: PathBuf::from("/nonexistent"),

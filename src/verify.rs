@@ -119,7 +119,7 @@ pub struct VerifyReport {
     pub problems: Vec<Problem>,
     /// The partitioned run (`--part I/N`) staged for this output and not committed yet.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub unfinished: Option<crate::part_output::Unfinished>,
+    pub unfinished: Option<crate::output::part::Unfinished>,
 }
 
 impl VerifyReport {
@@ -139,7 +139,7 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
         path: input.display(),
         ..VerifyReport::default()
     };
-    let unfinished = input.single().and_then(crate::part_output::unfinished);
+    let unfinished = input.single().and_then(crate::output::part::unfinished);
     if let Some(u) = unfinished {
         let path = input.path();
         let missing = u

@@ -248,7 +248,7 @@ fn parts_at_the_same_time_give_the_bytes_of_a_single_run() {
                 &format!("{} in {n} parallel parts", case.what),
             );
             assert!(
-                !ckpt::part_output::staging_of(&out).exists(),
+                !ckpt::output::part::staging_of(&out).exists(),
                 "the staging area is removed"
             );
         }
@@ -317,7 +317,7 @@ fn a_single_file_splits_into_balanced_shares() {
                 "{line}"
             );
             let marker =
-                ckpt::part_output::staging_of(&out).join(format!("done/part-{i}-of-{n}.json"));
+                ckpt::output::part::staging_of(&out).join(format!("done/part-{i}-of-{n}.json"));
             let m: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(marker).unwrap()).unwrap();
             bytes.push(m["bytes"].as_u64().unwrap());
@@ -355,7 +355,7 @@ fn a_missing_part_leaves_nothing_under_the_output_name_and_verify_names_it() {
         assert_eq!(code(&o), 0, "{}", text(&o));
     }
     assert!(out.symlink_metadata().is_err(), "nothing under the name");
-    let staging = ckpt::part_output::staging_of(&out);
+    let staging = ckpt::output::part::staging_of(&out);
     for target in [&out, &staging, &staging.join("m.safetensors")] {
         let v = ckpt(&os(&[&"verify", target]));
         assert_eq!(code(&v), 1, "{}", text(&v));
@@ -413,8 +413,8 @@ fn a_repeated_part_is_idempotent() {
     ]));
     assert_eq!(code(&o), 0, "{}", text(&o));
     let out = env.path("m.bin");
-    let staged = ckpt::part_output::staging_of(&out).join("m.bin");
-    let marker = ckpt::part_output::staging_of(&out).join("done/part-1-of-3.json");
+    let staged = ckpt::output::part::staging_of(&out).join("m.bin");
+    let marker = ckpt::output::part::staging_of(&out).join("done/part-1-of-3.json");
     assert_eq!(code(&ckpt(&args(&out, 1))), 0);
     let (bytes, mark) = (
         std::fs::read(&staged).unwrap(),
@@ -584,7 +584,7 @@ fn a_stale_commit_lock_of_this_host_is_cleared_and_one_of_another_host_refused()
         ]))
     };
     assert_eq!(code(&run(0)), 0);
-    let lock = ckpt::part_output::staging_of(&out).join("commit.lock");
+    let lock = ckpt::output::part::staging_of(&out).join("commit.lock");
     std::fs::write(&lock, "part 1/2 on some-other-host (pid 12)").unwrap();
     let o = run(1);
     assert_eq!(code(&o), 1, "{}", text(&o));
@@ -634,7 +634,7 @@ fn a_killed_part_can_be_run_again() {
     let o = ckpt(&args(&single, None));
     assert_eq!(code(&o), 0, "{}", text(&o));
     let out = env.path("m.bin");
-    let staged = ckpt::part_output::staging_of(&out).join("m.bin");
+    let staged = ckpt::output::part::staging_of(&out).join("m.bin");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
         .args(args(&out, Some(0)))
         .stdout(Stdio::null())
@@ -653,7 +653,7 @@ fn a_killed_part_can_be_run_again() {
     std::thread::sleep(Duration::from_millis(30));
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    let marker = ckpt::part_output::staging_of(&out).join("done/part-0-of-2.json");
+    let marker = ckpt::output::part::staging_of(&out).join("done/part-0-of-2.json");
     assert!(!marker.exists(), "a killed part leaves no marker");
     let o = ckpt(&args(&out, Some(1)));
     assert_eq!(code(&o), 0, "{}", text(&o));

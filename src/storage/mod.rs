@@ -13,8 +13,8 @@
 //! which only its framing (end records, central directory, local headers, descriptors) and small
 //! records (`data.pkl`) are fetched, the tensor bytes left unread.
 
+mod multipart;
 mod remote;
-pub mod upload;
 
 use std::fs::File;
 use std::ops::Deref;
@@ -25,6 +25,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
+pub use multipart::{PendingPart, UploadedPart};
 pub use remote::{fetch_window, Remote, BLOCK_BYTES, CACHE_BYTES};
 
 /// URL schemes ckpt reads and writes, served by the same object_store code.

@@ -224,7 +224,8 @@ impl Remote {
         .map_err(|e| store_error(&self.path, e))
     }
 
-    pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
+    /// Store `bytes` as the object in one PUT: it appears whole or not at all.
+    pub fn put(&self, bytes: Vec<u8>) -> Result<()> {
         listed_objects().remove(&self.path);
         block_on(
             self.store
@@ -235,7 +236,8 @@ impl Remote {
         .map_err(|e| store_error(&self.path, e))
     }
 
-    pub(crate) fn read_all(&self) -> Result<Vec<u8>> {
+    /// The whole object.
+    pub fn read_all(&self) -> Result<Vec<u8>> {
         let got = block_on(async {
             let r = self.store.objects.get(&self.key).await?;
             r.bytes().await

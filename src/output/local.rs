@@ -1,4 +1,4 @@
-//! Safe output: nothing appears under the final name until it is complete.
+//! Local output: nothing appears under the final name until it is complete.
 //!
 //! Files are written under a temporary name beside the destination (`.NAME.ckpt-tmp-PID`), synced,
 //! then renamed into place. A run that dies leaves only such a temporary, which the next run into
@@ -8,17 +8,11 @@
 
 use std::path::{Path, PathBuf};
 
+use super::OutputKind;
 use crate::error::{Error, Result};
 
 const TMP_MARK: &str = ".ckpt-tmp-";
 const OLD_MARK: &str = ".ckpt-old-";
-
-/// Whether the output is one file or a directory of files.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputKind {
-    File,
-    Dir,
-}
 
 /// A destination being written.
 #[derive(Debug)]

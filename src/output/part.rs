@@ -24,9 +24,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::local as output;
+use super::OutputKind;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{OpenSlot, PartialCrc, ShareOutcome};
-use crate::output::{self, OutputKind};
 use crate::part::PartSpec;
 
 const SUFFIX: &str = ".ckpt-parts";
@@ -217,7 +218,7 @@ impl PartOutput {
         Ok(me)
     }
 
-    /// Where each planned file is written, as [`crate::output::Staging::paths`].
+    /// Where each planned file is written, as [`super::Staging::paths`].
     pub fn paths(&self, relative: &[PathBuf]) -> Vec<PathBuf> {
         match self.kind {
             OutputKind::File => relative.iter().map(|_| self.data.clone()).collect(),

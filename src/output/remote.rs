@@ -1,5 +1,5 @@
-//! Writing a plan's output into an object store: multipart uploads, parts computed by the
-//! executor's share machinery, commit marker last.
+//! Writing a plan's output into an object store: multipart uploads, their parts computed by the
+//! executor's share machinery, commit markers last.
 //!
 //! Each output file is cut into upload parts of [`part_size`] bytes. A part is one share of the
 //! file (as for `--part`): the executor writes exactly those bytes into a sparse spool file in the
@@ -9,8 +9,8 @@
 //! partial CRCs, and uploaded then: multipart part numbers fix the order, not upload time.
 //!
 //! Nothing appears as a checkpoint before it is complete: an object becomes visible only when its
-//! multipart upload completes, data objects complete first, and the commit marker (DCP
-//! `.metadata`, the split safetensors index) last. The uploads a run starts are recorded in a
+//! multipart upload completes, data objects complete first, and the files the plan marks as
+//! commit markers ([`crate::plan::FileRole`]) last. The uploads a run starts are recorded in a
 //! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
 //! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
 //! run into the same place.
@@ -20,20 +20,15 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
-use bytes::Bytes;
-use object_store::multipart::{MultipartStore, PartId};
-use object_store::path::Path as Key;
-use object_store::{ObjectStoreExt, PutPayload};
 use serde::{Deserialize, Serialize};
 
-use super::remote::{block_on, runtime, store_error, Remote};
+use super::OutputKind;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, Progress};
-use crate::output::OutputKind;
 use crate::part::{FileRange, PartSpec, Share};
-use crate::plan::Plan;
+use crate::plan::{self, Plan};
+use crate::storage::{PendingPart, Remote, UploadedPart};
 
 /// Smallest upload part (S3 wants at least 5 MiB for all but the last).
 const MIN_PART: u64 = 16 << 20;
@@ -112,18 +107,18 @@ struct Started {
     id: String,
 }
 
-/// Abort `uploads`. False if one may still be open (its abort failed, e.g. throttled past its
-/// retries): the journal that lists them is then kept, for the next run into the same place.
-async fn abort(store: &dyn MultipartStore, uploads: &[Started]) -> bool {
+/// Abort `uploads` (keys in `at`'s store). False if one may still be open (its abort failed,
+/// e.g. throttled past its retries): the journal that lists them is then kept, for the next run
+/// into the same place.
+fn abort(at: &Remote, uploads: &[Started]) -> bool {
     let mut closed = true;
     for s in uploads {
-        match store
-            .abort_multipart(&Key::from(s.key.as_str()), &s.id)
-            .await
+        if at
+            .with_key(&s.key)
+            .and_then(|r| r.abort_upload(&s.id))
+            .is_err()
         {
-            // Not found: aborted or completed before.
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-            Err(_) => closed = false,
+            closed = false;
         }
     }
     closed
@@ -131,23 +126,16 @@ async fn abort(store: &dyn MultipartStore, uploads: &[Started]) -> bool {
 
 /// The run's uploads: aborted (and the journal removed once they are) unless committed.
 struct Uploads {
-    store: Arc<dyn MultipartStore>,
-    remote: Remote,
-    journal: Key,
+    journal: Remote,
     started: Vec<Started>,
     committed: bool,
 }
 
 impl Drop for Uploads {
     fn drop(&mut self) {
-        if self.committed {
-            return;
+        if !self.committed && abort(&self.journal, &self.started) {
+            let _ = self.journal.delete();
         }
-        let _ = block_on(async {
-            if abort(self.store.as_ref(), &self.started).await {
-                let _ = self.remote.store.objects.delete(&self.journal).await;
-            }
-        });
     }
 }
 
@@ -185,15 +173,6 @@ fn punch(file: &File, offset: u64, len: u64) {
     }
 }
 
-/// Names of files that make an output a checkpoint: written last.
-fn is_marker(plan: &Plan, i: usize) -> bool {
-    plan.is_streamed(i)
-        || plan
-            .path(i)
-            .file_name()
-            .is_some_and(|n| n == crate::formats::hf_index::INDEX_NAME)
-}
-
 /// Write `plan`'s output to the remote location `out` (a single object for `OutputKind::File`,
 /// objects under `out/` for `OutputKind::Dir`), reading from `input` (refused if they overlap).
 pub fn write(
@@ -204,8 +183,8 @@ pub fn write(
     force: bool,
     opts: &ExecOptions,
 ) -> Result<()> {
-    let remote =
-        super::remote(out).ok_or_else(|| Error::usage("internal: not a remote output"))??;
+    let remote = crate::storage::remote(out)
+        .ok_or_else(|| Error::usage("internal: not a remote output"))??;
     let out_s = out.to_string_lossy();
     let in_s = input.to_string_lossy();
     if out_s == in_s
@@ -218,43 +197,31 @@ pub fn write(
         .hint("write the output somewhere else: ckpt never modifies its input"));
     }
     let name = remote
-        .key
-        .filename()
+        .file_name()
         .ok_or_else(|| Error::usage(format!("`{out_s}` is not a usable output name")))?
         .to_string();
-    let parent: Vec<_> = remote.key.parts().collect();
-    let parent = Key::from_iter(parent[..parent.len() - 1].iter().cloned());
-    let journal_dir = parent.clone().join(format!(".{name}.ckpt-uploads"));
-    let store = remote.store.clone();
+    let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
 
     // Uploads of runs that were killed before they could abort them.
-    let journals = block_on(async {
-        use futures::TryStreamExt;
-        store
-            .objects
-            .list(Some(&journal_dir))
-            .try_collect::<Vec<_>>()
-            .await
-    })?
-    .map_err(|e| store_error(out, e))?;
-    for j in journals {
-        let text = block_on(async { store.objects.get(&j.location).await?.bytes().await })?;
-        let closed = match text.map(|b| serde_json::from_slice::<Vec<Started>>(&b)) {
-            Ok(list) => block_on(abort(store.multipart.as_ref(), &list.unwrap_or_default()))?,
+    for j in journal_dir.objects_below()? {
+        let closed = match j.read_all() {
+            Ok(b) => abort(
+                &j,
+                &serde_json::from_slice::<Vec<Started>>(&b).unwrap_or_default(),
+            ),
             Err(_) => false,
         };
         if closed {
-            let _ = block_on(store.objects.delete(&j.location));
+            let _ = j.delete();
         }
     }
 
-    let existing: Vec<Key> = match kind {
-        OutputKind::File => match block_on(store.objects.head(&remote.key))? {
-            Ok(_) => vec![remote.key.clone()],
-            Err(object_store::Error::NotFound { .. }) => Vec::new(),
-            Err(e) => return Err(store_error(out, e)),
+    let existing: Vec<Remote> = match kind {
+        OutputKind::File => match remote.exists()? {
+            true => vec![remote.clone()],
+            false => Vec::new(),
         },
-        OutputKind::Dir => remote.list_below()?,
+        OutputKind::Dir => remote.objects_below()?,
     };
     if !existing.is_empty() && !force {
         return Err(
@@ -263,27 +230,27 @@ pub fn write(
     }
 
     let n = plan.file_count();
-    let keys: Vec<Key> = (0..n)
+    let dests: Vec<Remote> = (0..n)
         .map(|i| match kind {
-            OutputKind::File => Ok(remote.key.clone()),
+            OutputKind::File => Ok(remote.clone()),
             OutputKind::Dir => {
                 let rel = plan.path(i);
                 let rel = rel
                     .to_str()
                     .ok_or_else(|| Error::invalid("output name is not UTF-8"))?;
-                Key::parse(format!("{}/{rel}", remote.key))
+                remote
+                    .join(rel)
                     .map_err(|e| Error::invalid(format!("output name `{rel}`: {e}")))
             }
         })
         .collect::<Result<_>>()?;
     if force {
         // The old output stops being a checkpoint before any of it is replaced.
-        for old in existing.iter().filter(|k| {
-            k.filename().is_some_and(|f| {
-                f == crate::formats::dcp::METADATA || f == crate::formats::hf_index::INDEX_NAME
-            })
+        for old in existing.iter().filter(|r| {
+            r.file_name()
+                .is_some_and(|f| plan::COMMIT_MARKERS.contains(&f))
         }) {
-            block_on(store.objects.delete(old))?.map_err(|e| store_error(out, e))?;
+            old.delete()?;
         }
     }
 
@@ -300,34 +267,24 @@ pub fn write(
     let dest: Vec<PathBuf> = (0..n).map(|i| spool.dir.join(format!("{i}"))).collect();
 
     let mut uploads = Uploads {
-        store: store.multipart.clone(),
-        remote: remote.clone(),
-        journal: journal_dir
-            .clone()
-            .join(format!("{}.json", std::process::id())),
+        journal: journal_dir.join(&format!("{}.json", std::process::id()))?,
         started: Vec::new(),
         committed: false,
     };
     let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
     let mut ids: Vec<Option<String>> = vec![None; n];
     for i in 0..n {
-        if !plan.is_streamed(i) && lens[i] > 0 {
-            let id = block_on(store.multipart.create_multipart(&keys[i]))?
-                .map_err(|e| store_error(&remote.path_of(&keys[i]), e))?;
+        if !plan.role(i).is_streamed() && lens[i] > 0 {
+            let id = dests[i].create_upload()?;
             uploads.started.push(Started {
-                key: keys[i].to_string(),
+                key: dests[i].key().to_string(),
                 id: id.clone(),
             });
             ids[i] = Some(id);
         }
     }
     let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
-    block_on(
-        store
-            .objects
-            .put(&uploads.journal, PutPayload::from(journal)),
-    )?
-    .map_err(|e| store_error(out, e))?;
+    uploads.journal.put(journal)?;
 
     opts.progress.start(plan.data_bytes());
     let forward = Forward(opts.progress);
@@ -340,39 +297,27 @@ pub fn write(
     };
     let inputs = exec::open_inputs(plan, opts.io)?;
     let max_in_flight = in_flight(opts.threads);
-    let mut in_flight: VecDeque<(usize, usize, tokio::task::JoinHandle<_>)> = VecDeque::new();
-    let mut parts: Vec<Vec<Option<PartId>>> = vec![Vec::new(); n];
+    let mut in_flight: VecDeque<(usize, usize, PendingPart)> = VecDeque::new();
+    let mut parts: Vec<Vec<Option<UploadedPart>>> = vec![Vec::new(); n];
     let mut held: Vec<(usize, usize, u64, u64)> = Vec::new();
     let mut crcs = Vec::new();
     let mut slots = Vec::new();
-    let wait = |(i, k, h): (
-        usize,
-        usize,
-        tokio::task::JoinHandle<object_store::Result<PartId>>,
-    ),
-                parts: &mut Vec<Vec<Option<PartId>>>|
+    let wait = |(i, k, pending): (usize, usize, PendingPart),
+                parts: &mut Vec<Vec<Option<UploadedPart>>>|
      -> Result<()> {
-        let done = block_on(h)?
-            .map_err(|e| Error::new(ErrorKind::Io, format!("upload task failed: {e}")))?;
-        parts[i][k] = Some(done.map_err(|e| store_error(&remote.path_of(&keys[i]), e))?);
+        parts[i][k] = Some(pending.wait()?);
         Ok(())
     };
-    let send = |i: usize, k: usize, at: u64, len: u64| -> Result<_> {
+    let send = |i: usize, k: usize, at: u64, len: u64| -> Result<PendingPart> {
         let path = &dest[i];
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         let mut buf = vec![0u8; len as usize];
         file.read_exact_at(&mut buf, at)
             .map_err(|e| Error::io(path, e).at(at))?;
         punch(&file, at, len);
-        let (mp, key, id) = (
-            store.multipart.clone(),
-            keys[i].clone(),
-            ids[i].clone().unwrap_or_default(),
-        );
-        let payload = PutPayload::from(Bytes::from(buf));
-        Ok(runtime()?.spawn(async move { mp.put_part(&key, &id, k, payload).await }))
+        dests[i].upload_part(ids[i].as_deref().unwrap_or_default(), k, buf)
     };
-    for i in (0..n).filter(|&i| !plan.is_streamed(i) && lens[i] > 0) {
+    for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
         let cuts = part_cuts(plan, i, lens[i])?;
         parts[i] = vec![None; cuts.len() - 1];
         for (k, w) in cuts.windows(2).enumerate() {
@@ -420,29 +365,29 @@ pub fn write(
     if opts.cancel.load(Ordering::Relaxed) {
         return Err(Error::new(ErrorKind::Io, "interrupted"));
     }
-    // Data objects first, the commit marker last.
-    let mut order: Vec<usize> = (0..n).filter(|&i| !is_marker(plan, i)).collect();
-    order.extend((0..n).filter(|&i| is_marker(plan, i)));
+    // Data objects first, the commit markers last.
+    let mut order: Vec<usize> = (0..n)
+        .filter(|&i| !plan.role(i).is_commit_marker())
+        .collect();
+    order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
     for i in order {
-        let key = &keys[i];
-        let result = if plan.is_streamed(i) {
+        let to = &dests[i];
+        if plan.role(i).is_streamed() {
             exec::write_streamed_files(plan, &dest, false)?;
             let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
-            block_on(store.objects.put(key, PutPayload::from(bytes)))?.map(|_| ())
+            to.put(bytes)?;
         } else if let Some(id) = &ids[i] {
-            let done: Vec<PartId> = parts[i].iter().flatten().cloned().collect();
-            block_on(store.multipart.complete_multipart(key, id, done))?.map(|_| ())
+            to.complete_upload(id, parts[i].iter().flatten().cloned().collect())?;
         } else {
-            block_on(store.objects.put(key, PutPayload::default()))?.map(|_| ())
-        };
-        result.map_err(|e| store_error(&remote.path_of(key), e))?;
+            to.put(Vec::new())?;
+        }
     }
     uploads.committed = true;
-    let _ = block_on(store.objects.delete(&uploads.journal));
+    let _ = uploads.journal.delete();
     // Objects of a replaced output that the new one does not have.
-    let new: HashSet<&Key> = keys.iter().collect();
-    for old in existing.iter().filter(|k| !new.contains(k)) {
-        let _ = block_on(store.objects.delete(old));
+    let new: HashSet<&str> = dests.iter().map(Remote::key).collect();
+    for old in existing.iter().filter(|r| !new.contains(r.key())) {
+        let _ = old.delete();
     }
     opts.progress.finish();
     drop(spool);

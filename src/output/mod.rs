@@ -1,0 +1,21 @@
+//! Where a plan's bytes end up, and how an output becomes visible only once it is complete.
+//!
+//! Three backends, one promise (nothing is a checkpoint before all of it is written):
+//! [`local`] stages a local output under a temporary name and renames it into place; [`part`]
+//! shares one staged output between the `--part I/N` runs of a partitioned job, the last to
+//! finish committing it; [`remote`] uploads into an object store with multipart uploads, the
+//! plan's commit markers completed last. The plan says which file is which
+//! ([`crate::plan::FileRole`]); no backend knows a format's file names.
+
+pub mod local;
+pub mod part;
+pub mod remote;
+
+pub use local::{leftovers, Staging};
+
+/// Whether the output is one file or a directory of files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputKind {
+    File,
+    Dir,
+}
