@@ -301,3 +301,32 @@ def test_merge_lora_refuses_a_partitioned_run(run_ckpt, tmp_path):
     r = run_ckpt("consolidate", ckpt_file, "-o", out_dir / "o.safetensors", "--merge-lora", adapter, "--part", "0/2")
     assert r.returncode == 2 and "--part" in r.stderr, r.stderr
     assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", sorted(FIXTURES))
+def test_from_pretrained_of_the_merge_gives_the_merged_models_logits(run_ckpt, tmp_path, case):
+    """The merged output, beside the model's config, loads in transformers' `from_pretrained` and
+    gives the logits PEFT's merged model gave on the same input (bit for bit, as the weights are;
+    DoRA in f32 within its 2 ulp)."""
+    import shutil
+
+    from ckpt_helpers import FIXTURES_DIR
+    from transformers import AutoModelForCausalLM
+
+    src, config = FIXTURES[case]
+    lora = FIXTURES_DIR / "lora"
+    model_dir = tmp_path / "merged"
+    model_dir.mkdir()
+    r = run_ckpt("consolidate", lora / src, "-o", model_dir / "model.safetensors", "--merge-lora", lora / config)
+    assert r.returncode == 0, r.stderr
+    base_config = next(p for p in [lora / case / "config.json", (lora / src).parent / "config.json"] if p.is_file())
+    shutil.copy(base_config, model_dir / "config.json")
+    want = torch.load(FIXTURES_DIR / "expected" / f"lora_{case}_logits.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        got = model(want["input_ids"]).logits
+    assert got.dtype == want["logits"].dtype and got.shape == want["logits"].shape
+    if case == "dora_f32":
+        torch.testing.assert_close(got, want["logits"], rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want["logits"])
