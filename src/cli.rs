@@ -3,12 +3,13 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
+use crate::convert::Done;
 use crate::detect::Source;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -17,10 +18,10 @@ use crate::geometry::Placement;
 use crate::inspect::human_bytes;
 use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
-use crate::output::part::{Finished, PartOutput};
-use crate::output::{OutputKind, Staging};
+use crate::output::part::Finished;
+use crate::output::OutputKind;
 use crate::part::PartSpec;
-use crate::plan::{self, MeshSpec, PlanOptions, Target};
+use crate::plan::{MeshSpec, Target};
 use crate::select::Selection;
 use crate::verify::{self, VerifyOptions};
 
@@ -576,125 +577,107 @@ struct Conversion<'a> {
     cancel: &'a AtomicBool,
 }
 
-/// Read, select, plan, execute into a staging name, commit: the one path every conversion takes.
-fn convert(
-    job: &Conversion,
-    target_of: impl FnOnce(&crate::model::Checkpoint) -> Target,
-) -> Result<i32> {
+/// Run the library's [`crate::convert::convert`] for the command line's conversion, and tell
+/// how it went on stderr.
+fn convert(job: &Conversion, target_of: impl FnOnce(&Checkpoint) -> Target) -> Result<i32> {
+    let started = Instant::now();
     let Conversion {
-        input,
-        output,
-        kind,
         select,
         write,
+        run,
         cancel,
         ..
     } = *job;
-    let started = Instant::now();
-    // Every item read is copied: small ones in object storage are opened when copied.
-    let ckpt = read(input, job.reading, true)?;
-    // Kept until the output is written: the merged weights are read from it.
-    let (ckpt, _scratch) = merge_lora(ckpt, job)?;
-    let selection = Selection::new(&select.include, &select.exclude, &select.strip_prefix)?;
-    let ckpt = selection.apply(ckpt)?;
-    ckpt.check_supported()?;
     let cast = select.dtype.map(|d| match d {
         CastTo::Bf16 => DType::BF16,
         CastTo::Fp16 => DType::F16,
         CastTo::Fp32 => DType::F32,
     });
-    let target = target_of(&ckpt);
-    let opts = PlanOptions { cast };
-    plan::check_dtypes(&ckpt, &target, &opts)?;
-    let mut plan = plan::plan(&ckpt, &target, &opts)?;
-    plan.notes.extend(uncast_note(&ckpt, cast));
-    if let Some(part) = write.part.filter(|_| crate::storage::is_remote(output)) {
-        return Err(Error::usage(format!(
-            "--part {part} writes into a shared filesystem; `{}` is in an object store",
-            output.display()
-        ))
-        .hint("run once without --part: the upload's parts already go in parallel"));
-    }
-    if let Some(part) = write.part {
-        // Everything that changes the output's bytes, and nothing that does not (threads, --io,
-        // --force, the part's own index).
-        let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {cast:?}\nparts {}{}",
-            env!("CARGO_PKG_VERSION"),
-            select.include,
-            select.exclude,
-            select.strip_prefix,
-            part.count,
-            crate::fsdp_local::fingerprint(job.reading.shapes_from)?,
-        );
-        return convert_part(job, part, &description, &ckpt, &plan, started);
-    }
-    let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = durable_options(job.run, &bar, cancel);
-    let final_path = if crate::storage::is_remote(output) {
-        crate::output::remote::write(&plan, input.path(), output, kind, write.force, &opts)?;
-        output.to_path_buf()
-    } else {
-        let staging = Staging::prepare(output, input.path(), kind, write.force)?;
-        let dest = staging.paths(&plan.paths());
-        exec::execute(&plan, &dest, &opts)?;
-        if cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
-        }
-        let final_path = staging.final_path().to_path_buf();
-        staging.commit()?;
-        final_path
+    let conversion = crate::convert::Conversion {
+        input: job.input,
+        shapes_from: job.reading.shapes_from,
+        tag: job.reading.tag,
+        output: job.output,
+        kind: job.kind,
+        lora: job
+            .lora
+            .merge_lora
+            .as_deref()
+            .map(|config| (config, job.lora.adapter.as_deref())),
+        include: &select.include,
+        exclude: &select.exclude,
+        strip_prefix: &select.strip_prefix,
+        cast,
+        part: write.part,
+        force: write.force,
+        command_line: write
+            .part
+            .map(|p| command_line(p.count))
+            .unwrap_or_default(),
     };
-    if !write.quiet {
-        print_notes(&plan);
-        let secs = started.elapsed().as_secs_f64();
-        let bytes = plan.data_bytes();
-        to_stderr(format_args!(
+    let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
+    let opts = durable_options(run, &bar, cancel);
+    let summary = crate::convert::convert(&conversion, &opts, target_of)?;
+    if write.quiet {
+        return Ok(0);
+    }
+    for note in &summary.notes {
+        to_stderr(format_args!("note: {}", terminal_safe(note)));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    match summary.done {
+        Done::Whole { path, files, bytes } => to_stderr(format_args!(
             "wrote {} tensors to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
-            ckpt.tensors.len(),
-            terminal_safe(&final_path.display().to_string()),
-            plan.file_count(),
-            if plan.file_count() == 1 { "" } else { "s" },
+            summary.tensors,
+            terminal_safe(&path.display().to_string()),
+            files,
+            if files == 1 { "" } else { "s" },
             human_bytes(bytes),
             secs,
             human_bytes((bytes as f64 / secs.max(1e-9)) as u64)
-        ));
+        )),
+        Done::Part {
+            part,
+            bytes,
+            total,
+            files,
+            staging,
+            final_path,
+            finished,
+        } => {
+            let status = match &finished {
+                Finished::Waiting { missing } => format!(
+                    "{} of {} parts still missing: {}",
+                    missing.len(),
+                    part.count,
+                    missing
+                        .iter()
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                Finished::Committed => format!(
+                    "all {} parts done: committed {} tensors to `{}`",
+                    part.count,
+                    summary.tensors,
+                    final_path.display()
+                ),
+                Finished::CommittedElsewhere { by } => {
+                    format!("all {} parts done: {} commits", part.count, by.trim())
+                }
+            };
+            to_stderr(format_args!(
+                "part {part}: wrote {} of {} ({} file{}) into `{}` in {secs:.2} s; {}",
+                human_bytes(bytes),
+                human_bytes(total),
+                files,
+                if files == 1 { "" } else { "s" },
+                terminal_safe(&staging.display().to_string()),
+                terminal_safe(&status)
+            ));
+        }
     }
     Ok(0)
-}
-
-/// Fold `--merge-lora`'s adapter into `ckpt`, its merged weights in a scratch file beside the
-/// output (for an output in an object store, in the temporary directory).
-fn merge_lora(
-    ckpt: Checkpoint,
-    job: &Conversion,
-) -> Result<(Checkpoint, Option<crate::lora::Scratch>)> {
-    let Some(config) = job.lora.merge_lora.as_deref() else {
-        return Ok((ckpt, None));
-    };
-    if job.write.part.is_some() {
-        return Err(
-            Error::usage("--merge-lora does not run in parts (--part) yet")
-                .hint("run once without --part"),
-        );
-    }
-    let scratch_dir = if crate::storage::is_remote(job.output) {
-        std::env::temp_dir()
-    } else {
-        match job.output.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        }
-    };
-    let opts = crate::lora::LoraOptions {
-        config,
-        adapter: job.lora.adapter.as_deref(),
-        scratch_dir: &scratch_dir,
-        threads: job.run.threads,
-        io: job.run.io.into(),
-        cancel: job.cancel,
-    };
-    crate::lora::apply(ckpt, &opts)
 }
 
 /// How a conversion (whole or one part of it) runs: outputs made durable before they commit.
@@ -706,128 +689,6 @@ fn durable_options<'a>(run: &RunArgs, bar: &'a Bar, cancel: &'a AtomicBool) -> E
         cancel,
         durable: true,
     }
-}
-
-/// The plan's notes for the user, on stderr.
-fn print_notes(plan: &plan::Plan) {
-    for note in &plan.notes {
-        to_stderr(format_args!("note: {}", terminal_safe(note)));
-    }
-}
-
-/// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind
-/// (complex, the fp8 scale and fnuz types, packed fp4): listed, so nobody expects them cast.
-fn uncast_note(ckpt: &crate::model::Checkpoint, cast: Option<DType>) -> Option<String> {
-    cast?;
-    let kept: Vec<String> = ckpt
-        .tensors
-        .iter()
-        .filter(|t| t.dtype.is_kept_by_cast())
-        .map(|t| format!("{} ({})", t.name, t.dtype))
-        .collect();
-    if kept.is_empty() {
-        return None;
-    }
-    let shown = kept.len().min(8);
-    let more = if kept.len() > shown {
-        format!(" and {} more", kept.len() - shown)
-    } else {
-        String::new()
-    };
-    Some(format!(
-        "--dtype left {} tensors as they are (complex, fp8 e8m0/fnuz and fp4 are not cast): {}{more}",
-        kept.len(),
-        kept[..shown].join(", ")
-    ))
-}
-
-/// One part of a partitioned run: its share of the bytes into the shared staging area, a marker,
-/// and the commit if it is the last part done. `description` is everything that changes the
-/// output's bytes, which every part must agree on.
-fn convert_part(
-    job: &Conversion,
-    part: PartSpec,
-    description: &str,
-    ckpt: &crate::model::Checkpoint,
-    plan: &plan::Plan,
-    started: Instant,
-) -> Result<i32> {
-    let Conversion {
-        write, run, cancel, ..
-    } = *job;
-    let mut description = description.to_string();
-    let lens: Vec<u64> = (0..plan.file_count())
-        .map(|i| {
-            let len = if plan.is_streamed(i) {
-                0
-            } else {
-                plan.file_len(i)
-            };
-            description.push_str(&format!("\nfile {} {len}", plan.path(i).display()));
-            len
-        })
-        .collect();
-    let fingerprint =
-        crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?;
-    let out = PartOutput::prepare(
-        job.output,
-        job.input.path(),
-        job.kind,
-        write.force,
-        part,
-        &fingerprint,
-        &command_line(part.count),
-    )?;
-    let share = crate::part::share(&lens, part);
-    let dest = out.paths(&plan.paths());
-    let bar = Bar::new(!write.quiet && std::io::stderr().is_terminal());
-    let opts = durable_options(run, &bar, cancel);
-    let outcome = exec::execute_share(plan, &dest, &share, &opts)?;
-    if cancel.load(Ordering::Relaxed) {
-        return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
-    }
-    let staging = out.staging().to_path_buf();
-    let final_path = out.final_path().to_path_buf();
-    let finished = out.finish(share.len(), outcome, &dest, || {
-        exec::write_streamed_files(plan, &dest, true)
-    })?;
-    if !write.quiet {
-        print_notes(plan);
-        let total: u64 = lens.iter().sum();
-        let files = share.ranges.len();
-        let status = match &finished {
-            Finished::Waiting { missing } => format!(
-                "{} of {} parts still missing: {}",
-                missing.len(),
-                part.count,
-                missing
-                    .iter()
-                    .map(|i| i.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            Finished::Committed => format!(
-                "all {} parts done: committed {} tensors to `{}`",
-                part.count,
-                ckpt.tensors.len(),
-                final_path.display()
-            ),
-            Finished::CommittedElsewhere { by } => {
-                format!("all {} parts done: {} commits", part.count, by.trim())
-            }
-        };
-        to_stderr(format_args!(
-            "part {part}: wrote {} of {} ({} file{}) into `{}` in {:.2} s; {}",
-            human_bytes(share.len()),
-            human_bytes(total),
-            files,
-            if files == 1 { "" } else { "s" },
-            terminal_safe(&staging.display().to_string()),
-            started.elapsed().as_secs_f64(),
-            terminal_safe(&status)
-        ));
-    }
-    Ok(0)
 }
 
 /// This process's command line with the `--part` value shown as `I/N`: the same command for

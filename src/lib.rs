@@ -23,6 +23,7 @@ compile_error!(
 
 pub mod cast;
 pub mod cli;
+pub mod convert;
 pub mod detect;
 pub mod dtype;
 pub mod error;

@@ -1,0 +1,275 @@
+//! One conversion as the library runs it: read, the steps between reading and planning (FSDP1
+//! LOCAL resolution, LoRA folding, selection), the checks, the plan, and the write: staged under
+//! a temporary name and renamed, one `--part` share into the shared staging area, or uploaded to
+//! an object store. The CLI turns its flags into a [`Conversion`] and prints the [`Summary`]; the
+//! library never prints.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use crate::detect::Source;
+use crate::dtype::DType;
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::{self, ExecOptions};
+use crate::layout::ReadOptions;
+use crate::model::Checkpoint;
+use crate::output::part::{Finished, PartOutput};
+use crate::output::{OutputKind, Staging};
+use crate::part::PartSpec;
+use crate::plan::{self, Plan, PlanOptions, Target};
+use crate::select::Selection;
+
+/// Everything one conversion needs; the target comes separately because a reshard's depends on
+/// the names left after selection.
+pub struct Conversion<'a> {
+    pub input: &'a Source,
+    /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
+    pub shapes_from: Option<&'a Path>,
+    /// `--tag`: which of a DeepSpeed directory's tags.
+    pub tag: Option<&'a str>,
+    pub output: &'a Path,
+    pub kind: OutputKind,
+    /// `--merge-lora CONFIG` and `--adapter NAME`.
+    pub lora: Option<(&'a Path, Option<&'a str>)>,
+    /// `--include`, `--exclude`, `--strip-prefix`.
+    pub include: &'a [String],
+    pub exclude: &'a [String],
+    pub strip_prefix: &'a [String],
+    /// `--dtype`.
+    pub cast: Option<DType>,
+    /// `--part I/N`: one share of the output's bytes.
+    pub part: Option<PartSpec>,
+    /// Replace an existing output.
+    pub force: bool,
+    /// The command line with `--part` as `I/N`, for the hints of a partitioned run.
+    pub command_line: String,
+}
+
+/// What a conversion did, for the caller to tell.
+pub struct Summary {
+    /// Tensors written (after selection).
+    pub tensors: usize,
+    /// Things the user should hear about (skipped entries, tensors `--dtype` left alone).
+    pub notes: Vec<String>,
+    pub done: Done,
+}
+
+/// How the output stands.
+pub enum Done {
+    /// Written whole at `path`: `files` files, `bytes` of tensor data.
+    Whole {
+        path: PathBuf,
+        files: usize,
+        bytes: u64,
+    },
+    /// One part's share written into `staging`.
+    Part {
+        part: PartSpec,
+        /// Bytes of this share, of all shares, and the files it touched.
+        bytes: u64,
+        total: u64,
+        files: usize,
+        staging: PathBuf,
+        final_path: PathBuf,
+        finished: Finished,
+    },
+}
+
+/// Read, step, plan and write `job`'s output.
+pub fn convert(
+    job: &Conversion,
+    exec_opts: &ExecOptions,
+    target_of: impl FnOnce(&Checkpoint) -> Target,
+) -> Result<Summary> {
+    // Every item read is copied: small ones in object storage are opened when copied.
+    let read_opts = ReadOptions {
+        open_items_when_copied: true,
+        tag: job.tag,
+        ..ReadOptions::default()
+    };
+    let ckpt = crate::fsdp_local::apply(job.input.read(&read_opts)?, job.shapes_from)?;
+    // Kept until the output is written: the merged weights are read from it.
+    let (ckpt, _scratch) = merge_lora(ckpt, job, exec_opts)?;
+    let selection = Selection::new(job.include, job.exclude, job.strip_prefix)?;
+    let ckpt = selection.apply(ckpt)?;
+    ckpt.check_supported()?;
+    let target = target_of(&ckpt);
+    let opts = PlanOptions { cast: job.cast };
+    plan::check_dtypes(&ckpt, &target, &opts)?;
+    let mut plan = plan::plan(&ckpt, &target, &opts)?;
+    plan.notes.extend(uncast_note(&ckpt, job.cast));
+    if let Some(part) = job.part.filter(|_| crate::storage::is_remote(job.output)) {
+        return Err(Error::usage(format!(
+            "--part {part} writes into a shared filesystem; `{}` is in an object store",
+            job.output.display()
+        ))
+        .hint("run once without --part: the upload's parts already go in parallel"));
+    }
+    if let Some(part) = job.part {
+        // Everything that changes the output's bytes, and nothing that does not (threads, --io,
+        // --force, the part's own index).
+        let description = format!(
+            "ckpt {}\ntarget {target:?}\nkind {:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}\nparts {}{}",
+            env!("CARGO_PKG_VERSION"),
+            job.kind,
+            job.include,
+            job.exclude,
+            job.strip_prefix,
+            job.cast,
+            part.count,
+            crate::fsdp_local::fingerprint(job.shapes_from)?,
+        );
+        let done = convert_part(job, part, &description, &plan, exec_opts)?;
+        return Ok(Summary {
+            tensors: ckpt.tensors.len(),
+            notes: plan.notes,
+            done,
+        });
+    }
+    let path = if crate::storage::is_remote(job.output) {
+        crate::output::remote::write(
+            &plan,
+            job.input.path(),
+            job.output,
+            job.kind,
+            job.force,
+            exec_opts,
+        )?;
+        job.output.to_path_buf()
+    } else {
+        let staging = Staging::prepare(job.output, job.input.path(), job.kind, job.force)?;
+        let dest = staging.paths(&plan.paths());
+        exec::execute(&plan, &dest, exec_opts)?;
+        if exec_opts.cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Io, "interrupted"));
+        }
+        let final_path = staging.final_path().to_path_buf();
+        staging.commit()?;
+        final_path
+    };
+    Ok(Summary {
+        tensors: ckpt.tensors.len(),
+        done: Done::Whole {
+            path,
+            files: plan.file_count(),
+            bytes: plan.data_bytes(),
+        },
+        notes: plan.notes,
+    })
+}
+
+/// Fold `--merge-lora`'s adapter into `ckpt`, its merged weights in a scratch file beside the
+/// output (for an output in an object store, in the temporary directory).
+fn merge_lora(
+    ckpt: Checkpoint,
+    job: &Conversion,
+    exec_opts: &ExecOptions,
+) -> Result<(Checkpoint, Option<crate::lora::Scratch>)> {
+    let Some((config, adapter)) = job.lora else {
+        return Ok((ckpt, None));
+    };
+    if job.part.is_some() {
+        return Err(
+            Error::usage("--merge-lora does not run in parts (--part) yet")
+                .hint("run once without --part"),
+        );
+    }
+    let scratch_dir = if crate::storage::is_remote(job.output) {
+        std::env::temp_dir()
+    } else {
+        match job.output.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
+    };
+    let opts = crate::lora::LoraOptions {
+        config,
+        adapter,
+        scratch_dir: &scratch_dir,
+        threads: exec_opts.threads,
+        io: exec_opts.io,
+        cancel: exec_opts.cancel,
+    };
+    crate::lora::apply(ckpt, &opts)
+}
+
+/// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind
+/// (complex, the fp8 scale and fnuz types, packed fp4): listed, so nobody expects them cast.
+fn uncast_note(ckpt: &Checkpoint, cast: Option<DType>) -> Option<String> {
+    cast?;
+    let kept: Vec<String> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| t.dtype.is_kept_by_cast())
+        .map(|t| format!("{} ({})", t.name, t.dtype))
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let shown = kept.len().min(8);
+    let more = if kept.len() > shown {
+        format!(" and {} more", kept.len() - shown)
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "--dtype left {} tensors as they are (complex, fp8 e8m0/fnuz and fp4 are not cast): {}{more}",
+        kept.len(),
+        kept[..shown].join(", ")
+    ))
+}
+
+/// One part of a partitioned run: its share of the bytes into the shared staging area, a marker,
+/// and the commit if it is the last part done. `description` is everything that changes the
+/// output's bytes, which every part must agree on.
+fn convert_part(
+    job: &Conversion,
+    part: PartSpec,
+    description: &str,
+    plan: &Plan,
+    exec_opts: &ExecOptions,
+) -> Result<Done> {
+    let mut description = description.to_string();
+    let lens: Vec<u64> = (0..plan.file_count())
+        .map(|i| {
+            let len = if plan.is_streamed(i) {
+                0
+            } else {
+                plan.file_len(i)
+            };
+            description.push_str(&format!("\nfile {} {len}", plan.path(i).display()));
+            len
+        })
+        .collect();
+    let fingerprint =
+        crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?;
+    let out = PartOutput::prepare(
+        job.output,
+        job.input.path(),
+        job.kind,
+        job.force,
+        part,
+        &fingerprint,
+        &job.command_line,
+    )?;
+    let share = crate::part::share(&lens, part);
+    let dest = out.paths(&plan.paths());
+    let outcome = exec::execute_share(plan, &dest, &share, exec_opts)?;
+    if exec_opts.cancel.load(Ordering::Relaxed) {
+        return Err(Error::new(ErrorKind::Io, "interrupted"));
+    }
+    let staging = out.staging().to_path_buf();
+    let final_path = out.final_path().to_path_buf();
+    let finished = out.finish(share.len(), outcome, &dest, || {
+        exec::write_streamed_files(plan, &dest, true)
+    })?;
+    Ok(Done::Part {
+        part,
+        bytes: share.len(),
+        total: lens.iter().sum(),
+        files: share.ranges.len(),
+        staging,
+        final_path,
+        finished,
+    })
+}
