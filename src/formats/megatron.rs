@@ -177,7 +177,7 @@ fn orig_shapes(value: &Value) -> Result<Vec<(String, Vec<u64>)>> {
         let Some(shape) = v.get(ORIG_SHAPE) else {
             continue;
         };
-        let shape = sizes_of(shape).ok_or_else(|| {
+        let shape = shape.as_sizes().ok_or_else(|| {
             Error::invalid(format!(
                 "`{MCORE_DATA}` gives `{ORIG_SHAPE}` as {}, not a tuple of sizes",
                 kind_of(shape)
@@ -187,27 +187,6 @@ fn orig_shapes(value: &Value) -> Result<Vec<(String, Vec<u64>)>> {
         out.push((fqn.to_string(), shape));
     }
     Ok(out)
-}
-
-/// A `torch.Size` (or, leniently, a plain tuple or list) of non-negative ints.
-fn sizes_of(value: &Value) -> Option<Vec<u64>> {
-    let dims = match value {
-        Value::Object(o) if o.callable.as_global() == Some(("torch", "Size")) => {
-            match o.args.as_slice() {
-                [] => return Some(Vec::new()),
-                [Value::Tuple(d) | Value::List(d)] => d,
-                _ => return None,
-            }
-        }
-        Value::Tuple(d) | Value::List(d) => d,
-        _ => return None,
-    };
-    dims.iter()
-        .map(|d| match d {
-            Value::Int(i) => u64::try_from(*i).ok(),
-            _ => None,
-        })
-        .collect()
 }
 
 /// A short description of a value for error messages.

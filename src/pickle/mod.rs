@@ -196,6 +196,24 @@ impl Value {
         }
     }
 
+    /// A `torch.Size` (or, leniently, a tuple or list) of non-negative ints: a shape as pickled.
+    pub fn as_sizes(&self) -> Option<Vec<u64>> {
+        let dims = match self {
+            Value::Object(o) if o.callable.as_global() == Some(("torch", "Size")) => {
+                match o.args.as_slice() {
+                    [] => return Some(Vec::new()),
+                    [Value::Tuple(d) | Value::List(d)] => d,
+                    _ => return None,
+                }
+            }
+            Value::Tuple(d) | Value::List(d) => d,
+            _ => return None,
+        };
+        dims.iter()
+            .map(|d| d.as_int().and_then(|i| u64::try_from(i).ok()))
+            .collect()
+    }
+
     /// Look up a string key in a dict.
     pub fn get(&self, key: &str) -> Option<&Value> {
         match self {

@@ -318,28 +318,10 @@ fn dict_items(value: &Value) -> Option<&[(Value, Value)]> {
     }
 }
 
-/// A `torch.Size` (or a tuple or list) of sizes.
-fn sizes_of(value: &Value) -> Option<Vec<u64>> {
-    let dims = match value {
-        Value::Object(o) if o.callable.as_global() == Some(("torch", "Size")) => {
-            match o.args.as_slice() {
-                [] => return Some(Vec::new()),
-                [Value::Tuple(d) | Value::List(d)] => d,
-                _ => return None,
-            }
-        }
-        Value::Tuple(d) | Value::List(d) => d,
-        _ => return None,
-    };
-    dims.iter()
-        .map(|d| d.as_int().and_then(|i| u64::try_from(i).ok()))
-        .collect()
-}
-
 /// `(name, shape)` of each entry of an ordered dict of `torch.Size`s.
 fn shapes_of(value: &Value) -> Option<Vec<(String, Vec<u64>)>> {
     dict_items(value)?
         .iter()
-        .map(|(k, v)| Some((k.as_str()?.to_string(), sizes_of(v)?)))
+        .map(|(k, v)| Some((k.as_str()?.to_string(), v.as_sizes()?)))
         .collect()
 }

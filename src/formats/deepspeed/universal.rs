@@ -152,7 +152,7 @@ fn model_states(dir: &Path) -> Result<(Shapes, Vec<Vec<String>>)> {
         ) = (k.as_slice(), leaf)
         {
             if section == "frozen_param_shapes" {
-                if let Some(shape) = super::sizes_of(v) {
+                if let Some(shape) = Value::as_sizes(v) {
                     shapes.insert(name.clone(), shape);
                 }
             }

@@ -20,6 +20,7 @@ use super::files::{Set, Tag};
 use super::{dict_items, key, shapes_of, Flat, StateFile};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::torch_save::Leaf;
 use crate::model::{Checkpoint, Format, KeyPart, NonTensor, Pieces, Tensor};
 use crate::pickle::Value;
 
@@ -151,7 +152,7 @@ fn unpartitioned(tag: &Tag, model: &[StateFile]) -> Result<Checkpoint> {
         key_path.extend(rest.iter().cloned());
         let name = KeyPart::flat_name(&key_path);
         match leaf {
-            crate::formats::torch_save::Leaf::Tensor(_) => {
+            Leaf::Tensor(_) => {
                 let (dtype, shape, pieces) = file.whole(k)?;
                 tensors.push(Tensor {
                     name,
@@ -161,14 +162,12 @@ fn unpartitioned(tag: &Tag, model: &[StateFile]) -> Result<Checkpoint> {
                     pieces,
                 });
             }
-            crate::formats::torch_save::Leaf::Value(v) if *v != Value::None => {
-                values.push(NonTensor {
-                    name,
-                    key_path,
-                    value: Some(v.clone()),
-                    raw: None,
-                })
-            }
+            Leaf::Value(v) if *v != Value::None => values.push(NonTensor {
+                name,
+                key_path,
+                value: Some(v.clone()),
+                raw: None,
+            }),
             _ => {}
         }
     }
@@ -305,7 +304,7 @@ fn frozen(model: &[StateFile], stage: i64, out: &mut Out) -> Result<()> {
     let shapes: Vec<(String, Vec<u64>)> = children(&model[0], &key(&["frozen_param_shapes"]))
         .into_iter()
         .filter_map(|(name, k)| {
-            let shape = super::sizes_of(model[0].value(k)?)?;
+            let shape = Value::as_sizes(model[0].value(k)?)?;
             Some((name.to_string(), shape))
         })
         .collect();
@@ -452,28 +451,10 @@ fn partitioned_groups(optim: &[StateFile], groups: &[Group], out: &mut Out) -> R
         }
         // Adam's moments: flat like the weights, padding kept.
         let group_state = with(&state, KeyPart::IntKey(g as i64));
-        for (state_name, k) in children(first, &group_state) {
-            match first.leaf(k) {
-                Some(crate::formats::torch_save::Leaf::Tensor(t)) if t.shape.is_empty() => {
-                    for (name, _) in shapes {
-                        let (dtype, shape, pieces) = first.whole(k)?;
-                        out.optim(name, state_name, dtype, shape, pieces);
-                    }
-                }
-                Some(crate::formats::torch_save::Leaf::Tensor(_)) => {
-                    let runs = optim
-                        .iter()
-                        .map(|f| f.flat(k))
-                        .collect::<Result<Vec<_>>>()?;
-                    for ((name, shape), &start) in shapes.iter().zip(&starts) {
-                        let mut pieces = Pieces::new(shape.len());
-                        place(&mut pieces, shape, start, &runs)?;
-                        out.optim(name, state_name, runs[0].dtype, shape.clone(), pieces);
-                    }
-                }
-                _ => {}
-            }
-        }
+        let cut = |p: &mut Pieces, shape: &[u64], start: u64, runs: &[Flat]| {
+            place(p, shape, start, runs).map(|_| ())
+        };
+        group_moments(optim, g, &group_state, shapes, &starts, None, &cut, out)?;
         add_param_groups(param_groups, g, shapes, out);
     }
     Ok(())
@@ -529,36 +510,70 @@ fn per_parameter(optim: &[StateFile], groups: &[Group], out: &mut Out) -> Result
             out.model(name, flats[0].dtype, shape.clone(), pieces);
         }
         let group_state = with(&state, KeyPart::IntKey(g as i64));
-        for (state_name, k) in children(first, &group_state) {
-            match first.leaf(k) {
-                Some(crate::formats::torch_save::Leaf::Tensor(t)) if t.shape.is_empty() => {
-                    for (name, _) in shapes {
-                        let (dtype, shape, pieces) = first.whole(k)?;
-                        out.optim(name, state_name, dtype, shape, pieces);
-                    }
+        group_moments(
+            optim,
+            g,
+            &group_state,
+            shapes,
+            &starts,
+            Some(at),
+            &place,
+            out,
+        )?;
+        add_param_groups(param_groups, g, shapes, out);
+    }
+    Ok(())
+}
+
+/// A piece cutter: adds to the pieces of a parameter of `shape` whose elements start at `start`
+/// of its group's flat buffer, its share of each rank's run.
+type Place<'a> = dyn Fn(&mut Pieces, &[u64], u64, &[Flat]) -> Result<()> + 'a;
+
+/// Adam's state of one group for each of its parameters: a 0-dim entry (`step`) is the group's
+/// and goes to each parameter whole; a flat one is laid out as the group's weights and cut by
+/// `place`. With `per_rank`, each rank's run must hold that many elements (stage 3).
+#[allow(clippy::too_many_arguments)]
+fn group_moments(
+    optim: &[StateFile],
+    g: usize,
+    group_state: &[KeyPart],
+    shapes: &Group,
+    starts: &[u64],
+    per_rank: Option<u64>,
+    place: &Place<'_>,
+    out: &mut Out,
+) -> Result<()> {
+    let first = &optim[0];
+    for (state_name, k) in children(first, group_state) {
+        match first.leaf(k) {
+            Some(Leaf::Tensor(t)) if t.shape.is_empty() => {
+                for (name, _) in shapes {
+                    let (dtype, shape, pieces) = first.whole(k)?;
+                    out.optim(name, state_name, dtype, shape, pieces);
                 }
-                Some(crate::formats::torch_save::Leaf::Tensor(_)) => {
-                    let runs = optim
-                        .iter()
-                        .map(|f| f.flat(k))
-                        .collect::<Result<Vec<_>>>()?;
-                    if let Some((r, run)) = runs.iter().enumerate().find(|(_, f)| f.len != at) {
+            }
+            Some(Leaf::Tensor(_)) => {
+                let runs = optim
+                    .iter()
+                    .map(|f| f.flat(k))
+                    .collect::<Result<Vec<_>>>()?;
+                if let Some(want) = per_rank {
+                    if let Some((r, run)) = runs.iter().enumerate().find(|(_, f)| f.len != want) {
                         return Err(Error::invalid(format!(
-                            "`{state_name}` of group {g} holds {} elements on rank {r}, the weights {at}",
+                            "`{state_name}` of group {g} holds {} elements on rank {r}, the weights {want}",
                             run.len
                         ))
                         .file(&optim[r].path));
                     }
-                    for ((name, shape), &start) in shapes.iter().zip(&starts) {
-                        let mut pieces = Pieces::new(shape.len());
-                        place(&mut pieces, shape, start, &runs)?;
-                        out.optim(name, state_name, runs[0].dtype, shape.clone(), pieces);
-                    }
                 }
-                _ => {}
+                for ((name, shape), &start) in shapes.iter().zip(starts) {
+                    let mut pieces = Pieces::new(shape.len());
+                    place(&mut pieces, shape, start, &runs)?;
+                    out.optim(name, state_name, runs[0].dtype, shape.clone(), pieces);
+                }
             }
+            _ => {}
         }
-        add_param_groups(param_groups, g, shapes, out);
     }
     Ok(())
 }
