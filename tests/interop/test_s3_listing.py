@@ -12,31 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from test_s3 import BUCKET, S3Server, run
+from test_s3 import BUCKET, run
+# the S3 server and the recording proxy in front of it, as test_s3_reads.py sets them up
+from test_s3_reads import recorder, s3  # noqa: F401
 from test_s3_throttle import ThrottlingProxy
 
 torch = pytest.importorskip("torch")
 
 RANKS = 512
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    try:
-        server.client().create_bucket(Bucket=BUCKET)
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def recorder(s3):
-    proxy = ThrottlingProxy(s3, lambda req: None)
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
 
 
 def requests(proxy: ThrottlingProxy) -> list[tuple[str, str, dict]]:
