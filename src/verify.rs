@@ -348,7 +348,7 @@ pub fn digests(
         durable: false,
     };
     let digests = exec::digest(&p, &exec_opts)?;
-    let regions = p.files.iter().flat_map(|f| &f.regions);
+    let regions = p.whole_files().iter().flat_map(|f| &f.regions);
     Ok(regions
         .zip(digests)
         .map(|(r, d)| (r.name.clone(), d))
