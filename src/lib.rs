@@ -42,6 +42,7 @@ pub mod plan;
 pub mod select;
 pub mod storage;
 pub mod verify;
+pub mod zip;
 
 pub use error::{Error, ErrorKind, Result};
 

@@ -22,8 +22,8 @@ use ckpt::dtype::DType;
 use ckpt::formats::dcp::metadata::{
     self, Chunk, DcpEntry, DcpGlobals, DcpMetadata, MetadataIndex, StorageInfo,
 };
-use ckpt::formats::zip::{self, ZipRecord};
 use ckpt::model::KeyPart;
+use ckpt::zip::{self, ZipRecord};
 
 mod common;
 use ckpt::pickle::{self, Limits, Object, Protocol, Value};

@@ -4,7 +4,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(entries) = ckpt::formats::zip::read_entries(data) else {
+    let Ok(entries) = ckpt::zip::read_entries(data) else {
         return;
     };
     let mut spans: Vec<(u64, u64)> = Vec::new();

@@ -15,7 +15,7 @@ pub fn decode(encoding: &Encoding, item: &[u8], needed: u64, dtype: DType) -> Re
     match *encoding {
         Encoding::Raw => Err(Error::bug("plain bytes handed to the decoder")),
         Encoding::Zstd { .. } => super::dcp::zstd_prefix(item, needed),
-        Encoding::Deflate { .. } => super::zip::inflate_prefix(item, needed),
+        Encoding::Deflate { .. } => crate::zip::inflate_prefix(item, needed),
         Encoding::Saved { numel, shape, .. } => {
             super::dcp::saved_elements(item, dtype, numel, shape)
         }

@@ -12,7 +12,6 @@ pub mod megatron;
 pub mod per_rank;
 pub mod safetensors;
 pub mod torch_save;
-pub mod zip;
 
 use crate::layout::Layout;
 

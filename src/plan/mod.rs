@@ -26,9 +26,10 @@ use std::sync::Arc;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::dcp::metadata as dcp_metadata;
-use crate::formats::{dcp as dcp_format, hf_index, zip};
+use crate::formats::{dcp as dcp_format, hf_index};
 use crate::geometry::{NdBox, Placement};
 use crate::model::{Checkpoint, Encoding, Tensor};
+use crate::zip;
 
 pub use dcp::DcpFiles;
 use sourcing::Sourcing;

@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 
 use super::{FilePlan, Planner, Region};
 use crate::error::{Error, Result};
-use crate::formats::{torch_save, zip};
+use crate::formats::torch_save;
 use crate::geometry::NdBox;
+use crate::zip;
 
 impl Planner<'_> {
     pub(super) fn torch_save(&mut self, file_name: &str) -> Result<()> {

@@ -20,6 +20,7 @@ use object_store::path::Path as Key;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::zip::{CentralHeader, EndRecord, LocalHeader, Zip64End, Zip64Locator};
 
 /// Size of a cached block: small reads (headers, ZIP framing, small tensors) fetch whole blocks,
 /// so the framing of neighbouring DCP items and neighbouring small pieces come in one GET. GETs,
@@ -994,27 +995,26 @@ impl Object {
         }
         let tail_len = len.min(TAIL_BYTES);
         let tail = self.read_framing(base + len - tail_len..base + len)?;
-        let end = find_end(&tail, len - tail_len, len);
+        let end = EndRecord::find(&tail).map(|(at, end)| (len - tail_len + at, end));
         found.push((len - tail_len, tail));
-        if let Some(end) = end {
-            let mut zip64 = None;
-            if end.needs_zip64 {
-                if let Some(loc) = end.eocd_at.checked_sub(20) {
-                    let l = self.read_framing(base + loc..base + loc + 20)?;
-                    let at = u64::from_le_bytes(l[8..16].try_into().unwrap_or_default());
-                    if l[..4] == [0x50, 0x4b, 0x06, 0x07] && at + 56 <= loc {
-                        let r = self.read_framing(base + at..base + at + 56)?;
-                        let get = |o: usize| {
-                            u64::from_le_bytes(r[o..o + 8].try_into().unwrap_or_default())
-                        };
-                        zip64 = Some((get(32), get(40), get(48)));
+        if let Some((eocd_at, end)) = end {
+            let mut wide = None;
+            if end.needs_zip64() {
+                if let Some(loc) = eocd_at.checked_sub(Zip64Locator::LEN) {
+                    let l = self.read_framing(base + loc..base + loc + Zip64Locator::LEN)?;
+                    let at = Zip64Locator::parse(&l)
+                        .map(|l| l.end_at)
+                        .filter(|at| at.saturating_add(Zip64End::LEN) <= loc);
+                    if let Some(at) = at {
+                        let r = self.read_framing(base + at..base + at + Zip64End::LEN)?;
+                        wide = Zip64End::parse(&r).map(|z| (z.entries, z.cd_size, z.cd_offset));
                         found.push((loc, l));
                         found.push((at, r));
                     }
                 }
             }
             let (entries, cd_size, cd_offset) =
-                zip64.unwrap_or((end.entries, end.cd_size, end.cd_offset));
+                wide.unwrap_or((end.entries, end.cd_size, end.cd_offset));
             if cd_offset.checked_add(cd_size).is_some_and(|e| e <= len) && cd_size <= MAX_CD {
                 let cd = self.read_framing(base + cd_offset..base + cd_offset + cd_size)?;
                 let centrals = parse_central(&cd, entries);
@@ -1022,7 +1022,10 @@ impl Object {
                 // Round 2: local headers, with room for torch's alignment padding.
                 let heads: Vec<Range<u64>> = centrals
                     .iter()
-                    .map(|c| c.local..(c.local + 30 + c.name_len + LOCAL_EXTRA).min(cd_offset))
+                    .map(|c| {
+                        c.local
+                            ..(c.local + LocalHeader::LEN + c.name_len + LOCAL_EXTRA).min(cd_offset)
+                    })
                     .filter(|r| r.start < r.end)
                     .collect();
                 self.prefetch_framing(
@@ -1034,13 +1037,11 @@ impl Object {
                 let mut rest = Vec::new();
                 for (c, r) in centrals.iter().zip(&heads) {
                     let head = self.read_framing(base + r.start..base + r.end)?;
-                    if head.len() < 30 {
+                    let Some(local) = LocalHeader::parse(&head) else {
                         continue;
-                    }
-                    let n = u64::from(u16::from_le_bytes([head[26], head[27]]));
-                    let e = u64::from(u16::from_le_bytes([head[28], head[29]]));
-                    let data = c.local + 30 + n + e;
-                    if 30 + n + e > head.len() as u64 {
+                    };
+                    let data = c.local + local.data_start();
+                    if local.data_start() > head.len() as u64 {
                         rest.push(c.local + head.len() as u64..data.min(cd_offset));
                     }
                     found.push((r.start, head));
@@ -1098,39 +1099,6 @@ const LOCAL_EXTRA: u64 = 256;
 /// Largest central directory fetched (a torch.save archive has one entry per storage).
 const MAX_CD: u64 = 1 << 30;
 
-struct End {
-    eocd_at: u64,
-    entries: u64,
-    cd_size: u64,
-    cd_offset: u64,
-    needs_zip64: bool,
-}
-
-/// The classic end record in `tail` (which starts at archive offset `tail_at`), whose comment
-/// reaches the end of the archive of `len` bytes.
-fn find_end(tail: &[u8], tail_at: u64, len: u64) -> Option<End> {
-    let n = tail.len();
-    (0..=n.checked_sub(22)?).rev().find_map(|i| {
-        let r = &tail[i..];
-        if r[..4] != [0x50, 0x4b, 0x05, 0x06] {
-            return None;
-        }
-        let u16_at = |o: usize| u64::from(u16::from_le_bytes([r[o], r[o + 1]]));
-        let u32_at = |o: usize| u64::from(u32::from_le_bytes([r[o], r[o + 1], r[o + 2], r[o + 3]]));
-        if tail_at + i as u64 + 22 + u16_at(20) != len {
-            return None;
-        }
-        let (entries, cd_size, cd_offset) = (u16_at(10), u32_at(12), u32_at(16));
-        Some(End {
-            eocd_at: tail_at + i as u64,
-            entries,
-            cd_size,
-            cd_offset,
-            needs_zip64: entries == 0xFFFF || cd_size == 0xFFFF_FFFF || cd_offset == 0xFFFF_FFFF,
-        })
-    })
-}
-
 struct Central {
     local: u64,
     size: u64,
@@ -1138,56 +1106,29 @@ struct Central {
 }
 
 /// Each central header's local header offset, compressed size and name length (zip64 fields
-/// resolved), as far as `cd` parses.
+/// resolved), as far as `cd` parses: a header the strict reader would refuse still leads to what
+/// it names, so that reader sees the archive as it is and reports the problem.
 fn parse_central(cd: &[u8], entries: u64) -> Vec<Central> {
     let mut out = Vec::new();
-    let mut pos = 0usize;
+    let mut pos = 0u64;
     for _ in 0..entries {
-        let Some(h) = cd.get(pos..pos + 46) else {
+        let Some(h) = cd.get(pos as usize..).and_then(CentralHeader::parse) else {
             break;
         };
-        if h[..4] != [0x50, 0x4b, 0x01, 0x02] {
-            break;
-        }
-        let u16_at = |o: usize| usize::from(u16::from_le_bytes([h[o], h[o + 1]]));
-        let u32_at = |o: usize| u64::from(u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]));
-        let (name_len, extra_len, comment_len) = (u16_at(28), u16_at(30), u16_at(32));
-        let mut size = u32_at(20);
-        let usize32 = u32_at(24);
-        let mut local = u32_at(42);
+        let extra_at = pos + CentralHeader::LEN + h.entry.name_len;
         let extra = cd
-            .get(pos + 46 + name_len..pos + 46 + name_len + extra_len)
+            .get(extra_at as usize..(extra_at + h.entry.extra_len) as usize)
             .unwrap_or_default();
-        let mut e = 0;
-        while let Some(f) = extra.get(e..e + 4) {
-            let (id, n) = (
-                u16::from_le_bytes([f[0], f[1]]),
-                usize::from(u16::from_le_bytes([f[2], f[3]])),
-            );
-            if id == 1 {
-                let mut v = extra
-                    .get(e + 4..e + 4 + n)
-                    .unwrap_or_default()
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()));
-                if usize32 == 0xFFFF_FFFF {
-                    v.next();
-                }
-                if size == 0xFFFF_FFFF {
-                    size = v.next().unwrap_or(size);
-                }
-                if local == 0xFFFF_FFFF {
-                    local = v.next().unwrap_or(local);
-                }
-            }
-            e += 4 + n;
-        }
+        let (size, local) = match h.wide(extra) {
+            Ok((_, size, local)) => (size, local),
+            Err(_) => (u64::from(h.entry.compressed32), u64::from(h.local32)),
+        };
         out.push(Central {
             local,
             size,
-            name_len: name_len as u64,
+            name_len: h.entry.name_len,
         });
-        pos += 46 + name_len + extra_len + comment_len;
+        pos += h.total_len();
     }
     out
 }
@@ -1199,6 +1140,12 @@ mod tests {
     /// An object of `len` bytes (byte `i` is `i * 7 % 251`) in an in-memory store.
     fn in_memory(len: usize) -> (Object, Vec<u8>) {
         let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        (object_of(&bytes), bytes)
+    }
+
+    /// An object holding `bytes` in an in-memory store.
+    fn object_of(bytes: &[u8]) -> Object {
+        let bytes = bytes.to_vec();
         let mem = Arc::new(object_store::memory::InMemory::new());
         let key = Key::from("ckpt/__0_0.distcp");
         block_on(mem.put(&key, bytes.clone().into()))
@@ -1210,7 +1157,34 @@ mod tests {
             multipart: mem,
         });
         let path = PathBuf::from("s3://mem/ckpt/__0_0.distcp");
-        (Remote { store, key, path }.open().unwrap(), bytes)
+        Remote { store, key, path }.open().unwrap()
+    }
+
+    #[test]
+    fn the_image_of_an_archive_holds_its_framing_and_small_records() {
+        // Real torch.save archives, placed after other bytes as a DCP item is in a rank file.
+        for archive in [
+            &include_bytes!("../formats/testdata/views.pt")[..],
+            include_bytes!("../formats/testdata/dtypes.pt"),
+            include_bytes!("../formats/testdata/nested.pt"),
+            include_bytes!("../formats/testdata/bare.pt"),
+        ] {
+            let base = 1000;
+            let mut bytes: Vec<u8> = (0..base).map(|i| (i % 251) as u8).collect();
+            bytes.extend_from_slice(archive);
+            bytes.extend_from_slice(b"after the archive");
+            let o = object_of(&bytes);
+            let image = o
+                .zip_image(base as u64, archive.len() as u64)
+                .unwrap()
+                .unwrap();
+            let entries = crate::zip::read_entries(archive).unwrap();
+            assert_eq!(crate::zip::read_entries(&image).unwrap(), entries);
+            for e in &entries {
+                let range = e.data_offset as usize..(e.data_offset + e.len) as usize;
+                assert_eq!(image[range.clone()], archive[range], "{}", e.name);
+            }
+        }
     }
 
     #[test]

@@ -694,7 +694,7 @@ impl<'a> Files<'a> {
         // The item must be an archive torch.load can open: a broken frame fails the load whatever
         // the value is (a legacy pickle, first byte PROTO, has no frame to check).
         if bytes.first() != Some(&0x80) {
-            crate::formats::zip::read_entries(bytes).map_err(|e| self.placed(e, item, zstd))?;
+            crate::zip::read_entries(bytes).map_err(|e| self.placed(e, item, zstd))?;
         }
         // A value that is not plain data (a custom object) is still carried byte for byte.
         let value = torch_save::read(bytes)
@@ -750,10 +750,7 @@ fn saved_chunk<'a>(
     archive: &'a torch_save::Archive,
     dtype: DType,
     sizes: &[u64],
-) -> Result<(
-    &'a torch_save::SavedTensor,
-    &'a crate::formats::zip::ZipEntry,
-)> {
+) -> Result<(&'a torch_save::SavedTensor, &'a crate::zip::ZipEntry)> {
     let saved = match archive.leaves.as_slice() {
         [(key, Leaf::Tensor(t))] if key.is_empty() => t,
         _ => return Err(Error::invalid("item is not a single saved tensor")),

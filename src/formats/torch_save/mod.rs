@@ -13,15 +13,15 @@
 //!
 //! Reading accepts only the globals that tensors and plain data need (see [`TorchGlobals`]);
 //! nested dicts flatten into key paths, and everything else is kept as a [`Value`].
-//! Writing produces `data.pkl` and the record list; [`crate::formats::zip::layout`] frames them.
+//! Writing produces `data.pkl` and the record list; [`crate::zip::layout`] frames them.
 
 use std::collections::HashMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::formats::zip::{self, ZipEntry, ZipRecord};
 use crate::model::{numel, KeyPart};
 use crate::pickle::{self, Globals, Limits, Object, PickleError, Protocol, Value};
+use crate::zip::{self, ZipEntry, ZipRecord};
 
 mod archive;
 mod checkpoint;

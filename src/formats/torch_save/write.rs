@@ -1,5 +1,5 @@
 //! Writing: `data.pkl` for a list of key paths and leaves, and the records of the archive, which
-//! [`crate::formats::zip::layout`] frames.
+//! [`crate::zip::layout`] frames.
 
 use super::*;
 

@@ -3,12 +3,12 @@
 use super::*;
 use proptest::prelude::*;
 
-const VIEWS: &[u8] = include_bytes!("../testdata/views.pt");
-const DTYPES: &[u8] = include_bytes!("../testdata/dtypes.pt");
-const BARE: &[u8] = include_bytes!("../testdata/bare.pt");
-const NESTED: &[u8] = include_bytes!("../testdata/nested.pt");
+const VIEWS: &[u8] = include_bytes!("../formats/testdata/views.pt");
+const DTYPES: &[u8] = include_bytes!("../formats/testdata/dtypes.pt");
+const BARE: &[u8] = include_bytes!("../formats/testdata/bare.pt");
+const NESTED: &[u8] = include_bytes!("../formats/testdata/nested.pt");
 /// A real > 4 GiB torch.save archive without the data of its big record (see `make.py`).
-const ZIP64_FRAMING: &[u8] = include_bytes!("../testdata/zip64_framing.bin");
+const ZIP64_FRAMING: &[u8] = include_bytes!("../formats/testdata/zip64_framing.bin");
 
 fn literal(name: &str, content: &[u8]) -> ZipRecord {
     ZipRecord {

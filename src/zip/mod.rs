@@ -22,9 +22,11 @@
 use crate::error::{Error, Result};
 
 mod read;
+mod records;
 mod write;
 
 pub use read::{check_inflates, inflate, inflate_prefix, read_entries, ZipEntry};
+pub use records::{CentralHeader, EndRecord, LocalHeader, Zip64End, Zip64Locator};
 pub use write::{build, layout, ZipLayout, ZipRecord};
 
 const LOCAL_SIG: u32 = 0x0403_4b50;

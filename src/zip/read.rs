@@ -1,6 +1,7 @@
 //! Reading: the entries of an archive that spans a byte slice, checked as miniz (and so
 //! torch.load) checks them, and the bytes of deflated entries.
 
+use super::records::{self, Fields};
 use super::*;
 
 /// One entry of an archive.
@@ -159,66 +160,6 @@ pub fn read_entries(bytes: &[u8]) -> Result<Vec<ZipEntry>> {
     Ok(entries)
 }
 
-/// Little-endian field reader over a header already known to be in bounds.
-/// The fields a central directory header and a local header share, in the same order (after
-/// the version fields).
-struct EntryFields {
-    flags: u16,
-    method: u16,
-    crc: u32,
-    compressed32: u32,
-    len32: u32,
-    name_len: u64,
-    extra_len: u64,
-}
-
-impl EntryFields {
-    fn read(f: &mut Fields) -> EntryFields {
-        let flags = f.u16().unwrap_or(0);
-        let method = f.u16().unwrap_or(0);
-        f.u16(); // time
-        f.u16(); // date
-        EntryFields {
-            flags,
-            method,
-            crc: f.u32().unwrap_or(0),
-            compressed32: f.u32().unwrap_or(0),
-            len32: f.u32().unwrap_or(0),
-            name_len: u64::from(f.u16().unwrap_or(0)),
-            extra_len: u64::from(f.u16().unwrap_or(0)),
-        }
-    }
-}
-
-struct Fields<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Fields<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        Fields { bytes, pos: 0 }
-    }
-
-    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
-        let field = self.bytes.get(self.pos..self.pos.checked_add(N)?)?;
-        self.pos += N;
-        field.try_into().ok()
-    }
-
-    fn u16(&mut self) -> Option<u16> {
-        self.take().map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        self.take().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Option<u64> {
-        self.take().map(u64::from_le_bytes)
-    }
-}
-
 /// Where the central directory is, from the (zip64) end records.
 struct EndRecord {
     entries: u64,
@@ -235,52 +176,29 @@ fn find_end_record(bytes: &[u8]) -> Result<EndRecord> {
     }
     // The classic end record is the last 22 bytes plus a comment; accept only a comment that
     // reaches exactly the end of the slice, so trailing bytes are an error, not ignored.
-    let lowest = (len - EOCD_LEN).saturating_sub(MAX_COMMENT_LEN);
-    let mut eocd = None;
-    for at in (lowest..=len - EOCD_LEN).rev() {
-        let record = slice(bytes, at, EOCD_LEN, "end record")?;
-        let mut f = Fields::new(record);
-        if f.u32() != Some(EOCD_SIG) {
-            continue;
-        }
-        f.pos = 20;
-        let comment_len = u64::from(f.u16().unwrap_or(0));
-        if at + EOCD_LEN + comment_len == len {
-            eocd = Some(at);
-            break;
-        }
-    }
-    let Some(eocd_at) = eocd else {
+    let Some((eocd_at, classic)) = records::EndRecord::find(bytes) else {
         return Err(invalid(
             "not a zip archive: no end-of-central-directory record at the end of the data",
         ));
     };
-    let mut f = Fields::new(slice(bytes, eocd_at + 4, EOCD_LEN - 4, "end record")?);
-    let (disk, cd_disk) = (f.u16().unwrap_or(0), f.u16().unwrap_or(0));
-    let disk_entries = u64::from(f.u16().unwrap_or(0));
-    let entries = u64::from(f.u16().unwrap_or(0));
-    let cd_size = u64::from(f.u32().unwrap_or(0));
-    let cd_offset = u64::from(f.u32().unwrap_or(0));
+    let (disk, cd_disk) = (classic.disk, classic.cd_disk);
     if (disk != 0 && disk != 0xFFFF)
         || (cd_disk != 0 && cd_disk != 0xFFFF)
-        || disk_entries != entries
+        || classic.disk_entries != classic.entries
     {
         return Err(invalid("multi-disk zip archives are not supported").at(eocd_at));
     }
+    let (entries, cd_size, cd_offset) = (classic.entries, classic.cd_size, classic.cd_offset);
 
     let locator_at = eocd_at.checked_sub(ZIP64_LOCATOR_LEN);
     let locator = locator_at
         .map(|at| slice(bytes, at, ZIP64_LOCATOR_LEN, "zip64 locator"))
         .transpose()?
-        .filter(|l| l.get(..4) == Some(&ZIP64_LOCATOR_SIG.to_le_bytes()[..]));
+        .and_then(records::Zip64Locator::parse);
     let (end, records_start) = match (locator, locator_at) {
         (Some(locator), Some(locator_at)) => {
-            let mut f = Fields::new(locator);
-            f.u32();
-            let eocd64_disk = f.u32().unwrap_or(0);
-            let eocd64_at = f.u64().unwrap_or(0);
-            let disks = f.u32().unwrap_or(1);
-            if eocd64_disk != 0 || disks > 1 {
+            let eocd64_at = locator.end_at;
+            if locator.end_disk != 0 || locator.disks > 1 {
                 return Err(invalid("multi-disk zip archives are not supported").at(locator_at));
             }
             if !fits(eocd64_at, ZIP64_EOCD_LEN, locator_at) {
@@ -289,42 +207,34 @@ fn find_end_record(bytes: &[u8]) -> Result<EndRecord> {
                 ))
                 .at(locator_at));
             }
-            let mut f = Fields::new(slice(bytes, eocd64_at, ZIP64_EOCD_LEN, "zip64 end record")?);
-            if f.u32() != Some(ZIP64_EOCD_SIG) {
+            let record = slice(bytes, eocd64_at, ZIP64_EOCD_LEN, "zip64 end record")?;
+            let Some(wide) = records::Zip64End::parse(record) else {
                 return Err(invalid(
                     "zip64 end record signature not found where its locator points",
                 )
                 .at(eocd64_at));
-            }
-            f.u64(); // record size; extensible data after the fixed part is ignored
-            f.u16(); // version made by
-            f.u16(); // version needed
-            let (disk, cd_disk) = (f.u32().unwrap_or(0), f.u32().unwrap_or(0));
-            let disk_entries64 = f.u64().unwrap_or(0);
-            let entries64 = f.u64().unwrap_or(0);
-            let cd_size64 = f.u64().unwrap_or(0);
-            let cd_offset64 = f.u64().unwrap_or(0);
-            if disk != 0 || cd_disk != 0 || disk_entries64 != entries64 {
+            };
+            if wide.disk != 0 || wide.cd_disk != 0 || wide.disk_entries != wide.entries {
                 return Err(invalid("multi-disk zip archives are not supported").at(eocd64_at));
             }
             // The classic record repeats each value unless it saturated; a mismatch is corruption.
             let agrees =
                 |short: u64, saturated: u64, long: u64| short == saturated || short == long;
-            if !agrees(entries, 0xFFFF, entries64)
-                || !agrees(cd_size, U32_LIMIT, cd_size64)
-                || !agrees(cd_offset, U32_LIMIT, cd_offset64)
+            if !agrees(entries, 0xFFFF, wide.entries)
+                || !agrees(cd_size, U32_LIMIT, wide.cd_size)
+                || !agrees(cd_offset, U32_LIMIT, wide.cd_offset)
             {
                 return Err(invalid("zip end record and zip64 end record disagree").at(eocd_at));
             }
             let end = EndRecord {
-                entries: entries64,
-                cd_offset: cd_offset64,
-                cd_size: cd_size64,
+                entries: wide.entries,
+                cd_offset: wide.cd_offset,
+                cd_size: wide.cd_size,
             };
             (end, eocd64_at)
         }
         _ => {
-            if entries == 0xFFFF || cd_size == U32_LIMIT || cd_offset == U32_LIMIT {
+            if classic.needs_zip64() {
                 return Err(
                     invalid("zip end record needs a zip64 end record, which is missing")
                         .at(eocd_at),
@@ -384,28 +294,21 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
     if !fits(at, CENTRAL_HEADER_LEN, cd_end) {
         return Err(invalid("zip central directory ends inside an entry header").at(at));
     }
-    let mut f = Fields::new(slice(bytes, at, CENTRAL_HEADER_LEN, "central header")?);
-    if f.u32() != Some(CENTRAL_SIG) {
+    let header = slice(bytes, at, CENTRAL_HEADER_LEN, "central header")?;
+    let Some(header) = records::CentralHeader::parse(header) else {
         return Err(invalid("zip central directory header signature not found").at(at));
-    }
-    f.u16(); // version made by
-    f.u16(); // version needed
-    let EntryFields {
+    };
+    let records::EntryFields {
         flags,
         method,
         crc,
-        compressed32,
-        len32,
         name_len,
         extra_len,
-    } = EntryFields::read(&mut f);
-    let comment_len = u64::from(f.u16().unwrap_or(0));
-    let disk = f.u16().unwrap_or(0);
-    f.u16(); // internal attributes
-    f.u32(); // external attributes
-    let local32 = f.u32().unwrap_or(0);
+        ..
+    } = header.entry;
+    let disk = header.disk;
 
-    let next = at + CENTRAL_HEADER_LEN + name_len + extra_len + comment_len;
+    let next = at + header.total_len();
     if next > cd_end {
         return Err(invalid("zip central directory ends inside an entry header").at(at));
     }
@@ -437,23 +340,12 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
         return Err(invalid("multi-disk zip archives are not supported").at(at));
     }
 
-    // Zip64 values appear in a fixed order, each only if its 32-bit field saturated.
-    let zip64 = find_extra(extra, ZIP64_EXTRA_ID);
-    let mut z = Fields::new(zip64.unwrap_or(&[]));
-    let mut wide = |short: u32, what: &str| -> Result<u64> {
-        if u64::from(short) != U32_LIMIT {
-            return Ok(u64::from(short));
-        }
-        z.u64().ok_or_else(|| {
-            invalid(format!(
-                "zip entry `{name}` lacks the zip64 {what} its header points to"
-            ))
-            .at(at)
-        })
-    };
-    let len = wide(len32, "size")?;
-    let compressed = wide(compressed32, "compressed size")?;
-    let local_offset = wide(local32, "offset")?;
+    let (len, compressed, local_offset) = header.wide(extra).map_err(|what| {
+        invalid(format!(
+            "zip entry `{name}` lacks the zip64 {what} its header points to"
+        ))
+        .at(at)
+    })?;
     if method == METHOD_STORED && compressed != len {
         return Err(invalid(format!(
             "zip entry `{name}` is stored but its compressed size {compressed} differs from its size {len}"
@@ -484,15 +376,13 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         ))
         .at(central.at)
     })?;
-    let mut f = Fields::new(header);
-    if f.u32() != Some(LOCAL_SIG) {
+    let Some(local) = records::LocalHeader::parse(header) else {
         return Err(invalid(format!(
             "zip local header of `{name}` not found where the central directory points"
         ))
         .at(at));
-    }
-    f.u16(); // version needed
-    let EntryFields {
+    };
+    let records::EntryFields {
         flags,
         method,
         crc,
@@ -500,7 +390,7 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         len32,
         name_len,
         extra_len,
-    } = EntryFields::read(&mut f);
+    } = local.entry;
 
     if slice(bytes, at + LOCAL_HEADER_LEN, name_len, "entry name")? != central.name_bytes.as_slice()
     {
