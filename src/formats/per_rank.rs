@@ -155,11 +155,13 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default();
-    let world_size = world_size(&files)?;
+    let mut world_size = world_size(&files)?;
     let mut merged = Merged::default();
+    // Per file, where its saver sat in a process group smaller than the job, if it says so.
+    let mut subgroups: Vec<Option<(u64, u64, u64)>> = vec![None; files.len()];
     // The highest rank a mesh or process group names, with the entry and file that name it.
     let mut last_needed: Option<(u64, String, PathBuf)> = None;
-    for f in &files {
+    for (k, f) in files.iter().enumerate() {
         let name = PathBuf::from(f.path.file_name().unwrap_or_default());
         let file: Arc<Path> = name.as_path().into();
         let input = storage::Input::open(&f.path, Access::Map)?;
@@ -197,6 +199,7 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                         .tensor(&name)
                         .hint("rename the files after the ranks that saved them"));
                     }
+                    subgroups[k] = subgroups[k].or(s.sharding.subgroup());
                     if let Some(r) = s.sharding.last_rank() {
                         if last_needed.as_ref().is_none_or(|(l, ..)| r > *l) {
                             last_needed = Some((r, name.clone(), f.path.clone()));
@@ -227,6 +230,13 @@ pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
                 Leaf::Unsupported { dtype } => merged.unsupported(name, dtype, &file),
             }
         }
+    }
+    // Files named by job rank, saved by one process group smaller than the job: every member's
+    // file is there though the names skip the job ranks outside the group, and the world the
+    // pieces are placed in is the group's.
+    match one_group_saved_all(&files, &subgroups)? {
+        Some(group_size) => world_size = group_size,
+        None => check_every_rank(&files, world_size)?,
     }
     // A mesh or process group that names a rank beyond the files: that rank's file is missing.
     if let Some((r, name, by)) = last_needed.filter(|(r, ..)| *r >= world_size as u64) {
@@ -408,7 +418,8 @@ fn prefixes(files: &[RankFile]) -> Vec<&RankFile> {
         .collect()
 }
 
-/// The world size the file names say, checked to be one, with every rank of every prefix present.
+/// The world size the file names say, checked to be one world size that holds every named rank
+/// (see [`check_every_rank`] for the ranks that are not named).
 fn world_size(files: &[RankFile]) -> Result<usize> {
     let named: Vec<&RankFile> = files.iter().filter(|f| f.world_size.is_some()).collect();
     if let Some(first) = named.first() {
@@ -438,6 +449,11 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
             );
         }
     }
+    Ok(world_size)
+}
+
+/// Every prefix has one file per rank of `world_size`, or the error names the missing ones.
+fn check_every_rank(files: &[RankFile], world_size: usize) -> Result<()> {
     for f in prefixes(files) {
         let have: std::collections::BTreeSet<usize> = files
             .iter()
@@ -473,7 +489,57 @@ fn world_size(files: &[RankFile]) -> Result<usize> {
             .hint(hint));
         }
     }
-    Ok(world_size)
+    Ok(())
+}
+
+/// The size of the process group that saved every file, when each prefix's files are named by
+/// the job ranks of that group's members: each file's sharded values name its saver's job rank
+/// (the file's) and group rank, and the group ranks are `0..size`, each once. Group ranks that
+/// no file holds are an error naming them (the job ranks of the missing files are unknown).
+fn one_group_saved_all(
+    files: &[RankFile],
+    subgroups: &[Option<(u64, u64, u64)>],
+) -> Result<Option<usize>> {
+    let mut size = None;
+    for p in prefixes(files) {
+        let mut group_ranks = std::collections::BTreeSet::new();
+        for (f, g) in files
+            .iter()
+            .zip(subgroups)
+            .filter(|(f, _)| f.prefix == p.prefix)
+        {
+            let Some((rank, group_rank, group_size)) = *g else {
+                return Ok(None);
+            };
+            // Two files of one group rank: several groups saved (hybrid sharding's replicas),
+            // each whole, and the names count the job's ranks.
+            if rank != f.rank as u64
+                || *size.get_or_insert(group_size) != group_size
+                || !group_ranks.insert(group_rank)
+            {
+                return Ok(None);
+            }
+        }
+        let Some(n) = size else {
+            return Ok(None);
+        };
+        let missing: Vec<String> = (0..n)
+            .filter(|g| !group_ranks.contains(g))
+            .take(8)
+            .map(|g| g.to_string())
+            .collect();
+        if !missing.is_empty() {
+            let dir = p.path.parent().unwrap_or(Path::new("."));
+            return Err(Error::invalid(format!(
+                "the files were saved by a process group of {n} ranks and are named by their job \
+                 ranks, but the group's rank(s) {} saved none of them",
+                missing.join(", ")
+            ))
+            .file(dir)
+            .hint("every member of the saving group's file is needed: copy the missing ones beside the others"));
+        }
+    }
+    Ok(size.and_then(|n| usize::try_from(n).ok()))
 }
 
 /// Entries merged over the ranks' files, in the order they first appear, each with the file that

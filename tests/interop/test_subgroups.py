@@ -88,3 +88,33 @@ def test_a_replica_group_holding_other_bytes_fails_deep_verify(run_ckpt, tmp_pat
     proc = run_ckpt("verify", "--deep", src)
     assert proc.returncode == 1, proc.stdout
     assert "NOT sound" in proc.stdout
+
+
+def test_a_subgroup_named_by_job_ranks_is_whole(run_ckpt, tmp_path):
+    """The subgroup's members are job ranks 1, 2 and 3: files named by those (as
+    `torch.save(sd, f"rank{dist.get_rank()}.pt")` names them) have no rank 0, and are still every
+    file of the group that saved them."""
+    import shutil
+
+    src = tmp_path / "by_job_rank"
+    src.mkdir()
+    for group_rank in range(3):
+        shutil.copy(FIXTURES / "subgroup_fsdp1" / f"rank{group_rank}.pt", src / f"rank{group_rank + 1}.pt")
+    out = tmp_path / "out.safetensors"
+    proc = run_ckpt("consolidate", src, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_state(load_safetensors(out), want("subgroup_fsdp1"), "by job rank")
+    doc = run_ckpt("inspect", src, "--json")
+    assert doc.returncode == 0, doc.stderr
+    import json
+
+    assert json.loads(doc.stdout)["world_size"] == 3
+    assert run_ckpt("verify", "--deep", src).returncode == 0
+
+    # One member's file gone: the group's pieces no longer cover the tensors, and the error
+    # names the missing file (the names alone cannot tell which).
+    (src / "rank2.pt").unlink()
+    proc = run_ckpt("consolidate", src, "-o", tmp_path / "partial.safetensors")
+    assert proc.returncode == 1, proc.stderr
+    assert "rank" in proc.stderr and "missing" in proc.stderr, proc.stderr
+    assert not (tmp_path / "partial.safetensors").exists()

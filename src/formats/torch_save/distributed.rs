@@ -78,6 +78,21 @@ impl Sharding {
         }
     }
 
+    /// `(job rank, group rank, group size)` of the saving rank when the value was saved by a
+    /// process group smaller than the job and records both.
+    pub fn subgroup(&self) -> Option<(u64, u64, u64)> {
+        match self {
+            Sharding::ShardedTensor {
+                rank: Some(rank),
+                world_size: Some(world),
+                group_rank: Some(group_rank),
+                group_size: Some(size),
+                ..
+            } if size < world => Some((*rank, *group_rank, *size)),
+            _ => None,
+        }
+    }
+
     /// The highest rank that must have saved a file for this tensor to be whole.
     pub fn last_rank(&self) -> Option<u64> {
         match self {
