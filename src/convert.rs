@@ -21,7 +21,7 @@ use crate::select::Selection;
 
 /// Everything one conversion needs; the target comes separately because a reshard's depends on
 /// the names left after selection.
-pub struct Conversion<'a> {
+pub(crate) struct Conversion<'a> {
     pub input: &'a Source,
     /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
     pub shapes_from: Option<&'a Path>,
@@ -46,7 +46,7 @@ pub struct Conversion<'a> {
 }
 
 /// What a conversion did, for the caller to tell.
-pub struct Summary {
+pub(crate) struct Summary {
     /// Tensors written (after selection).
     pub tensors: usize,
     /// Things the user should hear about (skipped entries, tensors `--dtype` left alone).
@@ -55,7 +55,7 @@ pub struct Summary {
 }
 
 /// How the output stands.
-pub enum Done {
+pub(crate) enum Done {
     /// Written whole at `path`: `files` files, `bytes` of tensor data.
     Whole {
         path: PathBuf,
@@ -76,7 +76,7 @@ pub enum Done {
 }
 
 /// Read, step, plan and write `job`'s output.
-pub fn convert(
+pub(crate) fn convert(
     job: &Conversion,
     exec_opts: &ExecOptions,
     target_of: impl FnOnce(&Checkpoint) -> Target,

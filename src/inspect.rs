@@ -12,7 +12,7 @@ use crate::pickle::Value;
 /// Tensors and their pieces are described as they are serialized (see [`Tensors`]), so a
 /// checkpoint of millions of pieces is written out without its document ever being in memory.
 #[derive(Debug, Serialize)]
-pub struct Report<'a> {
+pub(crate) struct Report<'a> {
     pub format: &'static str,
     pub state_dict_type: &'static str,
     pub world_size: Option<usize>,
@@ -39,14 +39,14 @@ pub struct Report<'a> {
 
 /// One thing a layout says of itself.
 #[derive(Debug, Serialize)]
-pub struct Detail<'a> {
+pub(crate) struct Detail<'a> {
     pub what: &'a str,
     pub value: &'a str,
 }
 
 /// What an FSDP1 LOCAL checkpoint lacks: its tensors are flat parameters, not the model's.
 #[derive(Debug, Serialize)]
-pub struct LocalReport<'a> {
+pub(crate) struct LocalReport<'a> {
     /// The `_flat_param` tensors, one per FSDP unit.
     pub flat_params: Vec<&'a str>,
     /// Always false: the files hold no parameter names or shapes.
@@ -55,7 +55,7 @@ pub struct LocalReport<'a> {
 }
 
 #[derive(Debug, Serialize)]
-pub struct UnsupportedReport<'a> {
+pub(crate) struct UnsupportedReport<'a> {
     pub name: &'a str,
     /// The dtype as the file names it: `torch.bits8`, `F4`.
     pub dtype: &'a str,
@@ -63,18 +63,14 @@ pub struct UnsupportedReport<'a> {
 
 /// The selected tensors of a checkpoint, each described when it is serialized or iterated.
 #[derive(Debug)]
-pub struct Tensors<'a>(Vec<&'a Tensor>);
+pub(crate) struct Tensors<'a>(Vec<&'a Tensor>);
 
 impl<'a> Tensors<'a> {
-    pub fn iter(&self) -> impl Iterator<Item = TensorReport<'a>> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = TensorReport<'a>> + '_ {
         self.0.iter().map(|&t| TensorReport::of(t))
     }
 
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 }
@@ -86,7 +82,7 @@ impl Serialize for Tensors<'_> {
 }
 
 #[derive(Debug, Serialize)]
-pub struct TensorReport<'a> {
+pub(crate) struct TensorReport<'a> {
     pub name: &'a str,
     /// safetensors dtype code: `F32`, `BF16`, `F8_E4M3`, `BOOL`, ...
     pub dtype: String,
@@ -109,15 +105,11 @@ impl<'a> TensorReport<'a> {
 
 /// A tensor's pieces, each described when it is serialized.
 #[derive(Debug)]
-pub struct Pieces<'a>(&'a Tensor);
+pub(crate) struct Pieces<'a>(&'a Tensor);
 
 impl Pieces<'_> {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.0.pieces.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.pieces.is_empty()
     }
 }
 
@@ -146,7 +138,7 @@ impl Serialize for Pieces<'_> {
 }
 
 #[derive(Debug, Serialize)]
-pub struct PieceReport<'a> {
+pub(crate) struct PieceReport<'a> {
     pub offsets: &'a [u64],
     pub sizes: &'a [u64],
     /// File relative to the checkpoint root.
@@ -163,7 +155,7 @@ pub struct PieceReport<'a> {
 }
 
 #[derive(Debug, Serialize)]
-pub struct ValueReport {
+pub(crate) struct ValueReport {
     pub name: String,
     /// The value as JSON when it is plain data, else null.
     pub value: Option<serde_json::Value>,
@@ -172,7 +164,7 @@ pub struct ValueReport {
 }
 
 /// Describe `ckpt`, keeping only tensors and values whose name `keep` accepts.
-pub fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'a> {
+pub(crate) fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> Report<'a> {
     let tensors: Vec<&Tensor> = ckpt.tensors.iter().filter(|t| keep(&t.name)).collect();
     let mut bytes_per_dtype = BTreeMap::new();
     let mut total_bytes = 0u64;
@@ -258,7 +250,7 @@ fn inferred_mesh(ckpt: &Checkpoint) -> Option<Vec<usize>> {
 }
 
 /// Human-readable bytes: `1.50 GiB`.
-pub fn human_bytes(n: u64) -> String {
+pub(crate) fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
     let mut u = 0;
@@ -274,7 +266,7 @@ pub fn human_bytes(n: u64) -> String {
 }
 
 /// The table `ckpt inspect` prints.
-pub fn render(report: &Report) -> String {
+pub(crate) fn render(report: &Report) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let about = match report.format {

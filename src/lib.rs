@@ -11,6 +11,9 @@
 // Every declared dependency is used: a stale one fails the clippy gate. (Only the library build
 // checks, since tests and the binary each use a subset.)
 #![cfg_attr(not(test), warn(unused_crate_dependencies))]
+// Items are crate-private unless the binary, tests, benches or fuzz targets use them: a `pub`
+// that nothing outside can reach is flagged.
+#![warn(unreachable_pub)]
 
 // ckpt copies with copy_file_range(2), flushes with sync_file_range(2), checks processes and the
 // host name in /proc and opens files with O_NOFOLLOW: said once here, at build time, rather than
@@ -23,24 +26,24 @@ compile_error!(
 
 pub mod cast;
 pub mod cli;
-pub mod convert;
+pub(crate) mod convert;
 pub mod detect;
 pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod formats;
-pub mod fsdp_local;
+pub(crate) mod fsdp_local;
 pub mod geometry;
-pub mod inspect;
-pub mod layout;
-pub mod lora;
+pub(crate) mod inspect;
+pub(crate) mod layout;
+pub(crate) mod lora;
 pub mod model;
 pub mod output;
 pub mod part;
 pub mod pickle;
 pub mod plan;
-pub mod select;
-pub mod storage;
+pub(crate) mod select;
+pub(crate) mod storage;
 pub mod verify;
 pub mod zip;
 

@@ -9,7 +9,7 @@ use crate::model::Checkpoint;
 
 /// Which entries to keep and how to rename them.
 #[derive(Clone, Debug, Default)]
-pub struct Selection {
+pub(crate) struct Selection {
     include: Option<GlobSet>,
     exclude: Option<GlobSet>,
     strip_prefixes: Vec<String>,
@@ -17,7 +17,7 @@ pub struct Selection {
 
 impl Selection {
     /// Globs match whole names (`*` crosses dots: `model.*.bias` matches `model.layers.0.bias`).
-    pub fn new(
+    pub(crate) fn new(
         include: &[String],
         exclude: &[String],
         strip_prefixes: &[String],
@@ -30,7 +30,7 @@ impl Selection {
     }
 
     /// True when `name` passes the include and exclude globs.
-    pub fn keeps(&self, name: &str) -> bool {
+    pub(crate) fn keeps(&self, name: &str) -> bool {
         self.include.as_ref().is_none_or(|g| g.is_match(name))
             && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
     }
@@ -49,7 +49,7 @@ impl Selection {
     /// Apply to a checkpoint. Renamed entries lose their nesting (they become top-level keys).
     /// Tensors of unsupported dtypes are selected like the others, so that one left out never
     /// stops a run ([`Checkpoint::check_supported`] refuses those that stay).
-    pub fn apply(&self, mut ckpt: Checkpoint) -> Result<Checkpoint> {
+    pub(crate) fn apply(&self, mut ckpt: Checkpoint) -> Result<Checkpoint> {
         ckpt.tensors.retain(|t| self.keeps(&t.name));
         ckpt.values.retain(|v| self.keeps(&v.name));
         ckpt.unsupported.retain(|u| self.keeps(&u.name));

@@ -11,7 +11,12 @@ use crate::model::Encoding;
 /// `needed` bytes where the encoding can stop early: the decompressed zstd item or inflated
 /// record, or the elements of an unopened DCP item in row-major order (checked against the
 /// chunk its [`Encoding::Saved`] records). Plain bytes are not encoded and are refused here.
-pub fn decode(encoding: &Encoding, item: &[u8], needed: u64, dtype: DType) -> Result<Vec<u8>> {
+pub(crate) fn decode(
+    encoding: &Encoding,
+    item: &[u8],
+    needed: u64,
+    dtype: DType,
+) -> Result<Vec<u8>> {
     match *encoding {
         Encoding::Raw => Err(Error::bug("plain bytes handed to the decoder")),
         Encoding::Zstd { .. } => super::dcp::zstd_prefix(item, needed),

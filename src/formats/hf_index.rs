@@ -17,7 +17,7 @@ use crate::model::{Checkpoint, Format};
 use crate::storage::{self, Stat};
 
 /// The index file name `transformers` and `huggingface_hub` write.
-pub const INDEX_NAME: &str = "model.safetensors.index.json";
+pub(crate) const INDEX_NAME: &str = "model.safetensors.index.json";
 
 /// Names of Hugging Face split safetensors files (`model-00001-of-00003.safetensors`) in `dir`.
 fn split_files_in(dir: &Path) -> Vec<String> {
@@ -44,7 +44,7 @@ fn split_files_in(dir: &Path) -> Vec<String> {
 }
 
 /// Hugging Face split files: `model.safetensors.index.json` and the files it names.
-pub struct HfIndex;
+pub(crate) struct HfIndex;
 
 impl Layout for HfIndex {
     fn describe(&self) -> &'static str {
@@ -73,7 +73,7 @@ const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 
 /// Read a split checkpoint. `path` is the directory holding [`INDEX_NAME`], or an index file
 /// itself (any name, e.g. `diffusion_pytorch_model.safetensors.index.json`).
-pub fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
+pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let stat = storage::stat(path)?;
     let index_path = if stat == Some(Stat::Dir) {
         let index = path.join(INDEX_NAME);
@@ -287,7 +287,7 @@ fn check_file_name(name: &str) -> Result<()> {
 
 /// The name of split file `i` (1-based) of `n`: `model-00001-of-00003.safetensors`, as
 /// `huggingface_hub` and torch's `_gen_file_name` write it (at least 5 digits).
-pub fn split_file_name(i: usize, n: usize) -> String {
+pub(crate) fn split_file_name(i: usize, n: usize) -> String {
     format!("model-{i:05}-of-{n:05}.safetensors")
 }
 
@@ -296,7 +296,7 @@ pub fn split_file_name(i: usize, n: usize) -> String {
 /// (by code point, which is UTF-8 byte order) and non-ASCII is `\u`-escaped.
 /// (`huggingface_hub.save_torch_state_dict` keeps insertion order and omits the newline; the
 /// sorted form is what most published checkpoints carry.)
-pub fn index_json(total_size: u64, weight_map: &[(String, String)]) -> Vec<u8> {
+pub(crate) fn index_json(total_size: u64, weight_map: &[(String, String)]) -> Vec<u8> {
     let mut sorted: Vec<&(String, String)> = weight_map.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = String::new();

@@ -35,14 +35,14 @@ use crate::pickle::{Globals, Object, Value};
 use crate::storage::{self, Stat};
 
 /// The file that says a directory is a Megatron `dist_checkpointing` checkpoint.
-pub const CONFIG: &str = "metadata.json";
+pub(crate) const CONFIG: &str = "metadata.json";
 /// The torch.save file of the state every rank shares.
-pub const COMMON: &str = "common.pt";
+pub(crate) const COMMON: &str = "common.pt";
 /// `metadata.json` and `common.pt` are a few hundred bytes; anything this large is not one.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// A Megatron-core `torch_dist` directory: DCP plus `metadata.json` and `common.pt`.
-pub struct Megatron;
+pub(crate) struct Megatron;
 
 impl Layout for Megatron {
     fn describe(&self) -> &'static str {
@@ -89,7 +89,7 @@ fn backend(dir: &Path) -> Result<Option<String>> {
 }
 
 /// Read a Megatron `torch_dist` directory into the model.
-pub fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
+pub(crate) fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let (mut ckpt, fields) = dcp::read_extended(dir, opts, &McoreMetadata)?;
     ckpt.format = Format::MegatronTorchDist;
     let meta_path = dir.join(dcp::METADATA);

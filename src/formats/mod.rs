@@ -4,12 +4,12 @@
 //! around tensor data), which the planner places and the executor writes. Every layout ckpt reads
 //! is one entry of [`LAYOUTS`].
 
-pub mod codec;
+pub(crate) mod codec;
 pub mod dcp;
-pub mod deepspeed;
-pub mod hf_index;
-pub mod megatron;
-pub mod per_rank;
+pub(crate) mod deepspeed;
+pub(crate) mod hf_index;
+pub(crate) mod megatron;
+pub(crate) mod per_rank;
 pub mod safetensors;
 pub mod torch_save;
 

@@ -90,7 +90,7 @@ fn parse_name(file_name: &str) -> Option<(String, Option<usize>, usize)> {
 
 /// Per-rank torch.save files: a directory of them, several given, or one rank's file holding
 /// DTensor or ShardedTensor values.
-pub struct PerRank;
+pub(crate) struct PerRank;
 
 impl crate::layout::Layout for PerRank {
     fn describe(&self) -> &'static str {
@@ -148,7 +148,7 @@ fn holds_pieces(path: &Path) -> Result<bool> {
 }
 
 /// Read per-rank files (every rank of one or more prefixes, in one directory) as one checkpoint.
-pub fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
+pub(crate) fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
     let files = rank_files(paths)?;
     let root = files[0]
         .path

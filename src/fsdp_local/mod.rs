@@ -35,7 +35,7 @@ use crate::storage::{self, Entry, Stat};
 /// LOCAL checkpoint; anything else, or a LOCAL checkpoint without a reference, is returned as
 /// read (writing one is refused later, by [`Checkpoint::check_supported`]). The reference is read
 /// through storage, so it may be an object store URL like the checkpoint.
-pub fn apply(ckpt: Checkpoint, reference: Option<&Path>) -> Result<Checkpoint> {
+pub(crate) fn apply(ckpt: Checkpoint, reference: Option<&Path>) -> Result<Checkpoint> {
     if ckpt.flat_params().is_empty() {
         return Ok(ckpt);
     }
@@ -55,7 +55,7 @@ pub fn apply(ckpt: Checkpoint, reference: Option<&Path>) -> Result<Checkpoint> {
 /// What a partitioned run (`--part`) must agree on about `--shapes-from`: the reference's
 /// location, and the length of it and of each file it holds, so parts resolved with different
 /// references never mix. Empty without one.
-pub fn fingerprint(reference: Option<&Path>) -> Result<String> {
+pub(crate) fn fingerprint(reference: Option<&Path>) -> Result<String> {
     let Some(path) = reference else {
         return Ok(String::new());
     };
@@ -95,7 +95,7 @@ pub fn fingerprint(reference: Option<&Path>) -> Result<String> {
 
 /// A name and shape from the reference, with its dtype where the reference has one.
 #[derive(Clone, Debug, PartialEq)]
-pub struct RefEntry {
+pub(crate) struct RefEntry {
     pub name: String,
     pub shape: Vec<u64>,
     pub dtype: Option<DType>,
@@ -106,7 +106,7 @@ pub struct RefEntry {
 
 /// Read the names and shapes of `--shapes-from`: a JSON list, or any checkpoint ckpt reads whose
 /// tensors are listed in module order.
-pub fn read_reference(path: &Path) -> Result<Vec<RefEntry>> {
+pub(crate) fn read_reference(path: &Path) -> Result<Vec<RefEntry>> {
     if path.extension().is_some_and(|e| e == "json") {
         let text = crate::storage::read(path)?;
         return parse_json(&text).map_err(|e| e.file(path));
@@ -215,7 +215,7 @@ struct Slot {
 
 /// Rebuild the named parameters of an FSDP1 LOCAL checkpoint from the reference's names and shapes
 /// (see the module docs). Pure: the bytes stay where they are, in new pieces.
-pub fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoint> {
+pub(crate) fn resolve(mut ckpt: Checkpoint, reference: &[RefEntry]) -> Result<Checkpoint> {
     let reference = with_app_prefix(&ckpt, reference);
     let mut seen = HashSet::new();
     if let Some(twice) = reference.iter().find(|e| !seen.insert(e.name.as_str())) {

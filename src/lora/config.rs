@@ -8,13 +8,13 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 
 /// The file PEFT's `save_pretrained` writes the configuration to.
-pub const CONFIG_FILE: &str = "adapter_config.json";
+pub(crate) const CONFIG_FILE: &str = "adapter_config.json";
 /// The file PEFT's `save_pretrained` writes the adapter's tensors to.
-pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+pub(crate) const ADAPTER_FILE: &str = "adapter_model.safetensors";
 
 /// A LoRA adapter's configuration.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LoraConfig {
+pub(crate) struct LoraConfig {
     /// `r`: the rank of every module not in `rank_pattern`.
     pub r: u64,
     /// `lora_alpha`.
@@ -35,7 +35,7 @@ pub struct LoraConfig {
 
 impl LoraConfig {
     /// Parse the text of an `adapter_config.json`.
-    pub fn parse(text: &[u8]) -> Result<LoraConfig> {
+    pub(crate) fn parse(text: &[u8]) -> Result<LoraConfig> {
         let v: Value = serde_json::from_slice(text)
             .map_err(|e| Error::invalid(format!("not a PEFT adapter config: {e}")))?;
         let obj = v
@@ -118,14 +118,14 @@ impl LoraConfig {
 
     /// The rank and alpha of module `module` (its name in the base model, as PEFT's
     /// `named_modules()` gives it).
-    pub fn rank_alpha(&self, module: &str) -> (u64, f64) {
+    pub(crate) fn rank_alpha(&self, module: &str) -> (u64, f64) {
         let r = pattern_value(&self.rank_pattern, module).unwrap_or(self.r);
         let alpha = pattern_value(&self.alpha_pattern, module).unwrap_or(self.alpha);
         (r, alpha)
     }
 
     /// PEFT's `scaling` for a module of rank `r` and alpha `alpha`.
-    pub fn scaling(&self, r: u64, alpha: f64) -> f64 {
+    pub(crate) fn scaling(&self, r: u64, alpha: f64) -> f64 {
         if self.use_rslora {
             alpha / (r as f64).sqrt()
         } else {
@@ -137,7 +137,7 @@ impl LoraConfig {
 /// Where a `--merge-lora` argument points: the config, and the adapter's own tensors when the
 /// directory holds them.
 #[derive(Clone, Debug)]
-pub struct ConfigLocation {
+pub(crate) struct ConfigLocation {
     pub config: PathBuf,
     pub adapter_file: Option<PathBuf>,
     /// The directory's name: PEFT saves an adapter other than `default` in a subdirectory named
@@ -146,7 +146,7 @@ pub struct ConfigLocation {
 }
 
 /// Find the config at `path`: the file itself or `adapter_config.json` in the directory.
-pub fn locate(path: &Path) -> Result<ConfigLocation> {
+pub(crate) fn locate(path: &Path) -> Result<ConfigLocation> {
     let (config, dir) = if path.is_dir() {
         (path.join(CONFIG_FILE), path.to_path_buf())
     } else {
@@ -172,7 +172,7 @@ pub fn locate(path: &Path) -> Result<ConfigLocation> {
 }
 
 /// Read and parse the config at `path` (a file or a directory holding one).
-pub fn read(path: &Path) -> Result<(LoraConfig, ConfigLocation)> {
+pub(crate) fn read(path: &Path) -> Result<(LoraConfig, ConfigLocation)> {
     let loc = locate(path)?;
     let text = std::fs::read(&loc.config).map_err(|e| Error::io(&loc.config, e))?;
     let config = LoraConfig::parse(&text).map_err(|e| e.file(&loc.config))?;
@@ -180,7 +180,10 @@ pub fn read(path: &Path) -> Result<(LoraConfig, ConfigLocation)> {
 }
 
 /// PEFT's `get_pattern_key`: the first key `k` for which `re.match(rf"(.*\.)?({k})$", module)`.
-pub fn pattern_key<'a>(keys: impl IntoIterator<Item = &'a str>, module: &str) -> Option<&'a str> {
+pub(crate) fn pattern_key<'a>(
+    keys: impl IntoIterator<Item = &'a str>,
+    module: &str,
+) -> Option<&'a str> {
     keys.into_iter()
         .find(|k| pattern_regex(k).is_ok_and(|re| re.is_match(module)))
 }

@@ -6,7 +6,7 @@ use crate::dtype::DType;
 
 /// What kind of module is folded, which fixes how `B @ A` lies over the weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// `nn.Linear`: `W [out, in] += s * B [out, r] @ A [r, in]`; with `fan_in_fan_out` the weight
     /// is `[in, out]` and the update is transposed.
     Linear { fan_in_fan_out: bool },
@@ -16,7 +16,7 @@ pub enum Kind {
 
 /// One module's fold: everything but the tensors.
 #[derive(Clone, Copy, Debug)]
-pub struct Fold {
+pub(crate) struct Fold {
     pub kind: Kind,
     /// PEFT's `scaling` (a Python float, which torch applies to an f32 tensor as an f32).
     pub scaling: f64,
@@ -29,7 +29,7 @@ pub struct Fold {
 }
 
 /// `x` rounded to `dtype` as torch rounds (nearest even), as an f32.
-pub fn round_to(dtype: DType, x: f32) -> f32 {
+pub(crate) fn round_to(dtype: DType, x: f32) -> f32 {
     match dtype {
         DType::BF16 => half::bf16::from_f32(x).to_f32(),
         DType::F16 => half::f16::from_f32(x).to_f32(),
@@ -38,7 +38,7 @@ pub fn round_to(dtype: DType, x: f32) -> f32 {
 }
 
 /// `vals`, each already a value of `dtype`, as `dtype`'s little-endian bytes.
-pub fn encode(vals: &[f32], dtype: DType) -> Vec<u8> {
+pub(crate) fn encode(vals: &[f32], dtype: DType) -> Vec<u8> {
     let mut out = Vec::with_capacity(vals.len() * dtype.size());
     for &v in vals {
         match dtype {
@@ -61,7 +61,7 @@ fn promote(a: DType, b: DType) -> DType {
 
 /// Fold `b [out, r] @ a [r, in]` into `w` (row-major, the base weight's shape). `magnitude`
 /// (`[out]`) is DoRA's. Every value is already an f32 exactly representable in its dtype.
-pub fn fold(
+pub(crate) fn fold(
     f: &Fold,
     w: &[f32],
     a: &[f32],

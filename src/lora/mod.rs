@@ -9,8 +9,8 @@
 //! only copies bytes. The names are the base model's: the wrapper prefix `base_model.model.`,
 //! `.base_layer` and the adapter's name removed, the adapter's tensors consumed.
 
-pub mod config;
-pub mod fold;
+pub(crate) mod config;
+pub(crate) mod fold;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::FileExt;
@@ -24,14 +24,14 @@ use crate::error::{Error, Result};
 use crate::exec::IoMode;
 use crate::model::{Checkpoint, DataRef, Encoding, Piece, Pieces, Tensor};
 
-pub use config::LoraConfig;
+pub(crate) use config::LoraConfig;
 
 /// The prefix PEFT's `PeftModel` puts before the base model's names.
 const WRAPPER: &str = "base_model.model.";
 
 /// How `--merge-lora` runs.
 #[derive(Clone, Debug)]
-pub struct LoraOptions<'a> {
+pub(crate) struct LoraOptions<'a> {
     /// PEFT's `adapter_config.json` or the directory holding it.
     pub config: &'a Path,
     /// `--adapter`: which of the checkpoint's adapters to merge.
@@ -47,14 +47,8 @@ pub struct LoraOptions<'a> {
 
 /// The scratch file of merged weights, removed when dropped (the run over, however it ended).
 #[derive(Debug)]
-pub struct Scratch {
+pub(crate) struct Scratch {
     path: PathBuf,
-}
-
-impl Scratch {
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
 }
 
 impl Drop for Scratch {
@@ -157,7 +151,7 @@ struct Module {
 }
 
 /// The LoRA modules a checkpoint holds, by adapter: (module, rank), for `inspect`.
-pub fn held(ckpt: &Checkpoint) -> BTreeMap<String, Vec<(String, u64)>> {
+pub(crate) fn held(ckpt: &Checkpoint) -> BTreeMap<String, Vec<(String, u64)>> {
     let mut out: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
     for t in &ckpt.tensors {
         let name = unwrap_name(&t.name);
@@ -183,7 +177,7 @@ pub fn held(ckpt: &Checkpoint) -> BTreeMap<String, Vec<(String, u64)>> {
 }
 
 /// What `inspect` says of the LoRA adapters a checkpoint holds: one detail per adapter.
-pub fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(String, String)> {
+pub(crate) fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(String, String)> {
     held(ckpt)
         .into_iter()
         .map(|(adapter, modules)| {
@@ -219,7 +213,7 @@ pub fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(String, 
 
 /// Fold the adapter described by `opts.config` into `ckpt`. The returned scratch file holds the
 /// merged weights the checkpoint now names; keep it until the output is written.
-pub fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option<Scratch>)> {
+pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option<Scratch>)> {
     let (config, loc) = config::read(opts.config)?;
     if config.lora_bias {
         return Err(Error::invalid(

@@ -60,9 +60,9 @@ pub(super) struct Span {
 }
 
 impl Span {
-    pub const EMPTY: Span = Span { start: 0, len: 0 };
+    pub(super) const EMPTY: Span = Span { start: 0, len: 0 };
 
-    pub fn range(self) -> std::ops::Range<usize> {
+    pub(super) fn range(self) -> std::ops::Range<usize> {
         let start = self.start as usize;
         start..start.saturating_add(self.len as usize)
     }
@@ -77,7 +77,7 @@ pub(super) struct Chain {
 }
 
 impl Chain {
-    pub const EMPTY: Chain = Chain {
+    pub(super) const EMPTY: Chain = Chain {
         head: NONE,
         tail: NONE,
     };

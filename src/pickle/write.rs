@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use super::{Object, Value};
 
 /// Items per `APPENDS`/`SETITEMS`/`ADDITEMS`, as CPython's pickler batches them (`_BATCHSIZE`).
-pub const BATCH: usize = 1000;
+pub(super) const BATCH: usize = 1000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {

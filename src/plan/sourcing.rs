@@ -15,7 +15,7 @@ use crate::model::{Checkpoint, Encoding, NonTensor, PieceRef, Tensor};
 /// Where each tensor's bytes come from: the checkpoint, its input files numbered once, and an
 /// index of each tensor's pieces. All a [`Region`] needs, and read-only, so rank files can be
 /// planned one at a time long after planning started.
-pub struct Sourcing<'a> {
+pub(super) struct Sourcing<'a> {
     pub(super) ckpt: &'a Checkpoint,
     pub(super) cast: Option<DType>,
     /// Absolute paths, in the order the checkpoint first names them.

@@ -25,16 +25,16 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-pub use multipart::{PendingPart, UploadedPart};
-pub use remote::{fetch_window, Remote, BLOCK_BYTES, CACHE_BYTES};
+pub(crate) use multipart::{PendingPart, UploadedPart};
+pub(crate) use remote::{fetch_window, Remote, BLOCK_BYTES};
 
 /// URL schemes ckpt reads and writes, served by the same object_store code.
-pub const SCHEMES: [&str; 3] = ["s3", "gs", "az"];
+pub(crate) const SCHEMES: [&str; 3] = ["s3", "gs", "az"];
 
 /// Parse a path argument: a local path as it is, or an object store URL checked for its form
 /// (scheme, bucket, a key without empty, `.` or `..` segments). For clap's `value_parser`, so a
 /// bad URL is a usage error (exit 2) before any work.
-pub fn parse_location(arg: &str) -> std::result::Result<PathBuf, String> {
+pub(crate) fn parse_location(arg: &str) -> std::result::Result<PathBuf, String> {
     let Some((scheme, rest)) = arg.split_once("://") else {
         return Ok(PathBuf::from(arg));
     };
@@ -63,7 +63,7 @@ pub fn parse_location(arg: &str) -> std::result::Result<PathBuf, String> {
 }
 
 /// True when `path` names an object store location rather than a local path.
-pub fn is_remote(path: &Path) -> bool {
+pub(crate) fn is_remote(path: &Path) -> bool {
     split_url(path).is_some()
 }
 
@@ -79,7 +79,7 @@ fn split_url(path: &Path) -> Option<(&str, &str, &str)> {
 }
 
 /// The store and key of a remote location, `None` for a local path.
-pub fn remote(path: &Path) -> Option<Result<Remote>> {
+pub(crate) fn remote(path: &Path) -> Option<Result<Remote>> {
     let (scheme, bucket, key) = split_url(path)?;
     Some(Remote::new(scheme, bucket, key, path))
 }
@@ -94,7 +94,7 @@ pub enum Stat {
 /// What is at `path`: a file (object) and its length, a directory (a prefix with objects below
 /// it), or nothing. Errors other than "not found" (credentials, a missing bucket, a refused
 /// connection) are errors.
-pub fn stat(path: &Path) -> Result<Option<Stat>> {
+pub(crate) fn stat(path: &Path) -> Result<Option<Stat>> {
     match remote(path) {
         Some(r) => r?.stat(),
         None => Ok(std::fs::metadata(path).ok().map(|m| {
@@ -108,17 +108,17 @@ pub fn stat(path: &Path) -> Result<Option<Stat>> {
 }
 
 /// True when `path` is a file; false when it is anything else or cannot be read.
-pub fn is_file(path: &Path) -> bool {
+pub(crate) fn is_file(path: &Path) -> bool {
     matches!(stat(path), Ok(Some(Stat::File(_))))
 }
 
 /// True when `path` is a directory; false when it is anything else or cannot be read.
-pub fn is_dir(path: &Path) -> bool {
+pub(crate) fn is_dir(path: &Path) -> bool {
     matches!(stat(path), Ok(Some(Stat::Dir)))
 }
 
 /// The entries of directory `dir` (files and directories one level down), sorted.
-pub fn list(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn list(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(listing(dir)?.into_iter().map(|e| e.path).collect())
 }
 
@@ -150,7 +150,7 @@ impl Entry {
 /// The entries of directory `dir`, sorted by path, each with its kind and length: one LIST for a
 /// remote directory, after which opening a listed object sends no HEAD. A local entry that
 /// cannot be stat'ed (a dangling link) is left out, as it cannot be read either.
-pub fn listing(dir: &Path) -> Result<Vec<Entry>> {
+pub(crate) fn listing(dir: &Path) -> Result<Vec<Entry>> {
     let mut out: Vec<Entry> = match remote(dir) {
         Some(r) => r?
             .list()?
@@ -177,7 +177,7 @@ pub fn listing(dir: &Path) -> Result<Vec<Entry>> {
 }
 
 /// The whole of a small file (an index, a manifest, a `.metadata`).
-pub fn read(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
     match remote(path) {
         Some(r) => r?.read_all(),
         None => std::fs::read(path).map_err(|e| Error::io(path, e)),
@@ -186,7 +186,7 @@ pub fn read(path: &Path) -> Result<Vec<u8>> {
 
 /// Store a small object (a manifest) at remote location `path` in one PUT: it appears whole or
 /// not at all.
-pub fn put(path: &Path, bytes: Vec<u8>) -> Result<()> {
+pub(crate) fn put(path: &Path, bytes: Vec<u8>) -> Result<()> {
     let r = remote(path).ok_or_else(|| Error::usage("internal: not a remote location"))??;
     r.put(bytes)
 }

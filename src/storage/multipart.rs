@@ -3,8 +3,6 @@
 //! What to upload, in which order, and what makes an output complete is the output module's
 //! business; this knows only objects.
 
-use std::path::Path;
-
 use object_store::multipart::PartId;
 use object_store::path::Path as Key;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -14,17 +12,17 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// A part of a multipart upload, sent and acknowledged: what [`Remote::complete_upload`] takes.
 #[derive(Clone, Debug)]
-pub struct UploadedPart(PartId);
+pub(crate) struct UploadedPart(PartId);
 
 /// A part of a multipart upload being sent in the background.
-pub struct PendingPart {
+pub(crate) struct PendingPart {
     handle: tokio::task::JoinHandle<object_store::Result<PartId>>,
     at: Remote,
 }
 
 impl PendingPart {
     /// Wait until the store has acknowledged the part.
-    pub fn wait(self) -> Result<UploadedPart> {
+    pub(crate) fn wait(self) -> Result<UploadedPart> {
         let done = block_on(self.handle)?
             .map_err(|e| Error::new(ErrorKind::Io, format!("upload task failed: {e}")))?;
         done.map(UploadedPart)
@@ -33,30 +31,25 @@ impl PendingPart {
 }
 
 impl Remote {
-    /// The location as ckpt names it (`s3://bucket/key`).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The object key, without the store's scheme and bucket.
-    pub fn key(&self) -> &str {
+    pub(crate) fn key(&self) -> &str {
         self.key.as_ref()
     }
 
     /// The last segment of the key, if any.
-    pub fn file_name(&self) -> Option<&str> {
+    pub(crate) fn file_name(&self) -> Option<&str> {
         self.key.filename()
     }
 
     /// Another key in the same store.
-    pub fn with_key(&self, key: &str) -> Result<Remote> {
+    pub(crate) fn with_key(&self, key: &str) -> Result<Remote> {
         let key =
             Key::parse(key).map_err(|e| Error::invalid(format!("object key `{key}`: {e}")))?;
         Ok(self.at(key))
     }
 
     /// `rel` (`/`-separated) below this location taken as a directory.
-    pub fn join(&self, rel: &str) -> Result<Remote> {
+    pub(crate) fn join(&self, rel: &str) -> Result<Remote> {
         if self.key.as_ref().is_empty() {
             return self.with_key(rel);
         }
@@ -64,7 +57,7 @@ impl Remote {
     }
 
     /// The location this one is directly below (the bucket's root for a one-segment key).
-    pub fn parent(&self) -> Remote {
+    pub(crate) fn parent(&self) -> Remote {
         let parts: Vec<_> = self.key.parts().collect();
         let up = parts.len().saturating_sub(1);
         self.at(Key::from_iter(parts[..up].iter().cloned()))
@@ -79,7 +72,7 @@ impl Remote {
     }
 
     /// Whether an object is stored under exactly this key.
-    pub fn exists(&self) -> Result<bool> {
+    pub(crate) fn exists(&self) -> Result<bool> {
         match block_on(self.store.objects.head(&self.key))? {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -88,12 +81,12 @@ impl Remote {
     }
 
     /// Every object under this location taken as a directory (`key/...`).
-    pub fn objects_below(&self) -> Result<Vec<Remote>> {
+    pub(crate) fn objects_below(&self) -> Result<Vec<Remote>> {
         Ok(self.list_below()?.into_iter().map(|k| self.at(k)).collect())
     }
 
     /// Remove the object (nothing to do if there is none).
-    pub fn delete(&self) -> Result<()> {
+    pub(crate) fn delete(&self) -> Result<()> {
         match block_on(self.store.objects.delete(&self.key))? {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(store_error(&self.path, e)),
@@ -101,14 +94,14 @@ impl Remote {
     }
 
     /// Start a multipart upload to this key; its id.
-    pub fn create_upload(&self) -> Result<String> {
+    pub(crate) fn create_upload(&self) -> Result<String> {
         block_on(self.store.multipart.create_multipart(&self.key))?
             .map_err(|e| store_error(&self.path, e))
     }
 
     /// Send part `k` (0-based: part numbers, not upload time, fix the order) of upload `id` in
     /// the background.
-    pub fn upload_part(&self, id: &str, k: usize, bytes: Vec<u8>) -> Result<PendingPart> {
+    pub(crate) fn upload_part(&self, id: &str, k: usize, bytes: Vec<u8>) -> Result<PendingPart> {
         let (mp, key, id) = (
             self.store.multipart.clone(),
             self.key.clone(),
@@ -123,7 +116,7 @@ impl Remote {
     }
 
     /// Complete upload `id` from its parts in order: the object appears.
-    pub fn complete_upload(&self, id: &str, parts: Vec<UploadedPart>) -> Result<()> {
+    pub(crate) fn complete_upload(&self, id: &str, parts: Vec<UploadedPart>) -> Result<()> {
         let parts = parts.into_iter().map(|p| p.0).collect();
         block_on(
             self.store
@@ -135,7 +128,7 @@ impl Remote {
     }
 
     /// Abort upload `id`; one already aborted or completed (not found) is no error.
-    pub fn abort_upload(&self, id: &str) -> Result<()> {
+    pub(crate) fn abort_upload(&self, id: &str) -> Result<()> {
         match block_on(
             self.store
                 .multipart

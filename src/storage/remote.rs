@@ -26,9 +26,9 @@ use crate::zip::{CentralHeader, EndRecord, LocalHeader, Zip64End, Zip64Locator};
 /// so the framing of neighbouring DCP items and neighbouring small pieces come in one GET. GETs,
 /// not bytes, are what costs: a request has a latency of its own, and some servers read the whole
 /// object for each ranged GET.
-pub const BLOCK_BYTES: u64 = 4 << 20;
+pub(crate) const BLOCK_BYTES: u64 = 4 << 20;
 /// Bytes of blocks kept, over all objects (least recently used dropped first).
-pub const CACHE_BYTES: u64 = 64 << 20;
+pub(crate) const CACHE_BYTES: u64 = 64 << 20;
 /// Blocks of the cache shared by the objects being read (three quarters of it; the rest holds
 /// framing the readers come back to).
 const SHARED_BLOCKS: u64 = CACHE_BYTES / BLOCK_BYTES * 3 / 4;
@@ -53,7 +53,7 @@ pub(crate) struct Store {
 
 /// A remote location: a bucket's store and a key in it.
 #[derive(Clone)]
-pub struct Remote {
+pub(crate) struct Remote {
     pub(crate) store: Arc<Store>,
     pub(crate) key: Key,
     pub(crate) path: PathBuf,
@@ -226,7 +226,7 @@ impl Remote {
     }
 
     /// Store `bytes` as the object in one PUT: it appears whole or not at all.
-    pub fn put(&self, bytes: Vec<u8>) -> Result<()> {
+    pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
         listed_objects().remove(&self.path);
         block_on(
             self.store
@@ -238,7 +238,7 @@ impl Remote {
     }
 
     /// The whole object.
-    pub fn read_all(&self) -> Result<Vec<u8>> {
+    pub(crate) fn read_all(&self) -> Result<Vec<u8>> {
         let got = block_on(async {
             let r = self.store.objects.get(&self.key).await?;
             r.bytes().await
@@ -424,7 +424,7 @@ fn condense_xml(text: &str) -> String {
 }
 
 /// An object opened for ranged reads.
-pub struct Object {
+pub(crate) struct Object {
     id: u64,
     len: u64,
     at: Remote,
@@ -533,7 +533,7 @@ thread_local! {
 /// Fetch `ranges` (object, byte range) for the unit about to be gathered on this thread,
 /// coalesced and many in flight, replacing the previous unit's: reads inside them are then
 /// served from memory. Memory: the ranges' bytes, about one unit.
-pub fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
+pub(crate) fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
     WINDOW.with(|w| w.borrow_mut().clear());
     if ranges.is_empty() {
         return Ok(());
@@ -589,12 +589,8 @@ fn coalesce(mut rs: Vec<Range<u64>>) -> Vec<Range<u64>> {
 }
 
 impl Object {
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Ranges fetched concurrently, at most [`IN_FLIGHT`] at a time, large ones in 16 MiB
@@ -849,7 +845,7 @@ impl Object {
 
     /// Fill `buf` from `offset` (the caller has checked the range): from this thread's window,
     /// through the block cache for small reads, else with ranged GETs.
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub(crate) fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let end = offset + buf.len() as u64;
         let hit = WINDOW.with(|w| {
             let w = w.borrow();

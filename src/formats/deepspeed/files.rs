@@ -8,22 +8,22 @@ use crate::error::{Error, Result};
 use crate::storage::{self, Entry, Stat};
 
 /// The file naming the tag the last save wrote.
-pub const LATEST: &str = "latest";
+pub(crate) const LATEST: &str = "latest";
 /// The file `ds_to_universal` writes beside the tags, naming the Universal Checkpoint it made.
-pub const LATEST_UNIVERSAL: &str = "latest_universal";
+pub(crate) const LATEST_UNIVERSAL: &str = "latest_universal";
 /// A Universal Checkpoint's folder of per-parameter files, in its tag's directory.
-pub const UNIVERSAL_DIR: &str = "zero";
+pub(super) const UNIVERSAL_DIR: &str = "zero";
 /// `latest` is a tag name: a few bytes.
 const MAX_LATEST_BYTES: u64 = 4096;
 
 /// Whether a file name is one of a tag's state files.
-pub fn is_states_file(name: &str) -> bool {
+pub(super) fn is_states_file(name: &str) -> bool {
     name.ends_with("_model_states.pt") || name.ends_with("_optim_states.pt")
 }
 
 /// The tag read and its directory.
 #[derive(Clone, Debug)]
-pub struct Tag {
+pub(super) struct Tag {
     /// `global_step3`, or the directory's own name when it was given itself.
     pub name: String,
     pub dir: PathBuf,
@@ -35,7 +35,7 @@ pub struct Tag {
 impl Tag {
     /// The tag of the checkpoint at `path`: `tag` when given, else what `latest` names; `path`
     /// itself when it is a tag's directory.
-    pub fn find(path: &Path, tag: Option<&str>) -> Result<Tag> {
+    pub(super) fn find(path: &Path, tag: Option<&str>) -> Result<Tag> {
         let entries = storage::listing(path)?;
         let named = |n: &str| entries.iter().find(|e| e.name() == n);
         let own_name = || {
@@ -142,7 +142,7 @@ fn tags_hint(entries: &[Entry]) -> String {
 
 /// A tag's state files, by rank.
 #[derive(Clone, Debug)]
-pub struct Set {
+pub(super) struct Set {
     /// Model states: one (stages 0-2, `mp_rank_00_model_states.pt`) or one per rank (stage 3).
     pub model: Vec<PathBuf>,
     /// Optimizer states, rank 0 first; empty for a save without ZeRO.
@@ -150,7 +150,7 @@ pub struct Set {
 }
 
 impl Set {
-    pub fn list(dir: &Path) -> Result<Set> {
+    pub(super) fn list(dir: &Path) -> Result<Set> {
         let entries = storage::listing(dir)?;
         let mut single_model = None;
         let mut model = Vec::new();

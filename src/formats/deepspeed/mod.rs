@@ -40,11 +40,11 @@ use crate::model::{Checkpoint, DataRef, Encoding, KeyPart, Piece, Pieces};
 use crate::pickle::{Globals, Object, Value};
 use crate::storage::{self, Access};
 
-pub use files::{LATEST, LATEST_UNIVERSAL};
+pub(crate) use files::{LATEST, LATEST_UNIVERSAL};
 
 /// A DeepSpeed checkpoint directory (with `latest`), one tag's directory, or a Hugging Face
 /// Trainer `checkpoint-N/` that holds one.
-pub struct DeepSpeed;
+pub(crate) struct DeepSpeed;
 
 impl Layout for DeepSpeed {
     fn describe(&self) -> &'static str {
@@ -75,7 +75,7 @@ impl Layout for DeepSpeed {
 
 /// Read the DeepSpeed checkpoint at `path`: a directory with `latest` (or with `--tag`'s
 /// directory), or a tag's directory itself.
-pub fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
+pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let tag = files::Tag::find(path, opts.tag)?;
     let universal = tag.dir.join(files::UNIVERSAL_DIR);
     if storage::is_dir(&universal) {

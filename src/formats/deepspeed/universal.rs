@@ -28,7 +28,7 @@ const STATES: [(&str, Option<&str>); 4] = [
 ];
 
 /// Read the Universal Checkpoint in `tag.dir` (`zero` is its per-parameter folder).
-pub fn read(tag: &Tag, zero: &Path) -> Result<Checkpoint> {
+pub(super) fn read(tag: &Tag, zero: &Path) -> Result<Checkpoint> {
     let (shapes, groups) = model_states(&tag.dir)?;
     let mut tensors = Vec::new();
     let mut optim = Vec::new();

@@ -30,7 +30,7 @@ const OPTIMIZER: &str = "optimizer_state_dict";
 type Group = Vec<(String, Vec<u64>)>;
 
 /// Read one tag's files.
-pub fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
+pub(super) fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     let model = set
         .model
         .iter()

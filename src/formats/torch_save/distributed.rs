@@ -121,7 +121,7 @@ const SHARDED_TENSOR: (&str, &str) = (
 
 /// The globals DTensor and ShardedTensor values pickle through. The torch.save reader allows them
 /// besides its own; naming one runs nothing.
-pub fn allows_global(module: &str, name: &str) -> bool {
+pub(super) fn allows_global(module: &str, name: &str) -> bool {
     match module {
         "torch._tensor" => name == "_rebuild_from_type_v2",
         "torch._utils" => name == "_rebuild_wrapper_subclass",
@@ -149,7 +149,7 @@ pub fn allows_global(module: &str, name: &str) -> bool {
 
 /// `getattr(*args)` is allowed only as ShardedTensor's `__getstate__` pickles it, naming its
 /// process-group record class; any other use is refused.
-pub fn check_getattr(args: &[Value]) -> Result<()> {
+pub(super) fn check_getattr(args: &[Value]) -> Result<()> {
     match args {
         [class, Value::Str(attr)]
             if class.as_global() == Some(SHARDED_TENSOR) && attr == "ProcessGroupState" =>
@@ -164,7 +164,7 @@ pub fn check_getattr(args: &[Value]) -> Result<()> {
 
 /// Whether a `NEWOBJ`'s class is `getattr(ShardedTensor, "ProcessGroupState")`: the one class made
 /// by a call that the torch.save reader accepts.
-pub fn is_process_group_state(callable: &Value) -> bool {
+pub(super) fn is_process_group_state(callable: &Value) -> bool {
     match callable {
         Value::Object(o) => {
             o.callable.as_global() == Some(("builtins", "getattr"))
@@ -177,7 +177,7 @@ pub fn is_process_group_state(callable: &Value) -> bool {
 /// If `value` is a DTensor or ShardedTensor (`torch._tensor._rebuild_from_type_v2` of
 /// `_rebuild_wrapper_subclass`), its global shape and this rank's pieces; `local` turns each
 /// `_rebuild_tensor_v2` call inside into the tensor it saves (checked against its storage).
-pub fn decode(
+pub(super) fn decode(
     value: &Value,
     local: &mut dyn FnMut(&Value) -> Result<SavedTensor>,
 ) -> Result<Option<ShardedLeaf>> {
