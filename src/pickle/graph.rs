@@ -16,8 +16,7 @@
 
 use std::collections::HashMap;
 
-use super::read::{limit, malformed};
-use super::{Global, Limits, Object, PickleError, Value};
+use super::{limit, malformed, Global, Limits, Object, PickleError, Value};
 
 /// Index of a node in [`Graph::nodes`], or a small int (see [`small_int`]).
 pub(super) type Id = u32;

@@ -16,7 +16,7 @@ mod scan;
 mod write;
 
 pub use graph::{Graph, Items, Kind, View};
-pub use read::{parse, parse_consuming, read, Consumer, Limits};
+pub use read::{parse, parse_consuming, read, Consumer};
 pub use write::{write, write_to, write_with, Protocol, Stream};
 
 // A `Value` is built per pickled item, so its size is most of a big tree's memory.
@@ -97,6 +97,47 @@ pub trait Globals {
 impl Globals for &[(&str, &str)] {
     fn allows(&self, module: &str, name: &str) -> bool {
         self.iter().any(|&(m, n)| m == module && n == name)
+    }
+}
+
+/// Safety bounds on what one pickle may build.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most values on the stack (and in marks) at once.
+    pub max_stack: usize,
+    /// Most memo entries.
+    pub max_memo: usize,
+    /// Most nodes: both those the pickle makes and the total it expands to, counting those copied
+    /// by memo gets. A string or bytes value also costs one node per 64 bytes, so many references
+    /// to one large string are bounded too. (Small non-negative ints and the empty tuple take no
+    /// node of their own, so they count only in the expanded total.)
+    pub max_nodes: usize,
+    /// Deepest nesting of containers. This also bounds the recursion of any walk of the graph.
+    pub max_depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_stack: 1 << 20,
+            max_memo: 1 << 20,
+            max_nodes: 1 << 24,
+            max_depth: 256,
+        }
+    }
+}
+
+fn malformed(offset: usize, reason: impl Into<String>) -> PickleError {
+    PickleError::Malformed {
+        offset,
+        reason: reason.into(),
+    }
+}
+
+fn limit(offset: usize, reason: impl Into<String>) -> PickleError {
+    PickleError::LimitExceeded {
+        offset,
+        reason: reason.into(),
     }
 }
 

@@ -29,34 +29,7 @@ use super::graph::{
     is_small_int, small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span,
     MAX_NODES, NONE,
 };
-use super::{Global, Globals, PickleError, Value, View};
-
-/// Safety bounds on what one pickle may build.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    /// Most values on the stack (and in marks) at once.
-    pub max_stack: usize,
-    /// Most memo entries.
-    pub max_memo: usize,
-    /// Most nodes: both those the pickle makes and the total it expands to, counting those copied
-    /// by memo gets. A string or bytes value also costs one node per 64 bytes, so many references
-    /// to one large string are bounded too. (Small non-negative ints and the empty tuple take no
-    /// node of their own, so they count only in the expanded total.)
-    pub max_nodes: usize,
-    /// Deepest nesting of containers. This also bounds the recursion of any walk of the graph.
-    pub max_depth: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_stack: 1 << 20,
-            max_memo: 1 << 20,
-            max_nodes: 1 << 24,
-            max_depth: 256,
-        }
-    }
-}
+use super::{limit, malformed, Global, Globals, Limits, PickleError, Value, View};
 
 /// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into an owned value tree.
 pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value, PickleError> {
@@ -381,20 +354,6 @@ impl Memo {
             .and_then(|i| self.dense.get(i))
             .or_else(|| self.sparse.get(&index))
             .copied()
-    }
-}
-
-pub(super) fn malformed(offset: usize, reason: impl Into<String>) -> PickleError {
-    PickleError::Malformed {
-        offset,
-        reason: reason.into(),
-    }
-}
-
-pub(super) fn limit(offset: usize, reason: impl Into<String>) -> PickleError {
-    PickleError::LimitExceeded {
-        offset,
-        reason: reason.into(),
     }
 }
 
