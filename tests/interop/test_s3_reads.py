@@ -230,3 +230,21 @@ def test_fsdp1_local_from_s3_is_cut_from_items_opened_when_copied(s3, tmp_path, 
     proc = run(s3, "consolidate", f"s3://{BUCKET}/local/{name}", "-o", got, "--shapes-from", ref)
     assert proc.returncode == 0, proc.stderr
     assert got.read_bytes() == want.read_bytes()
+
+
+@pytest.mark.parametrize("reference", ["params.json", "model.pt", "sharded"])
+def test_fsdp1_local_takes_its_shapes_from_a_reference_in_s3(s3, tmp_path, reference):
+    """`--shapes-from s3://…`: the reference (a JSON of shapes, a torch.save of the model, or a
+    sharded DCP of it) is read through storage like any input, and gives the bytes the same
+    reference on disk gives."""
+    fixtures = Path(__file__).parents[2] / "fixtures"
+    upload_tree(s3.client(), fixtures / "fsdp_local_ref", BUCKET, "ref")
+    want = tmp_path / "want.safetensors"
+    local_ref = fixtures / "fsdp_local_ref" / reference
+    local = run(None, "consolidate", fixtures / "fsdp_local", "-o", want, "--shapes-from", local_ref)
+    assert local.returncode == 0, local.stderr
+    got = tmp_path / "got.safetensors"
+    proc = run(s3, "consolidate", fixtures / "fsdp_local", "-o", got,
+               "--shapes-from", f"s3://{BUCKET}/ref/{reference}")
+    assert proc.returncode == 0, proc.stderr
+    assert got.read_bytes() == want.read_bytes()
