@@ -17,8 +17,9 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::cast;
+use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::model::{contiguous_strides, Encoding};
+use crate::model::{contiguous_strides, numel, Encoding};
 use crate::part::Share;
 use crate::plan::{FilePlan, Fill, Plan, Region};
 use crate::storage::Access;
@@ -410,7 +411,6 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
         let region = bytes
             .get_mut(start..start + len)
             .ok_or_else(|| Error::bug("region outside its file").tensor(&r.name))?;
-        let mut written = 0;
         for (begin, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
             let u = Unit {
                 file: 0,
@@ -421,15 +421,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
             let (at, unit_len) = u.bytes_in(r, &rstrides);
             let buf = &mut region[at as usize..(at + unit_len) as usize];
             fetch_remote(&fills, r, &u, &rstrides, sources)?;
-            for fill in fills.iter() {
-                written += gather(fill, r, &u, &rstrides, sources, buf, &mut scratch)?;
-            }
-        }
-        if written != len as u64 {
-            return Err(Error::invalid(format!(
-                "internal: {written} of {len} bytes of a region were filled"
-            ))
-            .tensor(&r.name));
+            fill_unit(plan, r, &u, &rstrides, &fills, sources, buf, &mut scratch)?;
         }
     }
     f.for_each_literal(|at, lit| {
@@ -824,6 +816,8 @@ type DecodedItem = Option<((usize, u64), Vec<u8>)>;
 thread_local! {
     static BUFFERS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
     static DECODED: RefCell<DecodedItem> = const { RefCell::new(None) };
+    /// A computed unit's source elements (see [`fill_unit`]).
+    static COMPUTED_SRC: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// What one unit produced.
@@ -860,7 +854,10 @@ fn run_unit(
         None => 0..len,
     };
     let fills = checked_fills(plan, r, Some((&u.start, &u.sizes)), sources)?;
-    let direct = direct_runs(u, r, &fills, &rstrides, sources);
+    let direct = match plan.computed(r) {
+        Some(_) => None,
+        None => direct_runs(u, r, &fills, &rstrides, sources),
+    };
     if let (Some((file, path)), Some(runs)) = (out, direct) {
         let want_crc = !r.crc_slots.is_empty();
         let mut crc = crc32fast::Hasher::new();
@@ -902,16 +899,7 @@ fn run_unit(
         }
         let buf = &mut whole[..len as usize];
         fetch_remote(&fills, r, u, &rstrides, sources)?;
-        let mut written = 0u64;
-        for fill in fills.iter() {
-            written += gather(fill, r, u, &rstrides, sources, buf, scratch)?;
-        }
-        if written != len {
-            return Err(Error::invalid(format!(
-                "internal: {written} of {len} bytes of a block were filled"
-            ))
-            .tensor(&r.name));
-        }
+        fill_unit(plan, r, u, &rstrides, &fills, sources, buf, scratch)?;
         let mut result = UnitResult {
             len,
             crc: 0,
@@ -1032,11 +1020,81 @@ fn fetch_remote(
     crate::storage::fetch_window(&ranges)
 }
 
-/// Copy the slice of `fill` that falls in unit `u` into `buf` (the unit's bytes). Returns the number
-/// of destination bytes written.
+/// Unit `u` of region `r` into `buf` (its bytes, in the region's dtype): its fills' bytes
+/// gathered, or for a computed tensor ([`crate::model::Compute`]) the same bytes gathered in the
+/// tensor's dtype and computed on.
+#[allow(clippy::too_many_arguments)]
+fn fill_unit(
+    plan: &Plan,
+    r: &Region,
+    u: &Unit,
+    rstrides: &[u64],
+    fills: &[Fill],
+    sources: &[Source],
+    buf: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let Some((c, dtype, origin)) = plan.computed(r) else {
+        return gather_all(fills, r, r.dtype, u, rstrides, sources, buf, scratch);
+    };
+    let want = (numel(&u.sizes).unwrap_or(0) * dtype.size() as u64) as usize;
+    let mut src = COMPUTED_SRC.take();
+    // Grown, never re-zeroed: `gather_all` checks that every byte is written.
+    if src.len() < want {
+        src.resize(want, 0);
+    }
+    gather_all(
+        fills,
+        r,
+        dtype,
+        u,
+        rstrides,
+        sources,
+        &mut src[..want],
+        scratch,
+    )?;
+    let start: Vec<u64> = origin.iter().zip(&u.start).map(|(o, s)| o + s).collect();
+    let done =
+        c.0.compute(&start, &u.sizes, &src[..want], buf, r.dtype)
+            .map_err(|e| e.tensor(&r.name));
+    COMPUTED_SRC.set(src);
+    done
+}
+
+/// Every fill's slice of unit `u` into `buf` (the unit's bytes, as `dtype`), which they must
+/// cover.
+#[allow(clippy::too_many_arguments)]
+fn gather_all(
+    fills: &[Fill],
+    r: &Region,
+    dtype: DType,
+    u: &Unit,
+    rstrides: &[u64],
+    sources: &[Source],
+    buf: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let mut written = 0u64;
+    for fill in fills {
+        written += gather(fill, r, dtype, u, rstrides, sources, buf, scratch)?;
+    }
+    if written != buf.len() as u64 {
+        return Err(Error::invalid(format!(
+            "internal: {written} of {} bytes of a block were filled",
+            buf.len()
+        ))
+        .tensor(&r.name));
+    }
+    Ok(())
+}
+
+/// Copy the slice of `fill` that falls in unit `u` into `buf` (the unit's bytes, as `dtype`).
+/// Returns the number of destination bytes written.
+#[allow(clippy::too_many_arguments)]
 fn gather(
     fill: &Fill,
     r: &Region,
+    dtype: DType,
     u: &Unit,
     rstrides: &[u64],
     sources: &[Source],
@@ -1053,7 +1111,7 @@ fn gather(
     else {
         return Ok(0);
     };
-    let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
+    let (se, de) = (fill.dtype.size() as u64, dtype.size() as u64);
     let src = source_of(fill, sources)?;
     let mut idx = vec![0u64; outer];
     let mut total = 0u64;
@@ -1063,12 +1121,12 @@ fn gather(
         let dst = buf
             .get_mut(t as usize..(t + run * de) as usize)
             .ok_or_else(|| Error::bug("block overflow").tensor(&r.name))?;
-        if fill.dtype == r.dtype {
+        if fill.dtype == dtype {
             src.read(s, dst)?;
         } else {
             scratch.resize((run * se) as usize, 0);
             src.read(s, scratch)?;
-            cast::convert(scratch, fill.dtype, dst, r.dtype);
+            cast::convert(scratch, fill.dtype, dst, dtype);
         }
         total += run * de;
         // Odometer over the dims that are not part of the run.

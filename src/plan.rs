@@ -297,6 +297,23 @@ impl Plan<'_> {
         }
     }
 
+    /// How region `r`'s elements are computed from its tensor's pieces, when they are not
+    /// copied: the [`crate::model::Compute`], the tensor's dtype (what the pieces hold) and
+    /// where the region's box starts in the tensor.
+    pub fn computed<'r>(
+        &self,
+        r: &'r Region,
+    ) -> Option<(&crate::model::Computed, DType, &'r [u64])> {
+        let RegionSource::Tensor { tensor, b } = &r.source else {
+            return None;
+        };
+        let src = self.src.as_ref().or(self.dcp.as_ref().map(|d| &d.src))?;
+        let t = src.ckpt.tensors.get(*tensor)?;
+        t.pieces
+            .computed()
+            .map(|c| (c, t.dtype, b.offsets.as_slice()))
+    }
+
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
         let whole: u64 = self
