@@ -3,11 +3,21 @@
 //!
 //! The adapter's tensors come from the checkpoint itself (a PEFT-wrapped model saved whole or
 //! sharded: `…q_proj.base_layer.weight`, `…q_proj.lora_A.default.weight`) or, when the config's
-//! directory holds `adapter_model.safetensors`, from there. Each merged weight is computed from
-//! its module's tensors (read through the planner and executor, one module per worker) into a
-//! scratch file, and the returned [`Checkpoint`] names it there as one piece: the executor still
-//! only copies bytes. The names are the base model's: the wrapper prefix `base_model.model.`,
-//! `.base_layer` and the adapter's name removed, the adapter's tensors consumed.
+//! directory holds `adapter_model.safetensors`, from there. The names are the base model's: the
+//! wrapper prefix `base_model.model.`, `.base_layer` and the adapter's name removed, the
+//! adapter's tensors consumed.
+//!
+//! Where the fold happens. A merged weight keeps its base weight's pieces, marked computed
+//! ([`crate::model::Compute`]): the planner plans it like any tensor, and the executor, having
+//! gathered a block of the base weight's bytes as it would copy them, hands them to the module's
+//! fold, which writes the merged block (its module's A and B read when its first block is, let go
+//! after its last). The fold moved there from a step of its own that wrote every merged weight
+//! into a scratch file beside the output for the copy to read back: on a 1 GB model that wrote
+//! every merged byte twice and made `--merge-lora` cost about ten times the plain consolidate
+//! (2-3 s against 0.2-0.3 s on 272 MB). Computed where it is copied, each byte is written once,
+//! memory stays one copy block per worker, the base weight is read through every storage the
+//! executor reads (maps, objects), and a `--part` folds only the blocks of its own share. The
+//! arithmetic is in [`fold`], box by box.
 
 pub mod config;
 pub mod fold;
