@@ -88,8 +88,7 @@ pub(crate) fn convert(
         ..ReadOptions::default()
     };
     let ckpt = crate::fsdp_local::apply(job.input.read(&read_opts)?, job.shapes_from)?;
-    // Kept until the output is written: the merged weights are read from it.
-    let (ckpt, _scratch) = merge_lora(ckpt, job, exec_opts)?;
+    let ckpt = merge_lora(ckpt, job, exec_opts)?;
     let selection = Selection::new(job.include, job.exclude, job.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
@@ -117,8 +116,18 @@ pub(crate) fn convert(
             job.strip_prefix,
             job.cast,
             part.count,
-            crate::fsdp_local::fingerprint(job.shapes_from)?,
+            crate::fsdp_local::fingerprint("shapes-from", job.shapes_from)?,
         );
+        let description = match job.lora {
+            Some((config, adapter)) => format!(
+                "{description}\nadapter {adapter:?}{}",
+                crate::fsdp_local::fingerprint(
+                    "merge-lora",
+                    Some(&crate::lora::config_dir(config))
+                )?
+            ),
+            None => description,
+        };
         let done = convert_part(job, part, &description, &plan, exec_opts)?;
         return Ok(Summary {
             tensors: ckpt.tensors.len(),
@@ -158,37 +167,16 @@ pub(crate) fn convert(
     })
 }
 
-/// Fold `--merge-lora`'s adapter into `ckpt`, its merged weights in a scratch file beside the
-/// output (for an output in an object store, in the temporary directory).
-fn merge_lora(
-    ckpt: Checkpoint,
-    job: &Conversion,
-    exec_opts: &ExecOptions,
-) -> Result<(Checkpoint, Option<crate::lora::Scratch>)> {
+/// Fold `--merge-lora`'s adapter into `ckpt`: its merged weights are computed as they are
+/// copied, so every part of a partitioned run folds only the boxes it writes.
+fn merge_lora(ckpt: Checkpoint, job: &Conversion, exec_opts: &ExecOptions) -> Result<Checkpoint> {
     let Some((config, adapter)) = job.lora else {
-        return Ok((ckpt, None));
-    };
-    if job.part.is_some() {
-        return Err(
-            Error::usage("--merge-lora does not run in parts (--part) yet")
-                .hint("run once without --part"),
-        );
-    }
-    let scratch_dir = if crate::storage::is_remote(job.output) {
-        std::env::temp_dir()
-    } else {
-        match job.output.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        }
+        return Ok(ckpt);
     };
     let opts = crate::lora::LoraOptions {
         config,
         adapter,
-        scratch_dir: &scratch_dir,
-        threads: exec_opts.threads,
         io: exec_opts.io,
-        cancel: exec_opts.cancel,
     };
     crate::lora::apply(ckpt, &opts)
 }

@@ -197,6 +197,45 @@ pub struct Pieces {
     strides: Option<Vec<u64>>,
     /// One per piece, or `None` while every piece is [`Encoding::Raw`].
     encodings: Option<Vec<Encoding>>,
+    /// Set when the tensor's elements are computed from the pieces' rather than copied.
+    computed: Option<Computed>,
+}
+
+/// How a tensor's elements are computed from the elements its pieces hold, box by box: a LoRA
+/// fold ([`crate::lora`]) computes a merged weight from its base weight's pieces.
+///
+/// The executor gathers a box of the pieces' elements as it would copy them (in the tensor's
+/// dtype, from files, maps or objects alike) and hands them to [`Compute::compute`] instead of
+/// writing them as they are. Computing where the bytes are copied writes each merged byte once
+/// and keeps memory to one copy block per worker; the planner still does no I/O and plans the
+/// tensor like any other.
+pub trait Compute: Send + Sync {
+    /// Fill `dst` (the box at `start` of `sizes` in the tensor, row-major in `dst_dtype`) from
+    /// `src`, the same box of the pieces' elements (row-major in the tensor's dtype).
+    fn compute(
+        &self,
+        start: &[u64],
+        sizes: &[u64],
+        src: &[u8],
+        dst: &mut [u8],
+        dst_dtype: DType,
+    ) -> Result<()>;
+}
+
+/// A shared [`Compute`]; equal only to itself.
+#[derive(Clone)]
+pub struct Computed(pub Arc<dyn Compute>);
+
+impl PartialEq for Computed {
+    fn eq(&self, other: &Computed) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for Computed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Computed")
+    }
 }
 
 /// One piece of a [`Pieces`].
@@ -241,6 +280,16 @@ impl Pieces {
         self.boxes.reserve(additional * 2 * self.ndim);
         self.files.reserve(additional);
         self.offsets.reserve(additional);
+    }
+
+    /// The tensor's elements are computed by `c` from the pieces' elements.
+    pub fn set_computed(&mut self, c: Computed) {
+        self.computed = Some(c);
+    }
+
+    /// How the tensor's elements are computed from the pieces', if they are not copied.
+    pub fn computed(&self) -> Option<&Computed> {
+        self.computed.as_ref()
     }
 
     /// The one piece of a tensor stored whole (or of a view of it), with its dims.

@@ -52,10 +52,11 @@ pub(crate) fn apply(ckpt: Checkpoint, reference: Option<&Path>) -> Result<Checkp
     })
 }
 
-/// What a partitioned run (`--part`) must agree on about `--shapes-from`: the reference's
-/// location, and the length of it and of each file it holds, so parts resolved with different
-/// references never mix. Empty without one.
-pub(crate) fn fingerprint(reference: Option<&Path>) -> Result<String> {
+/// What a partitioned run (`--part`) must agree on about a file or directory it reads besides
+/// its input (`--shapes-from`, `--merge-lora`'s adapter), under `label`: its location, and the
+/// length and time of it and of each file it holds, so parts run with different ones never mix.
+/// Empty without one.
+pub(crate) fn fingerprint(label: &str, reference: Option<&Path>) -> Result<String> {
     let Some(path) = reference else {
         return Ok(String::new());
     };
@@ -64,7 +65,7 @@ pub(crate) fn fingerprint(reference: Option<&Path>) -> Result<String> {
     } else {
         std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
     };
-    let mut line = format!("\nshapes-from {}", abs.display());
+    let mut line = format!("\n{label} {}", abs.display());
     let mut entries = Vec::new();
     match storage::stat(path)? {
         Some(stat @ Stat::File(_)) => entries.push(Entry {

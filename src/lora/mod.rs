@@ -3,26 +3,33 @@
 //!
 //! The adapter's tensors come from the checkpoint itself (a PEFT-wrapped model saved whole or
 //! sharded: `…q_proj.base_layer.weight`, `…q_proj.lora_A.default.weight`) or, when the config's
-//! directory holds `adapter_model.safetensors`, from there. Each merged weight is computed from
-//! its module's tensors (read through the planner and executor, one module per worker) into a
-//! scratch file, and the returned [`Checkpoint`] names it there as one piece: the executor still
-//! only copies bytes. The names are the base model's: the wrapper prefix `base_model.model.`,
-//! `.base_layer` and the adapter's name removed, the adapter's tensors consumed.
+//! directory holds `adapter_model.safetensors`, from there. The names are the base model's: the
+//! wrapper prefix `base_model.model.`, `.base_layer` and the adapter's name removed, the
+//! adapter's tensors consumed.
+//!
+//! Where the fold happens. A merged weight keeps its base weight's pieces, marked computed
+//! ([`crate::model::Compute`]): the planner plans it like any tensor, and the executor, having
+//! gathered a block of the base weight's bytes as it would copy them, hands them to the module's
+//! fold, which writes the merged block (its module's A and B read when its first block is, let go
+//! after its last). The fold moved there from a step of its own that wrote every merged weight
+//! into a scratch file beside the output for the copy to read back: on a 1 GB model that wrote
+//! every merged byte twice and made `--merge-lora` cost about ten times the plain consolidate
+//! (2-3 s against 0.2-0.3 s on 272 MB). Computed where it is copied, each byte is written once,
+//! memory stays one copy block per worker, the base weight is read through every storage the
+//! executor reads (maps, objects), and a `--part` folds only the blocks of its own share. The
+//! arithmetic is in [`fold`], box by box.
 
 pub(crate) mod config;
 pub(crate) mod fold;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-use rayon::prelude::*;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::IoMode;
-use crate::model::{Checkpoint, DataRef, Encoding, Piece, Pieces, Tensor};
+use crate::model::{Checkpoint, Compute, Computed, Pieces, Tensor};
 
 pub(crate) use config::LoraConfig;
 
@@ -36,25 +43,8 @@ pub(crate) struct LoraOptions<'a> {
     pub config: &'a Path,
     /// `--adapter`: which of the checkpoint's adapters to merge.
     pub adapter: Option<&'a str>,
-    /// Where the scratch file of merged weights goes: beside the output, on its filesystem.
-    pub scratch_dir: &'a Path,
-    /// Worker threads (0: one per core).
-    pub threads: usize,
+    /// How the adapter's tensors (and a DoRA module's base weight) are read.
     pub io: IoMode,
-    /// Set on Ctrl-C: no further module is folded.
-    pub cancel: &'a std::sync::atomic::AtomicBool,
-}
-
-/// The scratch file of merged weights, removed when dropped (the run over, however it ended).
-#[derive(Debug)]
-pub(crate) struct Scratch {
-    path: PathBuf,
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
 }
 
 /// What a name of a PEFT-wrapped model says it is, after the wrapper prefix.
@@ -140,7 +130,6 @@ fn adapter_name(name: &str, in_file: bool) -> Option<AdapterName> {
 /// One module to fold: where its tensors are.
 #[derive(Clone, Debug)]
 struct Module {
-    name: String,
     /// Index of the base weight in the base tensors.
     weight: usize,
     a: usize,
@@ -148,6 +137,17 @@ struct Module {
     magnitude: Option<usize>,
     fold: fold::Fold,
     r: u64,
+}
+
+/// The directory `--merge-lora CONFIG` reads: CONFIG, or the directory holding it.
+pub(crate) fn config_dir(config: &Path) -> PathBuf {
+    if config.is_dir() {
+        return config.to_path_buf();
+    }
+    match config.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 /// The LoRA modules a checkpoint holds, by adapter: (module, rank), for `inspect`.
@@ -211,9 +211,9 @@ pub(crate) fn describe(ckpt: &Checkpoint, config: Option<&LoraConfig>) -> Vec<(S
         .collect()
 }
 
-/// Fold the adapter described by `opts.config` into `ckpt`. The returned scratch file holds the
-/// merged weights the checkpoint now names; keep it until the output is written.
-pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint, Option<Scratch>)> {
+/// Fold the adapter described by `opts.config` into `ckpt`: its merged weights are computed
+/// from their base weights' pieces as the executor copies them ([`Compute`]).
+pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> {
     let (config, loc) = config::read(opts.config)?;
     if config.lora_bias {
         return Err(Error::invalid(
@@ -321,10 +321,12 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint,
     let mut base = kept;
 
     // The adapter tensors to merge: (name, tensor) from the checkpoint or the adapter file.
+    let mut adapter_format = None;
     let (adapter_root, adapter_tensors): (PathBuf, Vec<(AdapterName, Tensor)>) = match adapter_ckpt
     {
         Some(a) => {
             let root = a.root.clone();
+            adapter_format = Some(a.format);
             let mut list = Vec::new();
             for t in a.tensors {
                 let name = unwrap_name(&t.name);
@@ -481,7 +483,6 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint,
             }
         }
         modules.push(Module {
-            name: module.clone(),
             weight: wi,
             a: ka,
             b: kb,
@@ -506,102 +507,46 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint,
         )));
     }
 
-    // The scratch file: each merged weight at its offset, 64-byte aligned.
-    let mut offsets = Vec::with_capacity(modules.len());
-    let mut len = 0u64;
-    for m in &modules {
+    // Each merged weight keeps its base weight's pieces and is computed from them as they are
+    // copied; its module's adapter is read when the first box of it is.
+    let adapter_format = adapter_format.unwrap_or(ckpt.format);
+    for m in modules {
         let t = &base[m.weight];
-        offsets.push(len);
-        let n = crate::model::numel(&t.shape).unwrap_or(0) * t.dtype.size() as u64;
-        len = (len + n).div_ceil(64) * 64;
-    }
-    let scratch = Scratch {
-        path: std::path::absolute(opts.scratch_dir)
-            .unwrap_or_else(|_| opts.scratch_dir.to_path_buf())
-            .join(format!(".ckpt-lora-{}.scratch", std::process::id())),
-    };
-    let _ = std::fs::remove_file(&scratch.path);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&scratch.path)
-        .and_then(|f| f.set_len(len).map(|_| f))
-        .map_err(|e| Error::io(&scratch.path, e))?;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads)
-        .build()
-        .map_err(|e| Error::invalid(format!("cannot start worker threads: {e}")))?;
-    let base_root = ckpt.root.clone();
-    pool.install(|| {
-        modules
-            .par_iter()
-            .zip(&offsets)
-            .try_for_each(|(m, &at)| -> Result<()> {
-                if opts.cancel.load(std::sync::atomic::Ordering::Relaxed) {
-                    return Err(Error::new(crate::ErrorKind::Io, "interrupted"));
-                }
-                let w = &base[m.weight];
-                let w_f32 = to_f32(&read_one(&base_root, ckpt.format, w, opts.io)?, w.dtype);
-                let mut ab = vec![
-                    adapter_tensors[m.a].1.clone(),
-                    adapter_tensors[m.b].1.clone(),
-                ];
-                ab.extend(m.magnitude.map(|k| adapter_tensors[k].1.clone()));
-                let sub = Checkpoint {
-                    root: adapter_root.clone(),
-                    format: ckpt.format,
-                    world_size: None,
-                    tensors: ab
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, mut t)| {
-                            t.name = format!("{i}");
-                            t.key_path.clear();
-                            t
-                        })
-                        .collect(),
-                    values: Vec::new(),
-                    unsupported: Vec::new(),
-                    details: Vec::new(),
-                };
-                let bytes = crate::exec::read_tensors(&sub, opts.io)?;
-                let f32s: Vec<Vec<f32>> = sub
-                    .tensors
-                    .iter()
-                    .zip(&bytes)
-                    .map(|(t, b)| to_f32(b, t.dtype))
-                    .collect();
-                let merged = fold::fold(
-                    &m.fold,
-                    &w_f32,
-                    &f32s[0],
-                    &f32s[1],
-                    m.r as usize,
-                    f32s.get(2).map(Vec::as_slice),
-                );
-                drop(w_f32);
-                let out = fold::encode(&merged, w.dtype);
-                drop(merged);
-                file.write_all_at(&out, at)
-                    .map_err(|e| Error::io(&scratch.path, e))
-                    .map_err(|e| e.tensor(&m.name))
-            })
-    })?;
-    let scratch_file: Arc<Path> = Arc::from(scratch.path.as_path());
-    for (m, &at) in modules.iter().zip(&offsets) {
-        let t = &mut base[m.weight];
-        let piece = Piece {
-            offsets: vec![0; t.shape.len()],
-            sizes: t.shape.clone(),
-            data: DataRef {
-                file: scratch_file.clone(),
-                offset: at,
-                strides: crate::model::contiguous_strides(&t.shape),
-                encoding: Encoding::Raw,
-            },
+        let sub = |tensors: Vec<Tensor>, root: &Path, format| Checkpoint {
+            root: root.to_path_buf(),
+            format,
+            world_size: None,
+            tensors: tensors
+                .into_iter()
+                .enumerate()
+                .map(|(i, mut t)| {
+                    t.name = format!("{i}");
+                    t.key_path.clear();
+                    t
+                })
+                .collect(),
+            values: Vec::new(),
+            unsupported: Vec::new(),
+            details: Vec::new(),
         };
-        t.pieces = Pieces::single(piece)?;
+        let mut ab = vec![
+            adapter_tensors[m.a].1.clone(),
+            adapter_tensors[m.b].1.clone(),
+        ];
+        ab.extend(m.magnitude.map(|k| adapter_tensors[k].1.clone()));
+        let weight = m
+            .magnitude
+            .map(|_| sub(vec![t.clone()], &ckpt.root, ckpt.format));
+        let fold = ModuleFold {
+            fold: m.fold,
+            r: m.r as usize,
+            numel: crate::model::numel(&t.shape).unwrap_or(0),
+            adapter: sub(ab, &adapter_root, adapter_format),
+            weight,
+            io: opts.io,
+            state: std::sync::Mutex::new(Held::default()),
+        };
+        base[m.weight].pieces.set_computed(Computed(Arc::new(fold)));
     }
     let values = ckpt
         .values
@@ -615,14 +560,119 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<(Checkpoint,
             v
         })
         .collect();
-    Ok((
-        Checkpoint {
-            tensors: base,
-            values,
-            ..ckpt
-        },
-        Some(scratch),
-    ))
+    Ok(Checkpoint {
+        tensors: base,
+        values,
+        ..ckpt
+    })
+}
+
+/// One module's fold, computed box by box as the executor copies its base weight.
+struct ModuleFold {
+    fold: fold::Fold,
+    r: usize,
+    /// Elements of the weight.
+    numel: u64,
+    /// A, B and the DoRA magnitude, in that order (named `0`, `1`, `2`).
+    adapter: Checkpoint,
+    /// The base weight alone (named `0`), read whole for DoRA's norms.
+    weight: Option<Checkpoint>,
+    io: IoMode,
+    state: std::sync::Mutex<Held>,
+}
+
+/// A module's adapter while its weight is being computed.
+#[derive(Default)]
+struct Held {
+    loaded: Option<Arc<Loaded>>,
+    /// Elements computed since it was read: once the whole weight has been, it is let go, so
+    /// that a run holds the adapters of the modules being copied, not all of them.
+    done: u64,
+}
+
+struct Loaded {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    factor: Option<Vec<f32>>,
+}
+
+impl ModuleFold {
+    fn load(&self) -> Result<Loaded> {
+        let mut bytes = crate::exec::read_tensors(&self.adapter, self.io)?.into_iter();
+        let mut next = |k: usize| {
+            let t = &self.adapter.tensors[k];
+            bytes
+                .next()
+                .map(|b| to_f32(&b, t.dtype))
+                .ok_or_else(|| Error::bug("an adapter tensor was not read"))
+        };
+        let (a, b) = (next(0)?, next(1)?);
+        let factor = match &self.weight {
+            Some(w) => {
+                let magnitude = next(2)?;
+                let wb = crate::exec::read_tensors(w, self.io)?
+                    .pop()
+                    .ok_or_else(|| Error::bug("a base weight was not read"))?;
+                let ad = fold::Adapter {
+                    a: &a,
+                    b: &b,
+                    r: self.r,
+                    factor: None,
+                };
+                Some(fold::dora_factor(&self.fold, &ad, &wb, &magnitude)?)
+            }
+            None => None,
+        };
+        Ok(Loaded { a, b, factor })
+    }
+}
+
+impl Compute for ModuleFold {
+    fn compute(
+        &self,
+        start: &[u64],
+        sizes: &[u64],
+        src: &[u8],
+        dst: &mut [u8],
+        dst_dtype: DType,
+    ) -> Result<()> {
+        let (&[row, col], &[rows, cols]) = (start, sizes) else {
+            return Err(Error::bug("a LoRA fold of a box that is not 2-D"));
+        };
+        let lock = || self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let loaded = {
+            let mut held = lock();
+            match &held.loaded {
+                Some(l) => l.clone(),
+                None => {
+                    let l = Arc::new(self.load()?);
+                    held.loaded = Some(l.clone());
+                    l
+                }
+            }
+        };
+        let ad = fold::Adapter {
+            a: &loaded.a,
+            b: &loaded.b,
+            r: self.r,
+            factor: loaded.factor.as_deref(),
+        };
+        fold::fold_box(
+            &self.fold,
+            &ad,
+            [row as usize, col as usize],
+            [rows as usize, cols as usize],
+            src,
+            dst,
+            dst_dtype,
+        )?;
+        let mut held = lock();
+        held.done += rows * cols;
+        if held.done >= self.numel {
+            *held = Held::default();
+        }
+        Ok(())
+    }
 }
 
 fn listed(held: &BTreeSet<&str>) -> String {
@@ -649,22 +699,6 @@ fn absolute(t: Tensor, root: &Path) -> Result<Tensor> {
         pieces: Pieces::from_vec(ndim, pieces)?,
         ..t
     })
-}
-
-fn read_one(root: &Path, format: crate::model::Format, t: &Tensor, io: IoMode) -> Result<Vec<u8>> {
-    let mut t = t.clone();
-    t.name = "weight".into();
-    t.key_path.clear();
-    let sub = Checkpoint {
-        root: root.to_path_buf(),
-        format,
-        world_size: None,
-        tensors: vec![t],
-        values: Vec::new(),
-        unsupported: Vec::new(),
-        details: Vec::new(),
-    };
-    Ok(crate::exec::read_tensors(&sub, io)?.remove(0))
 }
 
 fn to_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {

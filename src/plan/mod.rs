@@ -314,6 +314,26 @@ impl Plan<'_> {
         }
     }
 
+    /// How region `r`'s elements are computed from its tensor's pieces, when they are not
+    /// copied: the [`crate::model::Compute`], the tensor's dtype (what the pieces hold) and
+    /// where the region's box starts in the tensor.
+    pub fn computed<'r>(
+        &self,
+        r: &'r Region,
+    ) -> Option<(&crate::model::Computed, DType, &'r [u64])> {
+        let RegionSource::Tensor { tensor, b } = &r.source else {
+            return None;
+        };
+        let src = match &self.files {
+            PlannedFiles::Whole { src, .. } => src,
+            PlannedFiles::Dcp(dcp) => dcp.sourcing(),
+        };
+        let t = src.ckpt.tensors.get(*tensor)?;
+        t.pieces
+            .computed()
+            .map(|c| (c, t.dtype, b.offsets.as_slice()))
+    }
+
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
         match &self.files {

@@ -227,7 +227,7 @@ def test_inspect_shows_the_adapters(run_ckpt, tmp_path):
     assert "alpha 5/16" in r.stdout, r.stdout
 
 
-def test_scratch_file_is_removed_when_the_run_fails_after_the_fold(run_ckpt, tmp_path):
+def test_a_run_that_fails_after_the_fold_leaves_nothing_behind(run_ckpt, tmp_path):
     _, model = make("plain")
     ckpt_file = wrapped_checkpoint(tmp_path, model)
     adapter = config_dir(tmp_path, model)
@@ -292,15 +292,37 @@ def test_fixture_resharded_with_the_merge_reads_back_bitwise(run_ckpt, tmp_path)
     assert all(torch.equal(got[k], w) for k, w in want.items())
 
 
-def test_merge_lora_refuses_a_partitioned_run(run_ckpt, tmp_path):
-    _, model = make("plain")
-    ckpt_file = wrapped_checkpoint(tmp_path, model)
-    adapter = config_dir(tmp_path, model)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    r = run_ckpt("consolidate", ckpt_file, "-o", out_dir / "o.safetensors", "--merge-lora", adapter, "--part", "0/2")
-    assert r.returncode == 2 and "--part" in r.stderr, r.stderr
-    assert list(out_dir.iterdir()) == []
+@pytest.mark.parametrize(
+    "case,command",
+    [("llama_fsdp2", "consolidate"), ("dora", "reshard"), ("embedding", "consolidate"), ("rslora_bf16", "reshard")],
+)
+def test_parts_of_a_merge_equal_the_whole_run(run_ckpt, tmp_path, case, command):
+    """`--part I/N` with `--merge-lora`: each part folds only the boxes of the merged weights it
+    writes (DoRA's row norms from the whole weight), and the parts together equal the run without
+    `--part`, byte for byte."""
+    from ckpt_helpers import FIXTURES_DIR
+
+    src, config = FIXTURES[case]
+    lora = FIXTURES_DIR / "lora"
+    if command == "consolidate":
+        name, extra = "out.safetensors", []
+    else:
+        name, extra = "out", ["--world-size", "3"]
+    whole = tmp_path / "whole" / name
+    r = run_ckpt(command, lora / src, "-o", whole, "--merge-lora", lora / config, *extra)
+    assert r.returncode == 0, r.stderr
+    parts = tmp_path / "parts" / name
+    for i in range(3):
+        r = run_ckpt(command, lora / src, "-o", parts, "--merge-lora", lora / config, *extra, "--part", f"{i}/3")
+        assert r.returncode == 0, r.stderr
+    files = sorted(p.relative_to(whole).as_posix() for p in whole.rglob("*") if p.is_file()) if whole.is_dir() else [""]
+    assert files == (
+        sorted(p.relative_to(parts).as_posix() for p in parts.rglob("*") if p.is_file()) if parts.is_dir() else [""]
+    )
+    for f in files:
+        assert (parts / f).read_bytes() == (whole / f).read_bytes(), f
+    if command == "consolidate":
+        assert not [k for k in load_file(whole) if "lora_" in k]
 
 
 @pytest.mark.parametrize("case", sorted(FIXTURES))

@@ -248,3 +248,28 @@ def test_fsdp1_local_takes_its_shapes_from_a_reference_in_s3(s3, tmp_path, refer
                "--shapes-from", f"s3://{BUCKET}/ref/{reference}")
     assert proc.returncode == 0, proc.stderr
     assert got.read_bytes() == want.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "case,config",
+    [("llama_fsdp2", "llama_fsdp2"), ("dora", "dora"), ("adapter_apart/model.safetensors", "adapter_apart/lora_adapter")],
+)
+def test_merge_lora_of_a_checkpoint_in_s3_with_a_local_adapter(s3, tmp_path, case, config):
+    """`--merge-lora` of a checkpoint in S3 (a PEFT-wrapped FSDP2 DCP, its DoRA variant, or a
+    base model whose adapter was saved apart) with the adapter's directory on disk: the merged
+    weights are folded from base weights read from objects (DoRA's reads each whole for its
+    norms) and adapter tensors read from the checkpoint or the local adapter file, and equal the
+    run from disk, byte for byte."""
+    lora = Path(__file__).parents[2] / "fixtures" / "lora"
+    upload_tree(s3.client(), lora / case, BUCKET, f"lora/{case}")
+    want = tmp_path / "want.safetensors"
+    local = run(None, "consolidate", lora / case, "-o", want, "--merge-lora", lora / config)
+    assert local.returncode == 0, local.stderr
+    got = tmp_path / "got.safetensors"
+    proc = run(s3, "consolidate", f"s3://{BUCKET}/lora/{case}", "-o", got, "--merge-lora", lora / config)
+    assert proc.returncode == 0, proc.stderr
+    assert got.read_bytes() == want.read_bytes()
+    from safetensors import safe_open
+
+    with safe_open(str(got), "pt") as f:
+        assert not [k for k in f.keys() if "lora_" in k or "base_layer" in k]
