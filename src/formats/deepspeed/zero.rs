@@ -82,7 +82,7 @@ pub(super) fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     let shapes = param_groups(&model[0])?;
     let mut out = Out::default();
     buffers(&model[0], &mut out)?;
-    frozen(&model, stage, &mut out)?;
+    frozen(&model, stage, &shapes, &mut out)?;
     match stage {
         1 | 2 => partitioned_groups(&optim, &shapes, &mut out)?,
         3 => per_parameter(&optim, &shapes, &mut out)?,
@@ -300,8 +300,35 @@ fn buffers(model: &StateFile, out: &mut Out) -> Result<()> {
 }
 
 /// Frozen parameters, in their stored dtype: whole (stages 1-2), or each rank's part (stage 3).
-fn frozen(model: &[StateFile], stage: i64, out: &mut Out) -> Result<()> {
-    let shapes: Vec<(String, Vec<u64>)> = children(&model[0], &key(&["frozen_param_shapes"]))
+/// Stage 1 saves no `frozen_param_shapes` (so `zero_to_fp32` loses them, DeepSpeed #3090), but
+/// its `module` holds every parameter whole: those neither trained, nor buffers, nor aliases are
+/// the frozen ones.
+fn frozen(model: &[StateFile], stage: i64, trained: &[Group], out: &mut Out) -> Result<()> {
+    let first = &model[0];
+    let declared = first.value(&key(&["frozen_param_shapes"]));
+    if stage < 3 && declared.is_none_or(|v| matches!(v, Value::None)) {
+        let mut known: std::collections::HashSet<&str> = trained
+            .iter()
+            .flatten()
+            .map(|(name, _)| name.as_str())
+            .collect();
+        if let Some(Value::List(names)) = first.value(&key(&["buffer_names"])) {
+            known.extend(names.iter().filter_map(Value::as_str));
+        }
+        known.extend(
+            children(first, &key(&["shared_params"]))
+                .into_iter()
+                .map(|(alias, _)| alias),
+        );
+        for (name, k) in children(first, &key(&["module"])) {
+            if !known.contains(name) {
+                let (dtype, shape, pieces) = first.whole(k)?;
+                out.model(name, dtype, shape, pieces);
+            }
+        }
+        return Ok(());
+    }
+    let shapes: Vec<(String, Vec<u64>)> = children(first, &key(&["frozen_param_shapes"]))
         .into_iter()
         .filter_map(|(name, k)| {
             let shape = Value::as_sizes(model[0].value(k)?)?;
