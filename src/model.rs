@@ -36,8 +36,10 @@ pub enum Format {
     /// Megatron-core `dist_checkpointing` with the `torch_dist` backend: a DCP directory plus
     /// `metadata.json` and `common.pt`.
     MegatronTorchDist,
-    /// DeepSpeed ZeRO (stages 1-3): model and optimizer states per data-parallel rank.
-    DeepSpeedZero,
+    /// DeepSpeed's `save_checkpoint`: under ZeRO stages 1-3 (`partitioned`) model and optimizer
+    /// states per data-parallel rank; under stage 0, one file of the whole model and optimizer,
+    /// and a Universal Checkpoint (`ds_to_universal`), each parameter whole in files of its own.
+    DeepSpeedZero { partitioned: bool },
 }
 
 impl Format {
@@ -51,7 +53,7 @@ impl Format {
             Format::TorchSave => "torch-save",
             Format::PerRankTorchSave => "per-rank-torch-save",
             Format::MegatronTorchDist => "megatron-torch-dist",
-            Format::DeepSpeedZero => "deepspeed-zero",
+            Format::DeepSpeedZero { .. } => "deepspeed-zero",
         }
     }
 
@@ -61,10 +63,11 @@ impl Format {
             | Format::DcpSafetensors
             | Format::PerRankTorchSave
             | Format::MegatronTorchDist
-            | Format::DeepSpeedZero => StateDictType::Sharded,
-            Format::Safetensors | Format::SafetensorsIndex | Format::TorchSave => {
-                StateDictType::Full
-            }
+            | Format::DeepSpeedZero { partitioned: true } => StateDictType::Sharded,
+            Format::Safetensors
+            | Format::SafetensorsIndex
+            | Format::TorchSave
+            | Format::DeepSpeedZero { partitioned: false } => StateDictType::Full,
         }
     }
 }

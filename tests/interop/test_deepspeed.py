@@ -118,6 +118,9 @@ def test_inspect_names_stage_tag_and_dtype(run_ckpt, case):
     assert details["zero stage"].split()[0] == str(doc["stage"])
     assert details["tag"] == doc["tag"]
     assert got["world_size"] == doc["world_size"]
+    # stage 0 partitions nothing: its one file is the whole model, as FSDP's FULL_STATE_DICT is
+    want_type = "FULL_STATE_DICT" if doc["stage"] == 0 else "SHARDED_STATE_DICT"
+    assert got["state_dict_type"] == want_type
     if doc["stage"] > 0:
         assert details["training dtype"] == doc["dtype"]
 
@@ -152,6 +155,9 @@ def test_a_universal_checkpoint_reads_as_its_files_hold_it(run_ckpt, tmp_path):
     assert seen >= 20
     lr = [k for k in got if k.startswith("optim.param_groups.") and k.endswith(".lr")]
     assert lr and all(got[k] == 0.01 for k in lr)
+    # each parameter whole in files of its own: nothing partitioned
+    doc = json.loads(run_ckpt("inspect", root, "--json").stdout)
+    assert doc["state_dict_type"] == "FULL_STATE_DICT"
 
 
 def test_tag_picks_a_save_other_than_latest(run_ckpt, tmp_path):

@@ -108,7 +108,8 @@ pub(super) fn read(tag: &Tag, zero: &Path) -> Result<Checkpoint> {
     tensors.extend(optim);
     Ok(Checkpoint {
         root: tag.dir.clone(),
-        format: Format::DeepSpeedZero,
+        // Each parameter whole in its own files: nothing is left partitioned.
+        format: Format::DeepSpeedZero { partitioned: false },
         world_size: None,
         tensors,
         values,

@@ -120,7 +120,7 @@ pub(super) fn read(tag: &Tag, set: &Set) -> Result<Checkpoint> {
     }
     Ok(Checkpoint {
         root: tag.dir.clone(),
-        format: Format::DeepSpeedZero,
+        format: Format::DeepSpeedZero { partitioned: true },
         world_size: Some(world),
         tensors,
         values,
@@ -173,7 +173,8 @@ fn unpartitioned(tag: &Tag, model: &[StateFile]) -> Result<Checkpoint> {
     }
     Ok(Checkpoint {
         root: tag.dir.clone(),
-        format: Format::DeepSpeedZero,
+        // Stage 0 partitions nothing: the file holds the whole model and optimizer.
+        format: Format::DeepSpeedZero { partitioned: false },
         // Every rank saved the same; `dp_world_size` says how many there were.
         world_size: file
             .value(&key(&["dp_world_size"]))
