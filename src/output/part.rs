@@ -524,7 +524,7 @@ fn sync_tree(dir: &Path) -> Result<()> {
     output::sync_dir(dir)
 }
 
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .ok()
@@ -533,7 +533,7 @@ fn hostname() -> String {
 }
 
 /// True when a lock's holder (`part I/N on HOST (pid P)`) ran on this host and is gone.
-fn holder_is_gone(by: &str) -> bool {
+pub(super) fn holder_is_gone(by: &str) -> bool {
     let Some((_, rest)) = by.split_once(" on ") else {
         return false;
     };

@@ -1,0 +1,667 @@
+//! `--part I/N` into an object store: the parts of one conversion, on machines that share nothing
+//! but the store, upload one output together, and it appears only when the last part is done.
+//!
+//! Beside the output `NAME` the parts share the prefix `.NAME.ckpt-parts/`:
+//!
+//! - `run.json`: the run's fingerprint and the multipart upload of every output file. It is
+//!   created with a conditional PUT (`If-None-Match: *`), so of parts starting at once exactly one
+//!   one's uploads win; the others abort theirs and use the winner's. Before that PUT a part lists
+//!   the uploads it started in `claims/part-I.json`, so that those of a part killed in between are
+//!   aborted by its rerun or by the commit.
+//! - Each file is cut into upload parts as a plain upload cuts it ([`super::remote`]), and each
+//!   upload part belongs to the share (as [`crate::part`] cuts the files laid end to end) that
+//!   holds its first byte. A part sends the same part numbers each time it runs: a rerun replaces
+//!   what a killed run sent.
+//! - `done/part-I-of-N.json`: written once the part's uploads are acknowledged, with the ids the
+//!   store gave them (S3 ETags, Azure block ids), the upload parts it held back because a ZIP CRC
+//!   in them depends on other shares' bytes, and its partial CRCs.
+//! - `commit.lock`: taken with a conditional PUT by a part that found all `N` markers. It re-reads
+//!   them, computes the held-back parts again and patches their CRCs, writes the streamed files
+//!   (a DCP `.metadata`), completes the data files' uploads, then the commit markers', and
+//!   deletes the prefix. Nothing exists under the output's name before.
+//!
+//! A part that starts deletes its own marker before sending anything, then checks that no commit
+//! is under way; a committer re-reads every marker after taking the lock (as on disk, see
+//! [`super::part`]).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use serde::{Deserialize, Serialize};
+
+use super::part::{holder_is_gone, hostname, Finished};
+use super::remote::{self as upload, Forward, Spool, Started};
+use super::OutputKind;
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
+use crate::part::{FileRange, PartSpec, Share};
+use crate::plan::Plan;
+use crate::storage::{PendingPart, Remote, UploadedPart};
+
+const SUFFIX: &str = ".ckpt-parts";
+const RUN: &str = "run.json";
+const DONE: &str = "done";
+const CLAIMS: &str = "claims";
+const LOCK: &str = "commit.lock";
+
+/// What every part of one run agrees on: the fingerprint, and the uploads they all send to.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RunRecord {
+    fingerprint: String,
+    parts: usize,
+    /// The command line of the part that started the run, `--part` shown as `I/N`: for hints.
+    command: String,
+    /// The upload of each file uploaded in parts (`None`: streamed or empty, put at the commit).
+    uploads: Vec<Option<Started>>,
+}
+
+/// An upload part one part sent: file, part number and the id the store gave it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Sent {
+    file: usize,
+    k: usize,
+    id: String,
+}
+
+/// A part's done-marker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Marker {
+    fingerprint: String,
+    part: usize,
+    parts: usize,
+    host: String,
+    pid: u32,
+    sent: Vec<Sent>,
+    /// Upload parts left for the committer: (file, part number).
+    held: Vec<(usize, usize)>,
+    crcs: Vec<PartialCrc>,
+    open_slots: Vec<OpenSlot>,
+}
+
+/// One upload part of the output: file `file`'s part `k`, its bytes `at..end`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Piece {
+    file: usize,
+    k: usize,
+    at: u64,
+    end: u64,
+}
+
+/// The fingerprint of a run whose input is in an object store: `description` and the key, size
+/// and ETag (or time of last change) of every object under `root`, keys taken below `root`.
+pub fn fingerprint(description: &str, root: &Path) -> Result<String> {
+    let at = crate::storage::remote(root)
+        .ok_or_else(|| Error::bug("a remote fingerprint of a local path"))??;
+    let mut text = description.to_string();
+    let base = at.key().to_string();
+    for v in at.versions()? {
+        let rel = v
+            .key
+            .strip_prefix(&base)
+            .map(|r| r.trim_start_matches('/'))
+            .unwrap_or(&v.key);
+        text.push_str(&format!("\ninput {rel} {} {}", v.size, v.tag));
+    }
+    Ok(format!(
+        "{:032x}",
+        xxhash_rust::xxh3::xxh3_128(text.as_bytes())
+    ))
+}
+
+/// Every upload part of `plan`'s files, file by file, and the share each belongs to.
+fn pieces(plan: &Plan, lens: &[u64], count: usize) -> Result<Vec<(Piece, usize)>> {
+    let cuts = crate::part::cuts_aligned(lens, count, 1);
+    let mut out = Vec::new();
+    let mut start = 0u64;
+    for (file, &len) in lens.iter().enumerate() {
+        if len > 0 {
+            for (k, w) in upload::part_cuts(plan, file, len)?.windows(2).enumerate() {
+                let pos = start + w[0];
+                // The share whose stream range [cuts[I], cuts[I+1]) holds the piece's first byte.
+                let owner = cuts[1..count].partition_point(|&c| c <= pos);
+                let piece = Piece {
+                    file,
+                    k,
+                    at: w[0],
+                    end: w[1],
+                };
+                out.push((piece, owner));
+            }
+        }
+        start += len;
+    }
+    Ok(out)
+}
+
+/// The prefix the parts of the run into `output` share.
+fn staging_of(parent: &Remote, name: &str) -> Result<Remote> {
+    parent.join(&format!(".{name}{SUFFIX}"))
+}
+
+/// Write part `part`'s share of `plan`'s output into the object store location `out`, and
+/// commit the output if every part is done. `description` is everything that changes the
+/// output's bytes; `command` the command line, for hints.
+#[allow(clippy::too_many_arguments)]
+pub fn write_part(
+    plan: &Plan,
+    input: &Path,
+    out: &Path,
+    kind: OutputKind,
+    force: bool,
+    part: PartSpec,
+    fingerprint: &str,
+    command: &str,
+    opts: &ExecOptions,
+) -> Result<(PathBuf, u64, usize, Finished)> {
+    if out.to_string_lossy().starts_with("gs://") {
+        return Err(Error::usage(format!(
+            "--part {part} cannot write into `{}`: ckpt does not yet join uploads from several \
+             machines into one GCS object",
+            out.display()
+        ))
+        .hint(
+            "run the parts into a local or shared filesystem and copy the output, or run once \
+             without --part (its upload parts already go in parallel)",
+        ));
+    }
+    let (remote, name) = upload::output_of(out, input)?;
+    let staging = staging_of(&remote.parent(), &name)?;
+    upload::existing(&remote, kind, force)?;
+    let dests = upload::destinations(plan, &remote, kind)?;
+    let n = plan.file_count();
+    let lens: Vec<u64> = (0..n)
+        .map(|i| match plan.is_streamed(i) {
+            true => 0,
+            false => plan.file_len(i),
+        })
+        .collect();
+
+    let record = join_run(&staging, plan, &dests, &lens, part, fingerprint, command)?;
+    let me = Part {
+        staging: staging.clone(),
+        part,
+        fingerprint: fingerprint.to_string(),
+    };
+    // Withdraw this part's marker before sending a byte, then check for a commit: a committer
+    // re-reads the markers after taking its lock, so it either sees this part missing or holds
+    // the lock by now.
+    me.marker(part.index)?.delete()?;
+    me.check_no_commit()?;
+
+    let pieces = pieces(plan, &lens, part.count)?;
+    let mine: Vec<Piece> = pieces
+        .iter()
+        .filter(|(_, owner)| *owner == part.index)
+        .map(|(p, _)| *p)
+        .collect();
+    let bytes: u64 = mine.iter().map(|p| p.end - p.at).sum();
+    let files = {
+        let mut f: Vec<usize> = mine.iter().map(|p| p.file).collect();
+        f.dedup();
+        f.len()
+    };
+    opts.progress.start(bytes);
+    let spool = Spool::new()?;
+    let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
+    let marker = send_share(plan, &record, &dests, &dest, &mine, &me, opts)?;
+    opts.progress.finish();
+    drop(spool);
+    let text = serde_json::to_vec(&marker)
+        .map_err(|e| Error::bug(format!("the part marker cannot be serialized: {e}")))?;
+    me.marker(part.index)?.put(text)?;
+
+    let missing = me.missing()?;
+    if !missing.is_empty() {
+        return Ok((
+            staging.path.clone(),
+            bytes,
+            files,
+            Finished::Waiting { missing },
+        ));
+    }
+    let holder = format!("part {part} on {} (pid {})", hostname(), std::process::id());
+    let lock = staging.join(LOCK)?;
+    if !lock.put_new(holder.into_bytes())? {
+        let by = lock
+            .read_if_any()?
+            .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+            .unwrap_or_else(|| "another part".into());
+        return Ok((
+            staging.path.clone(),
+            bytes,
+            files,
+            Finished::CommittedElsewhere { by },
+        ));
+    }
+    let commit = Commit {
+        plan,
+        record: &record,
+        dests: &dests,
+        remote: &remote,
+        kind,
+        force,
+        opts,
+    };
+    let finished = commit.run(&me, &pieces);
+    if !matches!(finished, Ok(Finished::Committed)) {
+        let _ = lock.delete();
+    }
+    Ok((staging.path.clone(), bytes, files, finished?))
+}
+
+/// `run.json` as found, created (with this part's uploads) if there is none; refused if it is
+/// another run's.
+fn join_run(
+    staging: &Remote,
+    plan: &Plan,
+    dests: &[Remote],
+    lens: &[u64],
+    part: PartSpec,
+    fingerprint: &str,
+    command: &str,
+) -> Result<RunRecord> {
+    let run = staging.join(RUN)?;
+    let claim = staging.join(&format!("{CLAIMS}/part-{}.json", part.index))?;
+    let found = match run.read_if_any()? {
+        Some(b) => parse_run(&run, &b)?,
+        None => {
+            let mut uploads = vec![None; lens.len()];
+            for (i, &len) in lens.iter().enumerate() {
+                if len > 0 && !plan.is_streamed(i) {
+                    uploads[i] = Some(Started {
+                        key: dests[i].key().to_string(),
+                        id: dests[i].create_upload()?,
+                    });
+                }
+            }
+            let ours: Vec<Started> = uploads.iter().flatten().cloned().collect();
+            claim.put(serde_json::to_vec(&ours).unwrap_or_default())?;
+            let record = RunRecord {
+                fingerprint: fingerprint.to_string(),
+                parts: part.count,
+                command: command.to_string(),
+                uploads,
+            };
+            let text = serde_json::to_vec_pretty(&record)
+                .map_err(|e| Error::bug(format!("the run record cannot be serialized: {e}")))?;
+            if run.put_new(text)? {
+                let _ = claim.delete();
+                record
+            } else {
+                // Another part's uploads won the race: ours go.
+                if upload::abort(staging, &ours) {
+                    let _ = claim.delete();
+                }
+                let b = run.read_if_any()?.ok_or_else(|| {
+                    Error::invalid("the run record vanished as it was being read")
+                        .file(&run.path)
+                        .hint("run this part again")
+                })?;
+                parse_run(&run, &b)?
+            }
+        }
+    };
+    if found.fingerprint != fingerprint || found.parts != part.count {
+        let what = if found.parts != part.count {
+            format!("{} parts, not {}", found.parts, part.count)
+        } else {
+            "another input, other flags or another ckpt version".to_string()
+        };
+        return Err(Error::usage(format!(
+            "the staging prefix `{}` holds a partitioned run of {what}, started as `{}`; this \
+             part is `{command}`",
+            staging.path.display(),
+            found.command
+        ))
+        .hint(
+            "run every part with the same input and flags, or let that run finish (or abort its \
+             uploads and delete the prefix) before starting another",
+        ));
+    }
+    // Uploads a killed earlier run of this part started but lost (or never recorded).
+    if let Some(b) = claim.read_if_any()? {
+        let left: Vec<Started> = serde_json::from_slice(&b).unwrap_or_default();
+        let keep: Vec<&Started> = found.uploads.iter().flatten().collect();
+        let stale: Vec<Started> = left.into_iter().filter(|s| !keep.contains(&s)).collect();
+        if upload::abort(staging, &stale) {
+            let _ = claim.delete();
+        }
+    }
+    Ok(found)
+}
+
+fn parse_run(run: &Remote, bytes: &[u8]) -> Result<RunRecord> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        Error::invalid(format!("not a ckpt run record: {e}"))
+            .file(&run.path)
+            .hint("delete the staging prefix and run every part again")
+    })
+}
+
+/// One part's view of the staging prefix.
+struct Part {
+    staging: Remote,
+    part: PartSpec,
+    fingerprint: String,
+}
+
+impl Part {
+    fn marker(&self, i: usize) -> Result<Remote> {
+        self.staging
+            .join(&format!("{DONE}/part-{i}-of-{}.json", self.part.count))
+    }
+
+    fn read_marker(&self, i: usize) -> Result<Option<Marker>> {
+        let at = self.marker(i)?;
+        let Some(text) = at.read_if_any()? else {
+            return Ok(None);
+        };
+        let hint = format!("run part {i}/{} again", self.part.count);
+        let m: Marker = serde_json::from_slice(&text).map_err(|e| {
+            Error::invalid(format!("not a ckpt part marker: {e}"))
+                .file(&at.path)
+                .hint(hint.clone())
+        })?;
+        if m.fingerprint != self.fingerprint || m.part != i || m.parts != self.part.count {
+            return Err(Error::invalid("the marker belongs to another run")
+                .file(&at.path)
+                .hint(hint));
+        }
+        Ok(Some(m))
+    }
+
+    /// Parts without a marker, by index: one listing.
+    fn missing(&self) -> Result<Vec<usize>> {
+        let done = self.staging.join(DONE)?;
+        let names: Vec<String> = done
+            .objects_below()?
+            .iter()
+            .filter_map(|r| r.file_name().map(str::to_string))
+            .collect();
+        Ok((0..self.part.count)
+            .filter(|i| !names.contains(&format!("part-{i}-of-{}.json", self.part.count)))
+            .collect())
+    }
+
+    /// Refuse to start while a commit holds the lock; delete a lock whose holder, on this host,
+    /// is gone (on another host there is no telling: the user decides).
+    fn check_no_commit(&self) -> Result<()> {
+        let lock = self.staging.join(LOCK)?;
+        let Some(by) = lock.read_if_any()? else {
+            return Ok(());
+        };
+        let by = String::from_utf8_lossy(&by).trim().to_string();
+        if holder_is_gone(&by) {
+            return lock.delete();
+        }
+        Err(Error::new(
+            ErrorKind::Invalid,
+            format!("the output is being committed by {by}"),
+        )
+        .file(&lock.path)
+        .hint(
+            "wait for it; if that process is gone, delete the lock object and run this part again",
+        ))
+    }
+}
+
+/// Compute and send `mine`, the upload parts of this share (those whose CRCs depend on other
+/// shares' bytes held back); the marker that says what was sent.
+fn send_share(
+    plan: &Plan,
+    record: &RunRecord,
+    dests: &[Remote],
+    dest: &[PathBuf],
+    mine: &[Piece],
+    me: &Part,
+    opts: &ExecOptions,
+) -> Result<Marker> {
+    let forward = Forward(opts.progress);
+    let part_opts = ExecOptions {
+        threads: opts.threads,
+        io: opts.io,
+        progress: &forward,
+        cancel: opts.cancel,
+        durable: false,
+    };
+    let inputs = exec::open_inputs(plan, opts.io)?;
+    let bound = upload::in_flight(opts.threads);
+    let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
+    let mut marker = Marker {
+        fingerprint: me.fingerprint.clone(),
+        part: me.part.index,
+        parts: me.part.count,
+        host: hostname(),
+        pid: std::process::id(),
+        sent: Vec::new(),
+        held: Vec::new(),
+        crcs: Vec::new(),
+        open_slots: Vec::new(),
+    };
+    let settle = |(p, pending): (Piece, PendingPart), marker: &mut Marker| -> Result<()> {
+        let done = pending.wait()?;
+        marker.sent.push(Sent {
+            file: p.file,
+            k: p.k,
+            id: done.id().to_string(),
+        });
+        Ok(())
+    };
+    for &p in mine {
+        if opts.cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Io, "interrupted"));
+        }
+        let outcome = compute(plan, &inputs, dest, p, &part_opts)?;
+        marker.crcs.extend(outcome.crcs);
+        if !outcome.open_slots.is_empty() {
+            marker.open_slots.extend(outcome.open_slots);
+            marker.held.push((p.file, p.k));
+            continue;
+        }
+        while in_flight.len() >= bound {
+            let oldest = in_flight
+                .pop_front()
+                .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
+            settle(oldest, &mut marker)?;
+        }
+        let id = upload_id(record, p.file)?;
+        let pending = upload::send_part(&dest[p.file], &dests[p.file], id, p.k, p.at..p.end)?;
+        in_flight.push_back((p, pending));
+    }
+    while let Some(oldest) = in_flight.pop_front() {
+        settle(oldest, &mut marker)?;
+    }
+    if opts.cancel.load(Ordering::Relaxed) {
+        return Err(Error::new(ErrorKind::Io, "interrupted"));
+    }
+    Ok(marker)
+}
+
+/// Write upload part `p`'s bytes into the spool.
+fn compute(
+    plan: &Plan,
+    inputs: &[exec::Source],
+    dest: &[PathBuf],
+    p: Piece,
+    opts: &ExecOptions,
+) -> Result<exec::ShareOutcome> {
+    let share = Share {
+        part: PartSpec { index: 0, count: 1 },
+        ranges: vec![FileRange {
+            file: p.file,
+            bytes: p.at..p.end,
+        }],
+    };
+    exec::execute_share_on(plan, inputs, dest, &share, opts)
+}
+
+fn upload_id(record: &RunRecord, file: usize) -> Result<&str> {
+    record
+        .uploads
+        .get(file)
+        .and_then(|u| u.as_ref())
+        .map(|u| u.id.as_str())
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "the run record has no upload for output file {file}"
+            ))
+            .hint("delete the staging prefix and run every part again")
+        })
+}
+
+/// What the part holding the commit lock needs.
+struct Commit<'a> {
+    plan: &'a Plan<'a>,
+    record: &'a RunRecord,
+    dests: &'a [Remote],
+    remote: &'a Remote,
+    kind: OutputKind,
+    force: bool,
+    opts: &'a ExecOptions<'a>,
+}
+
+impl Commit<'_> {
+    /// Holding the lock: re-read every marker, send what depends on every part, complete the
+    /// uploads (commit markers last) and delete the staging prefix.
+    fn run(&self, me: &Part, pieces: &[(Piece, usize)]) -> Result<Finished> {
+        let mut markers = Vec::with_capacity(me.part.count);
+        for i in 0..me.part.count {
+            match me.read_marker(i)? {
+                Some(m) => markers.push(m),
+                // Withdrawn by a part started again since: it will commit when it is done.
+                None => {
+                    return Ok(Finished::Waiting {
+                        missing: me.missing()?,
+                    })
+                }
+            }
+        }
+        let plan = self.plan;
+        let n = plan.file_count();
+        let mut ids: BTreeMap<(usize, usize), UploadedPart> = markers
+            .iter()
+            .flat_map(|m| &m.sent)
+            .map(|s| ((s.file, s.k), UploadedPart::from_id(s.id.clone())))
+            .collect();
+        let held: Vec<(usize, usize)> = markers.iter().flat_map(|m| m.held.clone()).collect();
+        let spool = Spool::new()?;
+        let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
+        if !held.is_empty() {
+            self.send_held(&markers, &held, pieces, &dest, &mut ids)?;
+        }
+        if self.opts.cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Io, "interrupted"));
+        }
+        let existing = upload::existing(self.remote, self.kind, self.force)?;
+        upload::unmark(&existing)?;
+        // Data objects first, the commit markers last.
+        let mut order: Vec<usize> = (0..n)
+            .filter(|&i| !plan.role(i).is_commit_marker())
+            .collect();
+        order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
+        for i in order {
+            let to = &self.dests[i];
+            if plan.role(i).is_streamed() {
+                exec::write_streamed_files(plan, &dest, false)?;
+                let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
+                to.put(bytes)?;
+            } else if let Some(u) = self.record.uploads.get(i).and_then(|u| u.as_ref()) {
+                let mut parts = Vec::new();
+                for (p, _) in pieces.iter().filter(|(p, _)| p.file == i) {
+                    let sent = ids.remove(&(i, p.k)).ok_or_else(|| {
+                        Error::invalid(format!(
+                            "no part reported upload part {} of `{}`",
+                            p.k + 1,
+                            to.path.display()
+                        ))
+                        .hint("run every part again")
+                    })?;
+                    parts.push(sent);
+                }
+                to.complete_upload(&u.id, parts)?;
+            } else {
+                to.put(Vec::new())?;
+            }
+        }
+        let new: Vec<&str> = self.dests.iter().map(Remote::key).collect();
+        for old in existing.iter().filter(|r| !new.contains(&r.key())) {
+            let _ = old.delete();
+        }
+        drop(spool);
+        self.clean(me);
+        Ok(Finished::Committed)
+    }
+
+    /// Compute the upload parts the shares held back again, patch their CRCs from every part's
+    /// partial CRCs, and send them.
+    fn send_held(
+        &self,
+        markers: &[Marker],
+        held: &[(usize, usize)],
+        pieces: &[(Piece, usize)],
+        dest: &[PathBuf],
+        ids: &mut BTreeMap<(usize, usize), UploadedPart>,
+    ) -> Result<()> {
+        let opts = ExecOptions {
+            threads: self.opts.threads,
+            io: self.opts.io,
+            progress: &exec::NoProgress,
+            cancel: self.opts.cancel,
+            durable: false,
+        };
+        let inputs = exec::open_inputs(self.plan, self.opts.io)?;
+        let todo: Vec<Piece> = pieces
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| held.contains(&(p.file, p.k)))
+            .collect();
+        for &p in &todo {
+            compute(self.plan, &inputs, dest, p, &opts)?;
+        }
+        let crcs: Vec<PartialCrc> = markers.iter().flat_map(|m| m.crcs.clone()).collect();
+        let slots: Vec<OpenSlot> = markers.iter().flat_map(|m| m.open_slots.clone()).collect();
+        exec::patch_crcs(dest, &crcs, &slots, false)?;
+        let mut pending = Vec::new();
+        for &p in &todo {
+            let id = upload_id(self.record, p.file)?;
+            pending.push((
+                p,
+                upload::send_part(&dest[p.file], &self.dests[p.file], id, p.k, p.at..p.end)?,
+            ));
+        }
+        for (p, sent) in pending {
+            ids.insert((p.file, p.k), sent.wait()?);
+        }
+        Ok(())
+    }
+
+    /// Delete the staging prefix, aborting first the uploads of claims a killed part left.
+    fn clean(&self, me: &Part) {
+        let Ok(objects) = me.staging.objects_below() else {
+            return;
+        };
+        let keep: Vec<&Started> = self.record.uploads.iter().flatten().collect();
+        for o in &objects {
+            let is_claim = o.key().contains(&format!("/{CLAIMS}/"));
+            if is_claim {
+                let left: Vec<Started> = o
+                    .read_all()
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
+                let stale: Vec<Started> = left.into_iter().filter(|s| !keep.contains(&s)).collect();
+                if !upload::abort(&me.staging, &stale) {
+                    continue;
+                }
+            }
+            // The lock last: while it stands no part starts over.
+            if o.file_name() != Some(LOCK) {
+                let _ = o.delete();
+            }
+        }
+        if let Ok(lock) = me.staging.join(LOCK) {
+            let _ = lock.delete();
+        }
+    }
+}
