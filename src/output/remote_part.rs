@@ -30,7 +30,7 @@ use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Serialize};
 
-use super::part::{holder_is_gone, hostname, Finished};
+use super::part::{holder_is_gone, hostname, Finished, Unfinished};
 use super::remote::{self as upload, Forward, Spool, Started};
 use super::OutputKind;
 use crate::error::{Error, ErrorKind, Result};
@@ -213,12 +213,13 @@ pub fn write_part(
 
     let missing = me.missing()?;
     if !missing.is_empty() {
-        return Ok((
-            staging.path.clone(),
-            bytes,
-            files,
-            Finished::Waiting { missing },
-        ));
+        let finished = match me.committed_elsewhere()? {
+            true => Finished::CommittedElsewhere {
+                by: "another part".into(),
+            },
+            false => Finished::Waiting { missing },
+        };
+        return Ok((staging.path.clone(), bytes, files, finished));
     }
     let holder = format!("part {part} on {} (pid {})", hostname(), std::process::id());
     let lock = staging.join(LOCK)?;
@@ -384,6 +385,12 @@ impl Part {
             .collect())
     }
 
+    /// True when the run is over: a part that finished as this one did committed it and
+    /// deleted the staging prefix (`run.json` first) between this part's marker and its look.
+    fn committed_elsewhere(&self) -> Result<bool> {
+        Ok(!self.staging.join(RUN)?.exists()?)
+    }
+
     /// Refuse to start while a commit holds the lock; delete a lock whose holder, on this host,
     /// is gone (on another host there is no telling: the user decides).
     fn check_no_commit(&self) -> Result<()> {
@@ -529,6 +536,11 @@ impl Commit<'_> {
         for i in 0..me.part.count {
             match me.read_marker(i)? {
                 Some(m) => markers.push(m),
+                None if me.committed_elsewhere()? => {
+                    return Ok(Finished::CommittedElsewhere {
+                        by: "another part".into(),
+                    })
+                }
                 // Withdrawn by a part started again since: it will commit when it is done.
                 None => {
                     return Ok(Finished::Waiting {
@@ -637,7 +649,11 @@ impl Commit<'_> {
     }
 
     /// Delete the staging prefix, aborting first the uploads of claims a killed part left.
+    /// `run.json` goes first: a part that looks for it then knows the run is committed.
     fn clean(&self, me: &Part) {
+        if let Ok(run) = me.staging.join(RUN) {
+            let _ = run.delete();
+        }
         let Ok(objects) = me.staging.objects_below() else {
             return;
         };
@@ -664,4 +680,39 @@ impl Commit<'_> {
             let _ = lock.delete();
         }
     }
+}
+
+/// What `ckpt verify` says of an output in an object store whose partitioned run is not
+/// committed: `path` is the output or its staging prefix. Anything unreadable is `None` (verify
+/// then reports the output as it finds it).
+pub fn unfinished(path: &Path) -> Option<Unfinished> {
+    let at = crate::storage::remote(path)?.ok()?;
+    let name = at.file_name()?.to_string();
+    let (staging, output) = match name.strip_prefix('.').and_then(|n| n.strip_suffix(SUFFIX)) {
+        Some(out) => (at.clone(), at.parent().join(out).ok()?),
+        None => (staging_of(&at.parent(), &name).ok()?, at.clone()),
+    };
+    let run = staging.join(RUN).ok()?;
+    let record = parse_run(&run, &run.read_if_any().ok()??).ok()?;
+    let me = Part {
+        staging: staging.clone(),
+        part: PartSpec {
+            index: 0,
+            count: record.parts,
+        },
+        fingerprint: record.fingerprint.clone(),
+    };
+    let missing = me.missing().ok()?;
+    let lock = staging.join(LOCK).ok()?.read_if_any().ok()?;
+    let output_exists = output.exists().ok()? || !output.objects_below().ok()?.is_empty();
+    Some(Unfinished {
+        staging: staging.path.display().to_string(),
+        output: output.path.display().to_string(),
+        parts: record.parts,
+        done: (0..record.parts).filter(|i| !missing.contains(i)).collect(),
+        missing,
+        command: record.command,
+        committing: lock.map(|b| String::from_utf8_lossy(&b).trim().to_string()),
+        output_exists,
+    })
 }

@@ -101,6 +101,12 @@ def test_parts_give_the_bytes_of_a_single_run(s3, tmp_path, case):
             # Nothing under the output's name (the staging prefix is `.NAME.ckpt-parts/`).
             assert keys(c, dest) == [], keys(c, dest)
             assert f"{N - 1 - i} of {N} parts still missing" in proc.stderr, proc.stderr
+            if i == N - 2:
+                # verify names the part still to run, from the output's name or the prefix's.
+                for path in [dest, f"parts-{case}/.{name}.ckpt-parts"]:
+                    v = run(s3, "verify", f"s3://{BUCKET}/{path}")
+                    assert v.returncode == 1, v.stdout + v.stderr
+                    assert f"1 of {N} parts missing: {N - 1}" in v.stdout + v.stderr, v.stdout + v.stderr
         else:
             assert f"all {N} parts done: committed" in proc.stderr, proc.stderr
     got = fetch(c, dest, tmp_path / "parts")
