@@ -230,3 +230,20 @@ impl Remote {
         Ok(below)
     }
 }
+
+impl Remote {
+    /// Complete upload `id` as [`Remote::complete_upload`] does; false when the store knows no
+    /// such upload (completed or aborted before).
+    pub(crate) fn complete_open_upload(&self, id: &str, parts: Vec<UploadedPart>) -> Result<bool> {
+        let parts = parts.into_iter().map(|p| p.0).collect();
+        match block_on(
+            self.store
+                .multipart
+                .complete_multipart(&self.key, &id.to_string(), parts),
+        )? {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(store_error(&self.path, e)),
+        }
+    }
+}

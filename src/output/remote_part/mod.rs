@@ -24,12 +24,13 @@
 //! is under way; a committer re-reads every marker after taking the lock (as on disk, see
 //! [`super::part`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Serialize};
 
+use self::commit::{clean, Commit};
 use super::part::{holder_is_gone, hostname, Finished, Unfinished};
 use super::remote::{self as upload, Forward, Spool, Started};
 use super::OutputKind;
@@ -37,13 +38,16 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
 use crate::part::{FileRange, PartSpec, Share};
 use crate::plan::Plan;
-use crate::storage::{PendingPart, Remote, UploadedPart};
+use crate::storage::{PendingPart, Remote};
+
+mod commit;
 
 const SUFFIX: &str = ".ckpt-parts";
 const RUN: &str = "run.json";
 const DONE: &str = "done";
 const CLAIMS: &str = "claims";
 const LOCK: &str = "commit.lock";
+const COMPLETING: &str = "completing.json";
 
 /// What every part of one run agrees on: the fingerprint, and the uploads they all send to.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -52,6 +56,9 @@ struct RunRecord {
     parts: usize,
     /// The command line of the part that started the run, `--part` shown as `I/N`: for hints.
     command: String,
+    /// Names this run among runs with the same fingerprint (one run after another into one
+    /// output): markers carry it.
+    run: String,
     /// The upload of each file uploaded in parts (`None`: streamed or empty, put at the commit).
     uploads: Vec<Option<Started>>,
 }
@@ -68,6 +75,7 @@ struct Sent {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Marker {
     fingerprint: String,
+    run: String,
     part: usize,
     parts: usize,
     host: String,
@@ -167,7 +175,11 @@ pub fn write_part(
     }
     let (remote, name) = upload::output_of(out, input)?;
     let staging = staging_of(&remote.parent(), &name)?;
-    upload::existing(&remote, kind, force)?;
+    // A commit that was cut short: its objects under the name are this run's.
+    let completing = staging.join(COMPLETING)?.exists()?;
+    if !completing {
+        upload::existing(&remote, kind, force)?;
+    }
     let dests = upload::destinations(plan, &remote, kind)?;
     let n = plan.file_count();
     let lens: Vec<u64> = (0..n)
@@ -177,19 +189,41 @@ pub fn write_part(
         })
         .collect();
 
+    if completing && !staging.join(RUN)?.exists()? {
+        // The commit was done and its clean-up cut short.
+        clean(&staging, &[]);
+        let by = "an earlier part".to_string();
+        return Ok((staging.path, 0, 0, Finished::CommittedElsewhere { by }));
+    }
     let record = join_run(&staging, plan, &dests, &lens, part, fingerprint, command)?;
     let me = Part {
         staging: staging.clone(),
         part,
         fingerprint: fingerprint.to_string(),
+        run: record.run.clone(),
     };
+    let pieces = pieces(plan, &lens, part.count)?;
+    let commit = Commit {
+        plan,
+        record: &record,
+        dests: &dests,
+        remote: &remote,
+        kind,
+        force,
+        opts,
+    };
+    if completing {
+        // Every share is in: what is left is the commit, whoever runs it.
+        me.check_no_commit()?;
+        let finished = commit.locked(&me, &pieces)?;
+        return Ok((staging.path, 0, 0, finished));
+    }
     // Withdraw this part's marker before sending a byte, then check for a commit: a committer
     // re-reads the markers after taking its lock, so it either sees this part missing or holds
     // the lock by now.
     me.marker(part.index)?.delete()?;
     me.check_no_commit()?;
 
-    let pieces = pieces(plan, &lens, part.count)?;
     let mine: Vec<Piece> = pieces
         .iter()
         .filter(|(_, owner)| *owner == part.index)
@@ -221,34 +255,8 @@ pub fn write_part(
         };
         return Ok((staging.path.clone(), bytes, files, finished));
     }
-    let holder = format!("part {part} on {} (pid {})", hostname(), std::process::id());
-    let lock = staging.join(LOCK)?;
-    if !lock.put_new(holder.into_bytes())? {
-        let by = lock
-            .read_if_any()?
-            .map(|b| String::from_utf8_lossy(&b).trim().to_string())
-            .unwrap_or_else(|| "another part".into());
-        return Ok((
-            staging.path.clone(),
-            bytes,
-            files,
-            Finished::CommittedElsewhere { by },
-        ));
-    }
-    let commit = Commit {
-        plan,
-        record: &record,
-        dests: &dests,
-        remote: &remote,
-        kind,
-        force,
-        opts,
-    };
-    let finished = commit.run(&me, &pieces);
-    if !matches!(finished, Ok(Finished::Committed)) {
-        let _ = lock.delete();
-    }
-    Ok((staging.path.clone(), bytes, files, finished?))
+    let finished = commit.locked(&me, &pieces)?;
+    Ok((staging.path, bytes, files, finished))
 }
 
 /// `run.json` as found, created (with this part's uploads) if there is none; refused if it is
@@ -278,10 +286,22 @@ fn join_run(
             }
             let ours: Vec<Started> = uploads.iter().flatten().cloned().collect();
             claim.put(serde_json::to_vec(&ours).unwrap_or_default())?;
+            // Markers of an earlier run whose commit's clean-up was cut short.
+            for old in staging.join(DONE)?.objects_below()? {
+                old.delete()?;
+            }
             let record = RunRecord {
                 fingerprint: fingerprint.to_string(),
                 parts: part.count,
                 command: command.to_string(),
+                run: format!(
+                    "{} {} {}",
+                    hostname(),
+                    std::process::id(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos())
+                ),
                 uploads,
             };
             let text = serde_json::to_vec_pretty(&record)
@@ -345,6 +365,7 @@ struct Part {
     staging: Remote,
     part: PartSpec,
     fingerprint: String,
+    run: String,
 }
 
 impl Part {
@@ -364,7 +385,11 @@ impl Part {
                 .file(&at.path)
                 .hint(hint.clone())
         })?;
-        if m.fingerprint != self.fingerprint || m.part != i || m.parts != self.part.count {
+        if m.fingerprint != self.fingerprint
+            || m.run != self.run
+            || m.part != i
+            || m.parts != self.part.count
+        {
             return Err(Error::invalid("the marker belongs to another run")
                 .file(&at.path)
                 .hint(hint));
@@ -437,6 +462,7 @@ fn send_share(
     let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
     let mut marker = Marker {
         fingerprint: me.fingerprint.clone(),
+        run: me.run.clone(),
         part: me.part.index,
         parts: me.part.count,
         host: hostname(),
@@ -517,171 +543,6 @@ fn upload_id(record: &RunRecord, file: usize) -> Result<&str> {
         })
 }
 
-/// What the part holding the commit lock needs.
-struct Commit<'a> {
-    plan: &'a Plan<'a>,
-    record: &'a RunRecord,
-    dests: &'a [Remote],
-    remote: &'a Remote,
-    kind: OutputKind,
-    force: bool,
-    opts: &'a ExecOptions<'a>,
-}
-
-impl Commit<'_> {
-    /// Holding the lock: re-read every marker, send what depends on every part, complete the
-    /// uploads (commit markers last) and delete the staging prefix.
-    fn run(&self, me: &Part, pieces: &[(Piece, usize)]) -> Result<Finished> {
-        let mut markers = Vec::with_capacity(me.part.count);
-        for i in 0..me.part.count {
-            match me.read_marker(i)? {
-                Some(m) => markers.push(m),
-                None if me.committed_elsewhere()? => {
-                    return Ok(Finished::CommittedElsewhere {
-                        by: "another part".into(),
-                    })
-                }
-                // Withdrawn by a part started again since: it will commit when it is done.
-                None => {
-                    return Ok(Finished::Waiting {
-                        missing: me.missing()?,
-                    })
-                }
-            }
-        }
-        let plan = self.plan;
-        let n = plan.file_count();
-        let mut ids: BTreeMap<(usize, usize), UploadedPart> = markers
-            .iter()
-            .flat_map(|m| &m.sent)
-            .map(|s| ((s.file, s.k), UploadedPart::from_id(s.id.clone())))
-            .collect();
-        let held: Vec<(usize, usize)> = markers.iter().flat_map(|m| m.held.clone()).collect();
-        let spool = Spool::new()?;
-        let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
-        if !held.is_empty() {
-            self.send_held(&markers, &held, pieces, &dest, &mut ids)?;
-        }
-        if self.opts.cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(ErrorKind::Io, "interrupted"));
-        }
-        let existing = upload::existing(self.remote, self.kind, self.force)?;
-        upload::unmark(&existing)?;
-        // Data objects first, the commit markers last.
-        let mut order: Vec<usize> = (0..n)
-            .filter(|&i| !plan.role(i).is_commit_marker())
-            .collect();
-        order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
-        for i in order {
-            let to = &self.dests[i];
-            if plan.role(i).is_streamed() {
-                exec::write_streamed_files(plan, &dest, false)?;
-                let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
-                to.put(bytes)?;
-            } else if let Some(u) = self.record.uploads.get(i).and_then(|u| u.as_ref()) {
-                let mut parts = Vec::new();
-                for (p, _) in pieces.iter().filter(|(p, _)| p.file == i) {
-                    let sent = ids.remove(&(i, p.k)).ok_or_else(|| {
-                        Error::invalid(format!(
-                            "no part reported upload part {} of `{}`",
-                            p.k + 1,
-                            to.path.display()
-                        ))
-                        .hint("run every part again")
-                    })?;
-                    parts.push(sent);
-                }
-                to.complete_upload(&u.id, parts)?;
-            } else {
-                to.put(Vec::new())?;
-            }
-        }
-        let new: Vec<&str> = self.dests.iter().map(Remote::key).collect();
-        for old in existing.iter().filter(|r| !new.contains(&r.key())) {
-            let _ = old.delete();
-        }
-        drop(spool);
-        self.clean(me);
-        Ok(Finished::Committed)
-    }
-
-    /// Compute the upload parts the shares held back again, patch their CRCs from every part's
-    /// partial CRCs, and send them.
-    fn send_held(
-        &self,
-        markers: &[Marker],
-        held: &[(usize, usize)],
-        pieces: &[(Piece, usize)],
-        dest: &[PathBuf],
-        ids: &mut BTreeMap<(usize, usize), UploadedPart>,
-    ) -> Result<()> {
-        let opts = ExecOptions {
-            threads: self.opts.threads,
-            io: self.opts.io,
-            progress: &exec::NoProgress,
-            cancel: self.opts.cancel,
-            durable: false,
-        };
-        let inputs = exec::open_inputs(self.plan, self.opts.io)?;
-        let todo: Vec<Piece> = pieces
-            .iter()
-            .map(|(p, _)| *p)
-            .filter(|p| held.contains(&(p.file, p.k)))
-            .collect();
-        for &p in &todo {
-            compute(self.plan, &inputs, dest, p, &opts)?;
-        }
-        let crcs: Vec<PartialCrc> = markers.iter().flat_map(|m| m.crcs.clone()).collect();
-        let slots: Vec<OpenSlot> = markers.iter().flat_map(|m| m.open_slots.clone()).collect();
-        exec::patch_crcs(dest, &crcs, &slots, false)?;
-        let mut pending = Vec::new();
-        for &p in &todo {
-            let id = upload_id(self.record, p.file)?;
-            pending.push((
-                p,
-                upload::send_part(&dest[p.file], &self.dests[p.file], id, p.k, p.at..p.end)?,
-            ));
-        }
-        for (p, sent) in pending {
-            ids.insert((p.file, p.k), sent.wait()?);
-        }
-        Ok(())
-    }
-
-    /// Delete the staging prefix, aborting first the uploads of claims a killed part left.
-    /// `run.json` goes first: a part that looks for it then knows the run is committed.
-    fn clean(&self, me: &Part) {
-        if let Ok(run) = me.staging.join(RUN) {
-            let _ = run.delete();
-        }
-        let Ok(objects) = me.staging.objects_below() else {
-            return;
-        };
-        let keep: Vec<&Started> = self.record.uploads.iter().flatten().collect();
-        for o in &objects {
-            let is_claim = o.key().contains(&format!("/{CLAIMS}/"));
-            if is_claim {
-                let left: Vec<Started> = o
-                    .read_all()
-                    .ok()
-                    .and_then(|b| serde_json::from_slice(&b).ok())
-                    .unwrap_or_default();
-                let stale: Vec<Started> = left.into_iter().filter(|s| !keep.contains(&s)).collect();
-                if !upload::abort(&me.staging, &stale) {
-                    continue;
-                }
-            }
-            // The lock last: while it stands no part starts over.
-            if o.file_name() != Some(LOCK) {
-                let _ = o.delete();
-            }
-        }
-        if let Ok(lock) = me.staging.join(LOCK) {
-            let _ = lock.delete();
-        }
-    }
-}
-
 /// What `ckpt verify` says of an output in an object store whose partitioned run is not
 /// committed: `path` is the output or its staging prefix. Anything unreadable is `None` (verify
 /// then reports the output as it finds it).
@@ -701,6 +562,7 @@ pub fn unfinished(path: &Path) -> Option<Unfinished> {
             count: record.parts,
         },
         fingerprint: record.fingerprint.clone(),
+        run: record.run.clone(),
     };
     let missing = me.missing().ok()?;
     let lock = staging.join(LOCK).ok()?.read_if_any().ok()?;
