@@ -216,6 +216,21 @@ def test_parts_of_another_plan_refuse_to_mix(s3):
     assert keys(c, dest) == []
 
 
+def test_parts_from_s3_into_a_local_directory(s3, tmp_path):
+    """The fingerprint of an input in a bucket is its objects' keys, sizes and ETags (a local
+    input's is names, sizes and times)."""
+    command, flags, name = CASES["split"]
+    want, got = tmp_path / "single" / name, tmp_path / "parts" / name
+    proc = run(s3, command, SRC, "-o", want, *flags)
+    assert proc.returncode == 0, proc.stderr
+    for i in range(N):
+        proc = run(s3, command, SRC, "-o", got, *flags, "--part", f"{i}/{N}")
+        assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in want.iterdir())
+    assert names == sorted(p.name for p in got.iterdir())
+    assert all((want / n).read_bytes() == (got / n).read_bytes() for n in names)
+
+
 def test_gcs_refuses_parts_and_says_why(s3, tmp_path):
     src = tmp_path / "t.safetensors"
     save_file({"w": torch.zeros(4)}, str(src))
