@@ -216,6 +216,31 @@ def test_parts_of_another_plan_refuse_to_mix(s3):
     assert keys(c, dest) == []
 
 
+def test_parts_with_force_replace_an_output_at_the_commit(s3, tmp_path):
+    """An existing output is refused without --force; with it, it stays whole until the commit,
+    and the shards the new output lacks go after it."""
+    c = s3.client()
+    command, flags, name = CASES["split"]
+    dest = "forced/model"
+    old = run(s3, command, SRC, "-o", f"s3://{BUCKET}/{dest}", *flags)
+    assert old.returncode == 0, old.stderr
+    before = {k: c.get_object(Bucket=BUCKET, Key=k)["ETag"] for k in keys(c, dest)}
+    assert len(before) == 4, before  # three shards and the index
+    refused = run(s3, command, SRC, "-o", f"s3://{BUCKET}/{dest}", "--part", f"0/{N}")
+    assert refused.returncode == 2 and "already exists" in refused.stderr, refused.stderr
+    for i in range(N):
+        proc = run(s3, command, SRC, "-o", f"s3://{BUCKET}/{dest}", "--force", "--part", f"{i}/{N}")
+        assert proc.returncode == 0, proc.stderr
+        if i < N - 1:
+            assert {k: c.get_object(Bucket=BUCKET, Key=k)["ETag"] for k in keys(c, dest)} == before
+    want = run(s3, command, SRC, "-o", tmp_path / "want.safetensors")
+    assert want.returncode == 0, want.stderr
+    assert keys(c, dest) == [f"{dest}/model.safetensors"]
+    got = fetch(c, dest, tmp_path / "got")
+    assert got == {"model.safetensors": (tmp_path / "want.safetensors").read_bytes()}
+    assert open_uploads(c) == []
+
+
 def test_parts_from_s3_into_a_local_directory(s3, tmp_path):
     """The fingerprint of an input in a bucket is its objects' keys, sizes and ETags (a local
     input's is names, sizes and times)."""

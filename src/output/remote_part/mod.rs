@@ -5,9 +5,9 @@
 //!
 //! - `run.json`: the run's fingerprint and the multipart upload of every output file. It is
 //!   created with a conditional PUT (`If-None-Match: *`), so of parts starting at once exactly one
-//!   one's uploads win; the others abort theirs and use the winner's. Before that PUT a part lists
-//!   the uploads it started in `claims/part-I.json`, so that those of a part killed in between are
-//!   aborted by its rerun or by the commit.
+//!   part's uploads win; the others abort theirs and use the winner's. Before that PUT a part
+//!   lists the uploads it started in `claims/part-I.json`, so that those of a part killed in
+//!   between are aborted by its rerun or by the commit.
 //! - Each file is cut into upload parts as a plain upload cuts it ([`super::remote`]), and each
 //!   upload part belongs to the share (as [`crate::part`] cuts the files laid end to end) that
 //!   holds its first byte. A part sends the same part numbers each time it runs: a rerun replaces
@@ -16,9 +16,11 @@
 //!   store gave them (S3 ETags, Azure block ids), the upload parts it held back because a ZIP CRC
 //!   in them depends on other shares' bytes, and its partial CRCs.
 //! - `commit.lock`: taken with a conditional PUT by a part that found all `N` markers. It re-reads
-//!   them, computes the held-back parts again and patches their CRCs, writes the streamed files
-//!   (a DCP `.metadata`), completes the data files' uploads, then the commit markers', and
-//!   deletes the prefix. Nothing exists under the output's name before.
+//!   them, computes the held-back parts again and patches their CRCs, records every upload part's
+//!   id in `completing.json`, completes the data files' uploads, then the commit markers' (a DCP
+//!   `.metadata` is written then), and deletes the prefix, `run.json` first. Nothing exists under
+//!   the output's name before. A part run after a commit was cut short finishes it
+//!   (see `commit.rs`).
 //!
 //! A part that starts deletes its own marker before sending anything, then checks that no commit
 //! is under way; a committer re-reads every marker after taking the lock (as on disk, see
