@@ -58,8 +58,11 @@ def keys(c, prefix: str = "") -> list[str]:
     return sorted(out)
 
 
-def open_uploads(c) -> list[str]:
-    return [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+def open_uploads(c, prefix: str) -> list[str]:
+    """Multipart uploads open under `prefix` (a test's own: the mixed-plans test leaves its
+    unfinished run's open)."""
+    got = c.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    return [u["Key"] for u in got]
 
 
 def fetch(c, key: str, local: Path) -> dict[str, bytes]:
@@ -113,7 +116,7 @@ def test_parts_give_the_bytes_of_a_single_run(s3, tmp_path, case):
     assert got.keys() == want.keys()
     assert all(got[k] == want[k] for k in want), [k for k in want if got[k] != want[k]]
     assert keys(c, f"parts-{case}/.{name}.ckpt-parts") == []
-    assert open_uploads(c) == []
+    assert open_uploads(c, f"parts-{case}/") == []
     if case == "split":
         back = {}
         for f in sorted((tmp_path / "parts").glob("*.safetensors")):
@@ -140,7 +143,7 @@ def test_parts_run_at_once_commit_once(s3, tmp_path):
     assert len(committed) == 1, [e.decode() for _, e in outs]
     got = fetch(c, dest, tmp_path / "parts")
     assert got == want
-    assert open_uploads(c) == []
+    assert open_uploads(c, "together/") == []
 
 
 def test_killed_part_runs_again_to_the_same_bytes(s3, tmp_path):
@@ -169,7 +172,7 @@ def test_killed_part_runs_again_to_the_same_bytes(s3, tmp_path):
         again = part(s3, "split", dest, i)
         assert again.returncode == 0, again.stderr
     assert fetch(c, dest, tmp_path / "parts") == want
-    assert open_uploads(c) == []
+    assert open_uploads(c, "killed/") == []
 
 
 @pytest.mark.parametrize("when", ["recorded", "completing"])
@@ -199,7 +202,7 @@ def test_killed_commit_is_finished_by_a_part_run_again(s3, tmp_path, when):
     assert again.returncode == 0, again.stderr
     assert f"all {N} parts done: committed" in again.stderr, again.stderr
     assert fetch(c, dest, tmp_path / "parts") == want
-    assert keys(c, staging) == [] and open_uploads(c) == []
+    assert keys(c, staging) == [] and open_uploads(c, f"commit-killed-{when}/") == []
 
 
 def test_parts_of_another_plan_refuse_to_mix(s3):
@@ -238,7 +241,7 @@ def test_parts_with_force_replace_an_output_at_the_commit(s3, tmp_path):
     assert keys(c, dest) == [f"{dest}/model.safetensors"]
     got = fetch(c, dest, tmp_path / "got")
     assert got == {"model.safetensors": (tmp_path / "want.safetensors").read_bytes()}
-    assert open_uploads(c) == []
+    assert open_uploads(c, "forced/") == []
 
 
 def test_parts_from_s3_into_a_local_directory(s3, tmp_path):

@@ -20,6 +20,9 @@ use crate::output::OutputKind;
 use crate::plan::Plan;
 use crate::storage::{Remote, UploadedPart};
 
+/// The id the store gave each upload part, by (file, part number).
+type Ids = BTreeMap<(usize, usize), String>;
+
 /// What the part holding the commit lock needs.
 pub(super) struct Commit<'a> {
     pub(super) plan: &'a Plan<'a>,
@@ -72,14 +75,13 @@ impl Commit<'_> {
                 (ids, true, Vec::new())
             }
             None => {
-                let Some(ids) = self.gather(me, pieces)? else {
-                    if me.committed_elsewhere()? {
+                let ids = match self.gather(me, pieces)? {
+                    Ok(ids) => ids,
+                    Err(_) if me.committed_elsewhere()? => {
                         let by = "another part".to_string();
                         return Ok(Finished::CommittedElsewhere { by });
                     }
-                    return Ok(Finished::Waiting {
-                        missing: me.missing()?,
-                    });
+                    Err(missing) => return Ok(Finished::Waiting { missing }),
                 };
                 let existing = upload::existing(self.remote, self.kind, self.force)?;
                 upload::unmark(&existing)?;
@@ -109,21 +111,25 @@ impl Commit<'_> {
     }
 
     /// Every upload part's id: re-read every marker, and send the parts the shares held back.
-    /// `None` when a marker is gone (withdrawn by a part started again since, which will commit
-    /// when it is done).
+    /// The parts without a marker of this run instead (one withdrawn by a part started again
+    /// since, which will commit when it is done; one of an earlier run).
     fn gather(
         &self,
         me: &Part,
         pieces: &[(Piece, usize)],
-    ) -> Result<Option<BTreeMap<(usize, usize), String>>> {
+    ) -> Result<std::result::Result<Ids, Vec<usize>>> {
         let mut markers = Vec::with_capacity(me.part.count);
+        let mut missing = Vec::new();
         for i in 0..me.part.count {
             match me.read_marker(i)? {
                 Some(m) => markers.push(m),
-                None => return Ok(None),
+                None => missing.push(i),
             }
         }
-        let mut ids: BTreeMap<(usize, usize), String> = markers
+        if !missing.is_empty() {
+            return Ok(Err(missing));
+        }
+        let mut ids: Ids = markers
             .iter()
             .flat_map(|m| &m.sent)
             .map(|s| ((s.file, s.k), s.id.clone()))
@@ -132,7 +138,7 @@ impl Commit<'_> {
         if !held.is_empty() {
             self.send_held(&markers, &held, pieces, &mut ids)?;
         }
-        Ok(Some(ids))
+        Ok(Ok(ids))
     }
 
     /// Compute the upload parts the shares held back again, patch their CRCs from every part's
@@ -142,7 +148,7 @@ impl Commit<'_> {
         markers: &[Marker],
         held: &[(usize, usize)],
         pieces: &[(Piece, usize)],
-        ids: &mut BTreeMap<(usize, usize), String>,
+        ids: &mut Ids,
     ) -> Result<()> {
         let opts = ExecOptions {
             threads: self.opts.threads,
@@ -181,12 +187,7 @@ impl Commit<'_> {
 
     /// Complete every upload from `ids` and put the streamed and empty files: data objects
     /// first, the commit markers last. `resumed`: a commit cut short may have completed some.
-    fn complete(
-        &self,
-        pieces: &[(Piece, usize)],
-        mut ids: BTreeMap<(usize, usize), String>,
-        resumed: bool,
-    ) -> Result<()> {
+    fn complete(&self, pieces: &[(Piece, usize)], mut ids: Ids, resumed: bool) -> Result<()> {
         let plan = self.plan;
         let n = plan.file_count();
         let spool = Spool::new()?;

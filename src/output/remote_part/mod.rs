@@ -121,27 +121,37 @@ pub fn fingerprint(description: &str, root: &Path) -> Result<String> {
 
 /// Every upload part of `plan`'s files, file by file, and the share each belongs to.
 fn pieces(plan: &Plan, lens: &[u64], count: usize) -> Result<Vec<(Piece, usize)>> {
-    let cuts = crate::part::cuts_aligned(lens, count, 1);
     let mut out = Vec::new();
-    let mut start = 0u64;
     for (file, &len) in lens.iter().enumerate() {
         if len > 0 {
             for (k, w) in upload::part_cuts(plan, file, len)?.windows(2).enumerate() {
-                let pos = start + w[0];
-                // The share whose stream range [cuts[I], cuts[I+1]) holds the piece's first byte.
-                let owner = cuts[1..count].partition_point(|&c| c <= pos);
-                let piece = Piece {
-                    file,
-                    k,
-                    at: w[0],
-                    end: w[1],
-                };
-                out.push((piece, owner));
+                let (at, end) = (w[0], w[1]);
+                out.push(Piece { file, k, at, end });
             }
         }
-        start += len;
     }
-    Ok(out)
+    let owners = owners(lens, &out, count);
+    Ok(out.into_iter().zip(owners).collect())
+}
+
+/// The share of each of `pieces` (in file order): the one whose range of the files laid end to
+/// end ([`crate::part::cuts`], cut anywhere) holds the piece's first byte. Shares are contiguous
+/// runs of pieces, each within one piece of its even share of the bytes.
+fn owners(lens: &[u64], pieces: &[Piece], count: usize) -> Vec<usize> {
+    let cuts = crate::part::cuts_aligned(lens, count, 1);
+    let mut starts = Vec::with_capacity(lens.len());
+    let mut at = 0u64;
+    for &len in lens {
+        starts.push(at);
+        at += len;
+    }
+    pieces
+        .iter()
+        .map(|p| {
+            let pos = starts.get(p.file).copied().unwrap_or(0) + p.at;
+            cuts[1..count].partition_point(|&c| c <= pos)
+        })
+        .collect()
 }
 
 /// The prefix the parts of the run into `output` share.
@@ -288,10 +298,6 @@ fn join_run(
             }
             let ours: Vec<Started> = uploads.iter().flatten().cloned().collect();
             claim.put(serde_json::to_vec(&ours).unwrap_or_default())?;
-            // Markers of an earlier run whose commit's clean-up was cut short.
-            for old in staging.join(DONE)?.objects_below()? {
-                old.delete()?;
-            }
             let record = RunRecord {
                 fingerprint: fingerprint.to_string(),
                 parts: part.count,
@@ -387,11 +393,12 @@ impl Part {
                 .file(&at.path)
                 .hint(hint.clone())
         })?;
-        if m.fingerprint != self.fingerprint
-            || m.run != self.run
-            || m.part != i
-            || m.parts != self.part.count
-        {
+        if m.run != self.run && m.fingerprint == self.fingerprint {
+            // Left by an earlier run into this output whose clean-up was cut short: its part
+            // sent nothing to this run's uploads.
+            return Ok(None);
+        }
+        if m.fingerprint != self.fingerprint || m.part != i || m.parts != self.part.count {
             return Err(Error::invalid("the marker belongs to another run")
                 .file(&at.path)
                 .hint(hint));
@@ -579,4 +586,48 @@ pub fn unfinished(path: &Path) -> Option<Unfinished> {
         committing: lock.map(|b| String::from_utf8_lossy(&b).trim().to_string()),
         output_exists,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every upload part has one owner; owners run in order, so a share is a contiguous run
+        /// of upload parts; and each share's bytes are within one upload part of its even share.
+        #[test]
+        fn upload_parts_are_shared_out_in_runs_near_the_mean(
+            lens in prop::collection::vec(prop_oneof![Just(0u64), 1u64..10_000_000], 0..8),
+            size in 1u64..3_000_000,
+            count in 1usize..9,
+        ) {
+            let mut pieces = Vec::new();
+            for (file, &len) in lens.iter().enumerate() {
+                let mut at = 0;
+                let mut k = 0;
+                while at < len {
+                    let end = (at + size).min(len);
+                    pieces.push(Piece { file, k, at, end });
+                    at = end;
+                    k += 1;
+                }
+            }
+            let owners = owners(&lens, &pieces, count);
+            prop_assert_eq!(owners.len(), pieces.len());
+            prop_assert!(owners.windows(2).all(|w| w[0] <= w[1]));
+            prop_assert!(owners.iter().all(|&o| o < count));
+            let cuts = crate::part::cuts_aligned(&lens, count, 1);
+            for i in 0..count {
+                let got: u64 = pieces
+                    .iter()
+                    .zip(&owners)
+                    .filter(|(_, &o)| o == i)
+                    .map(|(p, _)| p.end - p.at)
+                    .sum();
+                let even = cuts[i + 1] - cuts[i];
+                prop_assert!(got.abs_diff(even) < size, "share {} has {} bytes for {}", i, got, even);
+            }
+        }
+    }
 }
