@@ -8,6 +8,8 @@
 //!   part's uploads win; the others abort theirs and use the winner's. Before that PUT a part
 //!   lists the uploads it started in `claims/part-I.json`, so that those of a part killed in
 //!   between are aborted by its rerun or by the commit.
+//!   A part that finds no `run.json` first takes `starting` (a conditional PUT), so that of
+//!   parts starting together one creates the uploads while the others wait for its `run.json`.
 //! - Each file is cut into upload parts as a plain upload cuts it ([`super::remote`]), and each
 //!   upload part belongs to the share (as [`crate::part`] cuts the files laid end to end) that
 //!   holds its first byte. A part sends the same part numbers each time it runs: a rerun replaces
@@ -29,6 +31,7 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +53,12 @@ const DONE: &str = "done";
 const CLAIMS: &str = "claims";
 const LOCK: &str = "commit.lock";
 const COMPLETING: &str = "completing.json";
+const STARTING: &str = "starting";
+
+/// How long a part waits for another that is starting the run's uploads.
+const START_WAIT: Duration = Duration::from_secs(60);
+/// Uploads started at once.
+const STARTS_AT_ONCE: usize = 16;
 
 /// What every part of one run agrees on: the fingerprint, and the uploads they all send to.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -286,50 +295,48 @@ fn join_run(
     let claim = staging.join(&format!("{CLAIMS}/part-{}.json", part.index))?;
     let found = match run.read_if_any()? {
         Some(b) => parse_run(&run, &b)?,
-        None => {
-            let mut uploads = vec![None; lens.len()];
-            for (i, &len) in lens.iter().enumerate() {
-                if len > 0 && !plan.is_streamed(i) {
-                    uploads[i] = Some(Started {
-                        key: dests[i].key().to_string(),
-                        id: dests[i].create_upload()?,
-                    });
-                }
-            }
-            let ours: Vec<Started> = uploads.iter().flatten().cloned().collect();
-            claim.put(serde_json::to_vec(&ours).unwrap_or_default())?;
-            let record = RunRecord {
-                fingerprint: fingerprint.to_string(),
-                parts: part.count,
-                command: command.to_string(),
-                run: format!(
-                    "{} {} {}",
-                    hostname(),
-                    std::process::id(),
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_nanos())
-                ),
-                uploads,
-            };
-            let text = serde_json::to_vec_pretty(&record)
-                .map_err(|e| Error::bug(format!("the run record cannot be serialized: {e}")))?;
-            if run.put_new(text)? {
-                let _ = claim.delete();
-                record
-            } else {
-                // Another part's uploads won the race: ours go.
-                if upload::abort(staging, &ours) {
-                    let _ = claim.delete();
-                }
-                let b = run.read_if_any()?.ok_or_else(|| {
-                    Error::invalid("the run record vanished as it was being read")
-                        .file(&run.path)
-                        .hint("run this part again")
+        None => match started_elsewhere(staging, &run, part)? {
+            Some(b) => parse_run(&run, &b)?,
+            None => {
+                let uploads = start_uploads(staging, plan, dests, lens).inspect_err(|_| {
+                    // No part waits for a start that failed.
+                    let _ = staging.join(STARTING).and_then(|g| g.delete());
                 })?;
-                parse_run(&run, &b)?
+                let ours: Vec<Started> = uploads.iter().flatten().cloned().collect();
+                claim.put(serde_json::to_vec(&ours).unwrap_or_default())?;
+                let record = RunRecord {
+                    fingerprint: fingerprint.to_string(),
+                    parts: part.count,
+                    command: command.to_string(),
+                    run: format!(
+                        "{} {} {}",
+                        hostname(),
+                        std::process::id(),
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_nanos())
+                    ),
+                    uploads,
+                };
+                let text = serde_json::to_vec_pretty(&record)
+                    .map_err(|e| Error::bug(format!("the run record cannot be serialized: {e}")))?;
+                if run.put_new(text)? {
+                    let _ = claim.delete();
+                    record
+                } else {
+                    // Another part's uploads won the race: ours go.
+                    if upload::abort(staging, &ours) {
+                        let _ = claim.delete();
+                    }
+                    let b = run.read_if_any()?.ok_or_else(|| {
+                        Error::invalid("the run record vanished as it was being read")
+                            .file(&run.path)
+                            .hint("run this part again")
+                    })?;
+                    parse_run(&run, &b)?
+                }
             }
-        }
+        },
     };
     if found.fingerprint != fingerprint || found.parts != part.count {
         let what = if found.parts != part.count {
@@ -358,6 +365,90 @@ fn join_run(
         }
     }
     Ok(found)
+}
+
+/// `run.json` once the part that is starting the run's uploads has written it, or `None` when
+/// this part is to start them: no part is (this one took the `starting` object, a conditional
+/// PUT), or the one that is has not written it within [`START_WAIT`] or is gone. Of parts that
+/// start together, one then creates the uploads rather than every one of them (a reshard to 1,024
+/// ranks has 1,024 files); should two start them anyway, `run.json` still takes one's.
+fn started_elsewhere(staging: &Remote, run: &Remote, part: PartSpec) -> Result<Option<Vec<u8>>> {
+    let gate = staging.join(STARTING)?;
+    let me = format!("part {part} on {} (pid {})", hostname(), std::process::id());
+    if gate.put_new(me.into_bytes())? {
+        return Ok(None);
+    }
+    let deadline = std::time::Instant::now() + START_WAIT;
+    let mut pause = Duration::from_millis(100);
+    while std::time::Instant::now() < deadline {
+        if let Some(b) = run.read_if_any()? {
+            return Ok(Some(b));
+        }
+        let by = gate.read_if_any()?.unwrap_or_default();
+        if by.is_empty() || holder_is_gone(String::from_utf8_lossy(&by).trim()) {
+            break;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+    run.read_if_any()
+}
+
+/// Start the multipart upload of every file uploaded in parts, a few at a time; if one cannot
+/// be started, those that were are aborted.
+fn start_uploads(
+    staging: &Remote,
+    plan: &Plan,
+    dests: &[Remote],
+    lens: &[u64],
+) -> Result<Vec<Option<Started>>> {
+    let todo: Vec<usize> = (0..lens.len())
+        .filter(|&i| lens[i] > 0 && !plan.is_streamed(i))
+        .collect();
+    let chunk = todo.len().div_ceil(STARTS_AT_ONCE).max(1);
+    let started: Vec<Result<(usize, Started)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = todo
+            .chunks(chunk)
+            .map(|files| {
+                s.spawn(move || {
+                    files
+                        .iter()
+                        .map(|&i| {
+                            let key = dests[i].key().to_string();
+                            Ok((
+                                i,
+                                Started {
+                                    key,
+                                    id: dests[i].create_upload()?,
+                                },
+                            ))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| vec![Err(Error::bug("a thread starting uploads panicked"))])
+            })
+            .collect()
+    });
+    let mut uploads = vec![None; lens.len()];
+    let mut failed = None;
+    for r in started {
+        match r {
+            Ok((i, s)) => uploads[i] = Some(s),
+            Err(e) => failed = Some(e),
+        }
+    }
+    if let Some(e) = failed {
+        let ours: Vec<Started> = uploads.into_iter().flatten().collect();
+        upload::abort(staging, &ours);
+        return Err(e);
+    }
+    Ok(uploads)
 }
 
 fn parse_run(run: &Remote, bytes: &[u8]) -> Result<RunRecord> {
