@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use super::{
-    compute, hostname, upload, upload_id, Finished, Marker, Part, Piece, RunRecord, Sent, Spool,
-    Started, CLAIMS, COMPLETING, LOCK, RUN,
+    at_once, compute, hostname, upload, upload_id, Finished, Marker, Part, Piece, RunRecord, Sent,
+    Spool, Started, CLAIMS, COMPLETING, LOCK, RUN,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
@@ -118,10 +118,14 @@ impl Commit<'_> {
         me: &Part,
         pieces: &[(Piece, usize)],
     ) -> Result<std::result::Result<Ids, Vec<usize>>> {
+        let all: Vec<usize> = (0..me.part.count).collect();
         let mut markers = Vec::with_capacity(me.part.count);
         let mut missing = Vec::new();
-        for i in 0..me.part.count {
-            match me.read_marker(i)? {
+        for (i, m) in at_once(&all, |&i| me.read_marker(i))?
+            .into_iter()
+            .enumerate()
+        {
+            match m {
                 Some(m) => markers.push(m),
                 None => missing.push(i),
             }
@@ -190,52 +194,55 @@ impl Commit<'_> {
     fn complete(&self, pieces: &[(Piece, usize)], mut ids: Ids, resumed: bool) -> Result<()> {
         let plan = self.plan;
         let n = plan.file_count();
+        let mut parts: Vec<Vec<UploadedPart>> = vec![Vec::new(); n];
+        for (p, _) in pieces {
+            let id = ids.remove(&(p.file, p.k)).ok_or_else(|| {
+                Error::invalid(format!(
+                    "no part reported upload part {} of `{}`",
+                    p.k + 1,
+                    self.dests[p.file].path.display()
+                ))
+                .hint("run every part again")
+            })?;
+            parts[p.file].push(UploadedPart::from_id(id));
+        }
         let spool = Spool::new()?;
         let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
-        let mut order: Vec<usize> = (0..n)
-            .filter(|&i| !plan.role(i).is_commit_marker())
-            .collect();
-        order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
-        for i in order {
+        let finish = |&i: &usize| -> Result<()> {
             let to = &self.dests[i];
             if plan.role(i).is_streamed() {
                 exec::write_streamed_files(plan, &dest, false)?;
                 let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
-                to.put(bytes)?;
-                continue;
+                return to.put(bytes);
             }
             let Some(u) = self.record.uploads.get(i).and_then(|u| u.as_ref()) else {
-                to.put(Vec::new())?;
-                continue;
+                return to.put(Vec::new());
             };
-            let mut parts = Vec::new();
-            for (p, _) in pieces.iter().filter(|(p, _)| p.file == i) {
-                let id = ids.remove(&(i, p.k)).ok_or_else(|| {
-                    Error::invalid(format!(
-                        "no part reported upload part {} of `{}`",
-                        p.k + 1,
-                        to.path.display()
-                    ))
-                    .hint("run every part again")
-                })?;
-                parts.push(UploadedPart::from_id(id));
+            if to.complete_open_upload(&u.id, parts[i].clone())? {
+                return Ok(());
             }
-            if !to.complete_open_upload(&u.id, parts)? {
-                // Gone: completed by the commit that was cut short, if the object is in place.
-                let len = plan.file_len(i);
-                if !resumed || to.stat()? != Some(crate::storage::Stat::File(len)) {
-                    return Err(Error::invalid(format!(
-                        "the upload of `{}` is no longer open",
-                        to.path.display()
-                    ))
-                    .hint(
-                        "it was aborted (by a lifecycle rule?): delete the staging prefix and run \
+            // Gone: completed by the commit that was cut short, if the object is in place.
+            let len = plan.file_len(i);
+            if resumed && to.stat()? == Some(crate::storage::Stat::File(len)) {
+                return Ok(());
+            }
+            Err(Error::invalid(format!(
+                "the upload of `{}` is no longer open",
+                to.path.display()
+            ))
+            .hint(
+                "it was aborted (by a lifecycle rule?): delete the staging prefix and run \
                          every part again",
-                    ));
-                }
-            }
-        }
-        Ok(())
+            ))
+        };
+        // Data objects first, at once (a streamed one on its own: they share the spool); the
+        // commit markers last.
+        let role = |i: usize| plan.role(i);
+        let (data, mut rest): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&i| !role(i).is_commit_marker() && !role(i).is_streamed());
+        rest.sort_by_key(|&i| role(i).is_commit_marker());
+        at_once(&data, finish)?;
+        rest.iter().try_for_each(finish)
     }
 }
 

@@ -57,8 +57,9 @@ const STARTING: &str = "starting";
 
 /// How long a part waits for another that is starting the run's uploads.
 const START_WAIT: Duration = Duration::from_secs(60);
-/// Uploads started at once.
-const STARTS_AT_ONCE: usize = 16;
+/// Requests to the store sent at once where there is one per file or part (starting and
+/// completing uploads, reading markers).
+const AT_ONCE: usize = 16;
 
 /// What every part of one run agrees on: the fingerprint, and the uploads they all send to.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -405,36 +406,10 @@ fn start_uploads(
     let todo: Vec<usize> = (0..lens.len())
         .filter(|&i| lens[i] > 0 && !plan.is_streamed(i))
         .collect();
-    let chunk = todo.len().div_ceil(STARTS_AT_ONCE).max(1);
-    let started: Vec<Result<(usize, Started)>> = std::thread::scope(|s| {
-        let workers: Vec<_> = todo
-            .chunks(chunk)
-            .map(|files| {
-                s.spawn(move || {
-                    files
-                        .iter()
-                        .map(|&i| {
-                            let key = dests[i].key().to_string();
-                            Ok((
-                                i,
-                                Started {
-                                    key,
-                                    id: dests[i].create_upload()?,
-                                },
-                            ))
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| vec![Err(Error::bug("a thread starting uploads panicked"))])
-            })
-            .collect()
-    });
+    let started = at_once(&todo, |&i| {
+        let key = dests[i].key().to_string();
+        Ok(dests[i].create_upload().map(|id| (i, Started { key, id })))
+    })?;
     let mut uploads = vec![None; lens.len()];
     let mut failed = None;
     for r in started {
@@ -449,6 +424,27 @@ fn start_uploads(
         return Err(e);
     }
     Ok(uploads)
+}
+
+/// `f` of every item, in order, up to [`AT_ONCE`] at a time (each waits on the store's reply);
+/// the first error.
+fn at_once<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> Result<R> + Sync) -> Result<Vec<R>> {
+    let chunk = items.len().div_ceil(AT_ONCE).max(1);
+    let f = &f;
+    let done: Vec<Vec<Result<R>>> = std::thread::scope(|s| {
+        let workers: Vec<_> = items
+            .chunks(chunk)
+            .map(|c| s.spawn(move || c.iter().map(f).collect::<Vec<_>>()))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| vec![Err(Error::bug("a worker thread panicked"))])
+            })
+            .collect()
+    });
+    done.into_iter().flatten().collect()
 }
 
 fn parse_run(run: &Remote, bytes: &[u8]) -> Result<RunRecord> {
