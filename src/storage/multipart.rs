@@ -14,19 +14,35 @@ use crate::error::{Error, ErrorKind, Result};
 #[derive(Clone, Debug)]
 pub(crate) struct UploadedPart(PartId);
 
-/// A part of a multipart upload being sent in the background.
+/// A part of a multipart upload being sent in the background. Dropped unsent (a failed or
+/// interrupted run), its request is cancelled and waited for, so that aborting the upload after
+/// it leaves nothing behind: on GCS a part is an object of its own, and one sent after the abort
+/// deleted the others would stay.
 pub(crate) struct PendingPart {
-    handle: tokio::task::JoinHandle<object_store::Result<PartId>>,
+    handle: Option<tokio::task::JoinHandle<object_store::Result<PartId>>>,
     at: Remote,
 }
 
 impl PendingPart {
     /// Wait until the store has acknowledged the part.
-    pub(crate) fn wait(self) -> Result<UploadedPart> {
-        let done = block_on(self.handle)?
+    pub(crate) fn wait(mut self) -> Result<UploadedPart> {
+        let handle = self
+            .handle
+            .take()
+            .ok_or_else(|| Error::bug("an upload part was waited for twice"))?;
+        let done = block_on(handle)?
             .map_err(|e| Error::new(ErrorKind::Io, format!("upload task failed: {e}")))?;
         done.map(UploadedPart)
             .map_err(|e| store_error(&self.at.path, e))
+    }
+}
+
+impl Drop for PendingPart {
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.abort();
+            let _ = block_on(handle);
+        }
     }
 }
 
@@ -110,7 +126,7 @@ impl Remote {
         let payload = PutPayload::from(bytes::Bytes::from(bytes));
         let handle = runtime()?.spawn(async move { mp.put_part(&key, &id, k, payload).await });
         Ok(PendingPart {
-            handle,
+            handle: Some(handle),
             at: self.clone(),
         })
     }

@@ -114,12 +114,7 @@ fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store:
                 .with_retry(retry())
                 .build()?,
         ),
-        "gs" => both(
-            object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry())
-                .build()?,
-        ),
+        "gs" => both(super::gcs::build(bucket, retry())?),
         _ => both(
             object_store::azure::MicrosoftAzureBuilder::from_env()
                 .with_container_name(bucket)
@@ -317,10 +312,11 @@ fn vars(scheme: &str) -> Vars {
         },
         "gs" => Vars {
             setup: "set GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or \
-                    GOOGLE_APPLICATION_CREDENTIALS",
+                    GOOGLE_APPLICATION_CREDENTIALS; STORAGE_EMULATOR_HOST for an emulator",
             credentials: "check GOOGLE_SERVICE_ACCOUNT, GOOGLE_SERVICE_ACCOUNT_KEY or \
                           GOOGLE_APPLICATION_CREDENTIALS",
-            endpoint: "check GOOGLE_BASE_URL (if set) and that the store is reachable",
+            endpoint: "check STORAGE_EMULATOR_HOST or GOOGLE_BASE_URL (if set) and that the store \
+                       is reachable",
         },
         _ => Vars {
             setup: "set AWS_REGION, AWS_ENDPOINT_URL (and AWS_ALLOW_HTTP=true for http://) and \
@@ -349,11 +345,16 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     if text.contains("ContainerNotFound") {
         return err.hint("the container does not exist: create it, or check the URL");
     }
+    // S3 and GCS's XML API say `NoSuchBucket`; GCS's JSON API says it in words, and
+    // fake-gcs-server answers a listing of a missing bucket `500 no bucket named B`.
+    if ["NoSuchBucket", "bucket does not exist", "no bucket named"]
+        .iter()
+        .any(|s| text.contains(s))
+    {
+        return err.hint("the bucket does not exist: create it, or check the URL");
+    }
     if not_found {
         return err.hint("check the bucket and key: nothing is stored there");
-    }
-    if text.contains("NoSuchBucket") {
-        return err.hint("the bucket does not exist: create it, or check the URL");
     }
     if is_throttled(&text) {
         return err.hint(format!(
