@@ -202,8 +202,14 @@ pub fn write(
         .to_string();
     let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
 
-    // Uploads of runs that were killed before they could abort them.
-    for j in journal_dir.objects_below()? {
+    // Uploads of runs that were killed before they could abort them. The run's first request:
+    // a missing bucket or refused credentials show here, and are named as the output, not as
+    // the journal's hidden prefix.
+    let journals = journal_dir.objects_below().map_err(|mut e| {
+        e.file = Some(out.to_path_buf());
+        e
+    })?;
+    for j in journals {
         let closed = match j.read_all() {
             Ok(b) => abort(
                 &j,

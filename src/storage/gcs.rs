@@ -21,6 +21,7 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -28,7 +29,8 @@ use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use object_store::client::{HttpClient, HttpConnector, HttpRequest, ReqwestConnector};
 use object_store::gcp::{
-    GcpCredential, GoogleCloudStorage, GoogleCloudStorageBuilder, GoogleConfigKey,
+    GcpCredential, GcpCredentialProvider, GoogleCloudStorage, GoogleCloudStorageBuilder,
+    GoogleConfigKey,
 };
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as Key;
@@ -48,18 +50,25 @@ const CONCURRENT: usize = 16;
 #[derive(Debug)]
 pub(crate) struct Gcs {
     inner: GoogleCloudStorage,
+    api: Arc<Api>,
+}
+
+/// What requests of the JSON API need.
+#[derive(Debug)]
+struct Api {
     http: HttpClient,
     /// Scheme and host (`https://storage.googleapis.com`, an emulator's URL), no trailing `/`.
     base: String,
     bucket: String,
     /// No `Authorization` header: an emulator, or a service account with `disable_oauth`.
     anonymous: bool,
+    credentials: GcpCredentialProvider,
     retry: RetryConfig,
 }
 
 impl fmt::Display for Gcs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "GoogleCloudStorage({})", self.bucket)
+        write!(f, "GoogleCloudStorage({})", self.api.bucket)
     }
 }
 
@@ -120,7 +129,7 @@ pub(crate) fn build(bucket: &str, retry: RetryConfig) -> object_store::Result<Gc
         b = b
             .with_base_url(url)
             .with_skip_signature(true)
-            .with_credentials(std::sync::Arc::new(anonymous));
+            .with_credentials(Arc::new(anonymous));
     }
     let base = b
         .get_config_value(&GoogleConfigKey::BaseUrl)
@@ -140,14 +149,15 @@ pub(crate) fn build(bucket: &str, retry: RetryConfig) -> object_store::Result<Gc
     let inner = b.build()?;
     let http =
         ReqwestConnector::default().connect(&ClientOptions::new().with_allow_http(allow_http))?;
-    Ok(Gcs {
-        inner,
+    let api = Arc::new(Api {
         http,
         base,
         bucket: bucket.to_string(),
         anonymous: emulator.is_some() || skip_signature || disable_oauth,
+        credentials: inner.credentials().clone(),
         retry,
-    })
+    });
+    Ok(Gcs { inner, api })
 }
 
 /// `s` percent-encoded for a URL path segment or query value (RFC 3986 unreserved kept).
@@ -196,7 +206,7 @@ fn staging(key: &Key, id: &str) -> Key {
     Key::from_iter(at)
 }
 
-impl Gcs {
+impl Api {
     /// Send the request `make` builds, retried as object_store retries its own (a dropped
     /// connection, 408, 429, 5xx) with backoff; the response's body, or the error naming the
     /// request and what the store said. A 404 is [`object_store::Error::NotFound`] of `key`.
@@ -210,7 +220,7 @@ impl Gcs {
         let bearer = if self.anonymous {
             None
         } else {
-            let c = self.inner.credentials().get_credential().await?;
+            let c = self.credentials.get_credential().await?;
             Some(c.bearer.clone()).filter(|b| !b.is_empty())
         };
         let mut wait = self.retry.backoff.init_backoff;
@@ -319,6 +329,35 @@ impl Gcs {
         Ok(put_result(&body))
     }
 
+    /// Whether the bucket is missing (`404` to a request for its metadata), asked when a
+    /// listing fails: fake-gcs-server answers a listing of a missing bucket with a `500` that
+    /// says so in its own words, where GCS says `NoSuchBucket`.
+    async fn bucket_missing(&self) -> bool {
+        let url = format!("{}/storage/v1/b/{}", self.base, encode(&self.bucket));
+        let got = self
+            .send(
+                &format!("GET {url}"),
+                &Key::from(""),
+                || http::Request::get(&url),
+                object_store::client::HttpRequestBody::empty,
+            )
+            .await;
+        matches!(got, Err(object_store::Error::NotFound { .. }))
+    }
+
+    /// A failed listing's error, or that the bucket does not exist when it does not.
+    async fn explain(&self, e: object_store::Error) -> object_store::Error {
+        if self.bucket_missing().await {
+            return generic(format!(
+                "NoSuchBucket: the bucket `{}` does not exist",
+                self.bucket
+            ));
+        }
+        e
+    }
+}
+
+impl Gcs {
     /// Delete every object under `prefix`; those already gone are no error.
     async fn delete_below(&self, prefix: &Key) -> object_store::Result<()> {
         let keys: Vec<Key> = self
@@ -362,7 +401,7 @@ impl ObjectStore for Gcs {
     ) -> object_store::Result<PutResult> {
         // ckpt replaces objects without conditions; anything else keeps object_store's request.
         if matches!(opts.mode, PutMode::Overwrite) && opts.attributes.is_empty() {
-            return self.upload(location, payload).await;
+            return self.api.upload(location, payload).await;
         }
         self.inner.put_opts(location, payload, opts).await
     }
@@ -399,11 +438,26 @@ impl ObjectStore for Gcs {
     }
 
     fn list(&self, prefix: Option<&Key>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
+        let api = self.api.clone();
+        self.inner
+            .list(prefix)
+            .then(move |listed| {
+                let api = api.clone();
+                async move {
+                    match listed {
+                        Err(e) => Err(api.explain(e).await),
+                        ok => ok,
+                    }
+                }
+            })
+            .boxed()
     }
 
     async fn list_with_delimiter(&self, prefix: Option<&Key>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
+        match self.inner.list_with_delimiter(prefix).await {
+            Err(e) => Err(self.api.explain(e).await),
+            ok => ok,
+        }
     }
 
     async fn copy_opts(
@@ -439,7 +493,7 @@ impl MultipartStore for Gcs {
         data: PutPayload,
     ) -> object_store::Result<PartId> {
         let part = staging(path, id).join(format!("{part_idx:05}"));
-        self.upload(&part, data).await?;
+        self.api.upload(&part, data).await?;
         Ok(PartId {
             content_id: part.to_string(),
         })
@@ -454,7 +508,7 @@ impl MultipartStore for Gcs {
         let stage = staging(path, id);
         let mut sources: Vec<String> = parts.into_iter().map(|p| p.content_id).collect();
         if sources.is_empty() {
-            return self.upload(path, PutPayload::default()).await;
+            return self.api.upload(path, PutPayload::default()).await;
         }
         // Rounds of 32 into staged composites until one compose makes the object.
         let mut round = 0;
@@ -466,7 +520,7 @@ impl MultipartStore for Gcs {
                 .collect();
             sources = stream::iter(groups)
                 .map(|(to, g)| async move {
-                    self.compose(&g, &to).await?;
+                    self.api.compose(&g, &to).await?;
                     Ok::<_, object_store::Error>(to.to_string())
                 })
                 .buffered(CONCURRENT)
@@ -474,7 +528,7 @@ impl MultipartStore for Gcs {
                 .await?;
             round += 1;
         }
-        let done = self.compose(&sources, path).await?;
+        let done = self.api.compose(&sources, path).await?;
         self.delete_below(&stage).await?;
         Ok(done)
     }

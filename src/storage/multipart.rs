@@ -10,14 +10,17 @@ use object_store::{ObjectStoreExt, PutPayload};
 use super::remote::{block_on, runtime, store_error, Remote};
 use crate::error::{Error, ErrorKind, Result};
 
+/// How long a part already being sent is let finish when its run stops.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A part of a multipart upload, sent and acknowledged: what [`Remote::complete_upload`] takes.
 #[derive(Clone, Debug)]
 pub(crate) struct UploadedPart(PartId);
 
-/// A part of a multipart upload being sent in the background. Dropped unsent (a failed or
-/// interrupted run), its request is cancelled and waited for, so that aborting the upload after
-/// it leaves nothing behind: on GCS a part is an object of its own, and one sent after the abort
-/// deleted the others would stay.
+/// A part of a multipart upload being sent in the background. Dropped unwaited (a failed or
+/// interrupted run), it is let finish for a few seconds, then cancelled: on GCS a part is an
+/// object of its own, and one the store stores after the abort has deleted the others would stay
+/// (a cancelled request whose body was sent is still stored).
 pub(crate) struct PendingPart {
     handle: Option<tokio::task::JoinHandle<object_store::Result<PartId>>>,
     at: Remote,
@@ -39,9 +42,12 @@ impl PendingPart {
 
 impl Drop for PendingPart {
     fn drop(&mut self) {
-        if let Some(handle) = self.handle.take() {
-            handle.abort();
-            let _ = block_on(handle);
+        if let Some(mut handle) = self.handle.take() {
+            let finished = block_on(async { tokio::time::timeout(DRAIN, &mut handle).await });
+            if !matches!(finished, Ok(Ok(_))) {
+                handle.abort();
+                let _ = block_on(handle);
+            }
         }
     }
 }
