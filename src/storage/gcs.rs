@@ -391,6 +391,29 @@ fn put_result(body: &[u8]) -> PutResult {
     }
 }
 
+/// One compose: the composite staged and its sources, in order.
+type Compose = (Key, Vec<String>);
+
+/// The composes that join `sources` (in order) when there are more than one request takes:
+/// rounds of composites staged under `stage`, each of at most [`COMPOSE_MAX`] sources of the
+/// round before (a round's composes may run in any order), and the sources of the last compose.
+fn compose_rounds(stage: &Key, mut sources: Vec<String>) -> (Vec<Vec<Compose>>, Vec<String>) {
+    let mut rounds = Vec::new();
+    while sources.len() > COMPOSE_MAX {
+        let round: Vec<Compose> = sources
+            .chunks(COMPOSE_MAX)
+            .enumerate()
+            .map(|(j, g)| {
+                let r = rounds.len();
+                (stage.clone().join(format!("r{r}-{j:05}")), g.to_vec())
+            })
+            .collect();
+        sources = round.iter().map(|(to, _)| to.to_string()).collect();
+        rounds.push(round);
+    }
+    (rounds, sources)
+}
+
 #[async_trait]
 impl ObjectStore for Gcs {
     async fn put_opts(
@@ -506,29 +529,19 @@ impl MultipartStore for Gcs {
         parts: Vec<PartId>,
     ) -> object_store::Result<PutResult> {
         let stage = staging(path, id);
-        let mut sources: Vec<String> = parts.into_iter().map(|p| p.content_id).collect();
+        let sources: Vec<String> = parts.into_iter().map(|p| p.content_id).collect();
         if sources.is_empty() {
             return self.api.upload(path, PutPayload::default()).await;
         }
-        // Rounds of 32 into staged composites until one compose makes the object.
-        let mut round = 0;
-        while sources.len() > COMPOSE_MAX {
-            let groups: Vec<(Key, Vec<String>)> = sources
-                .chunks(COMPOSE_MAX)
-                .enumerate()
-                .map(|(j, g)| (stage.clone().join(format!("r{round}-{j:05}")), g.to_vec()))
-                .collect();
-            sources = stream::iter(groups)
-                .map(|(to, g)| async move {
-                    self.api.compose(&g, &to).await?;
-                    Ok::<_, object_store::Error>(to.to_string())
-                })
-                .buffered(CONCURRENT)
-                .try_collect()
+        let (rounds, last) = compose_rounds(&stage, sources);
+        for round in rounds {
+            stream::iter(round)
+                .map(|(to, g)| async move { self.api.compose(&g, &to).await })
+                .buffer_unordered(CONCURRENT)
+                .try_collect::<Vec<_>>()
                 .await?;
-            round += 1;
         }
-        let done = self.api.compose(&sources, path).await?;
+        let done = self.api.compose(&last, path).await?;
         self.delete_below(&stage).await?;
         Ok(done)
     }
@@ -552,6 +565,43 @@ mod tests {
             staging(&Key::from("model.safetensors"), "x").as_ref(),
             ".model.safetensors.ckpt-parts/x"
         );
+    }
+
+    #[test]
+    fn composes_join_any_number_of_parts_in_order() {
+        let stage = Key::from("d/.f.ckpt-parts/id");
+        for n in [1, 2, 31, 32, 33, 64, 65, 1000, 1024, 1025, 10_000] {
+            let parts: Vec<String> = (0..n).map(|k| format!("{stage}/{k:05}")).collect();
+            let (rounds, last) = compose_rounds(&stage, parts.clone());
+            assert!(
+                !last.is_empty() && last.len() <= COMPOSE_MAX,
+                "{n}: {}",
+                last.len()
+            );
+            // What each staged composite holds, expanded down to the parts: the parts in order.
+            let mut holds: std::collections::HashMap<String, Vec<String>> = Default::default();
+            for round in &rounds {
+                for (to, sources) in round {
+                    assert!(!sources.is_empty() && sources.len() <= COMPOSE_MAX);
+                    assert!(to.as_ref().starts_with(stage.as_ref()));
+                    let expanded = sources
+                        .iter()
+                        .flat_map(|s| holds.get(s).cloned().unwrap_or_else(|| vec![s.clone()]))
+                        .collect();
+                    assert!(
+                        holds.insert(to.to_string(), expanded).is_none(),
+                        "{to} twice"
+                    );
+                }
+            }
+            let whole: Vec<String> = last
+                .iter()
+                .flat_map(|s| holds.get(s).cloned().unwrap_or_else(|| vec![s.clone()]))
+                .collect();
+            assert_eq!(whole, parts, "{n}");
+            // 10,000 parts (S3's limit, which sets the part size) take three rounds.
+            assert!(rounds.len() <= 3, "{n}: {} rounds", rounds.len());
+        }
     }
 
     #[test]
