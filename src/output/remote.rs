@@ -13,7 +13,9 @@
 //! commit markers ([`crate::plan::FileRole`]) last. The uploads a run starts are recorded in a
 //! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
 //! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
-//! run into the same place.
+//! run into the same place. On GCS a multipart upload is the storage seam's own (parts staged as
+//! objects beside the output and composed when it completes, see `src/storage/gcs.rs`): the same
+//! steps, and an abort deletes the staged parts.
 
 use std::collections::{HashSet, VecDeque};
 use std::fs::File;

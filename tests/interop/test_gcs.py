@@ -350,6 +350,16 @@ def test_torch_save_crcs_across_upload_parts(gcs, big, tmp_path):
     assert not staged(gcs)
 
 
+def test_manifest_in_gcs(gcs):
+    """A small object written whole (one simple upload), read back by another command."""
+    dest = f"gs://{BUCKET}/manifests/fsdp2.json"
+    wrote = run(gcs, "verify", fixture("fsdp2_adamw"), "--write-manifest", dest)
+    assert wrote.returncode == 0, wrote.stderr
+    assert json.loads(gcs.request("GET", "/download/storage/v1/b/ckpt/o/manifests%2Ffsdp2.json?alt=media"))
+    same = run(gcs, "verify", url("fsdp2_adamw"), "--manifest", dest)
+    assert same.returncode == 0, same.stdout + same.stderr
+
+
 def start(server: FakeGcs, *args):
     return subprocess.Popen(
         [str(ckpt_path()), *map(str, args)],
