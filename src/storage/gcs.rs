@@ -146,9 +146,8 @@ pub(crate) fn build(bucket: &str, retry: RetryConfig) -> object_store::Result<Gc
     let skip_signature = b
         .get_config_value(&GoogleConfigKey::SkipSignature)
         .is_some_and(|v| v == "true");
+    let http = ReqwestConnector::default().connect(&client_options(&b))?;
     let inner = b.build()?;
-    let http =
-        ReqwestConnector::default().connect(&ClientOptions::new().with_allow_http(allow_http))?;
     let api = Arc::new(Api {
         http,
         base,
@@ -158,6 +157,35 @@ pub(crate) fn build(bucket: &str, retry: RetryConfig) -> object_store::Result<Gc
         retry,
     });
     Ok(Gcs { inner, api })
+}
+
+/// The builder's HTTP settings (`GOOGLE_PROXY_URL`, `GOOGLE_TIMEOUT`, `GOOGLE_ALLOW_HTTP`, ...),
+/// so that ckpt's own requests go as object_store's do.
+fn client_options(b: &GoogleCloudStorageBuilder) -> ClientOptions {
+    use ClientConfigKey::*;
+    [
+        AllowHttp,
+        AllowInvalidCertificates,
+        NoSystemCertificates,
+        ConnectTimeout,
+        Http1Only,
+        Http2Only,
+        PoolIdleTimeout,
+        PoolMaxIdlePerHost,
+        ProxyUrl,
+        ProxyCaCertificate,
+        ProxyExcludes,
+        ReadTimeout,
+        Timeout,
+        UserAgent,
+    ]
+    .into_iter()
+    .fold(ClientOptions::new(), |options, key| {
+        match b.get_config_value(&GoogleConfigKey::Client(key)) {
+            Some(value) => options.with_config(key, value),
+            None => options,
+        }
+    })
 }
 
 /// `s` percent-encoded for a URL path segment or query value (RFC 3986 unreserved kept).

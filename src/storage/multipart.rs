@@ -10,17 +10,17 @@ use object_store::{ObjectStoreExt, PutPayload};
 use super::remote::{block_on, runtime, store_error, Remote};
 use crate::error::{Error, ErrorKind, Result};
 
-/// How long a part already being sent is let finish when its run stops.
+/// How long a part already being sent is let finish when its run stops, where parts are objects.
 const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A part of a multipart upload, sent and acknowledged: what [`Remote::complete_upload`] takes.
 #[derive(Clone, Debug)]
 pub(crate) struct UploadedPart(PartId);
 
-/// A part of a multipart upload being sent in the background. Dropped unwaited (a failed or
-/// interrupted run), it is let finish for a few seconds, then cancelled: on GCS a part is an
-/// object of its own, and one the store stores after the abort has deleted the others would stay
-/// (a cancelled request whose body was sent is still stored).
+/// A part of a multipart upload being sent in the background, cancelled when dropped unwaited (a
+/// failed or interrupted run). Where parts are objects (GCS), it is first let finish for a few
+/// seconds: a cancelled request whose body was sent is still stored, and a part stored after the
+/// abort has deleted the others would stay.
 pub(crate) struct PendingPart {
     handle: Option<tokio::task::JoinHandle<object_store::Result<PartId>>>,
     at: Remote,
@@ -43,11 +43,15 @@ impl PendingPart {
 impl Drop for PendingPart {
     fn drop(&mut self) {
         if let Some(mut handle) = self.handle.take() {
-            let finished = block_on(async { tokio::time::timeout(DRAIN, &mut handle).await });
-            if !matches!(finished, Ok(Ok(_))) {
-                handle.abort();
-                let _ = block_on(handle);
+            if self.at.store.parts_are_objects {
+                let drained = block_on(async { tokio::time::timeout(DRAIN, &mut handle).await });
+                // A finished handle may not be waited for again.
+                if matches!(drained, Ok(Ok(_))) {
+                    return;
+                }
             }
+            handle.abort();
+            let _ = block_on(handle);
         }
     }
 }

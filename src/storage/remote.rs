@@ -49,6 +49,9 @@ pub(crate) struct Store {
     pub(crate) name: String,
     pub(crate) objects: Arc<dyn ObjectStore>,
     pub(crate) multipart: Arc<dyn MultipartStore>,
+    /// Each part of a multipart upload is an object of its own until the upload completes or is
+    /// aborted (GCS, see [`super::gcs`]): one stored after the abort would stay.
+    pub(crate) parts_are_objects: bool,
 }
 
 /// A remote location: a bucket's store and a key in it.
@@ -126,6 +129,7 @@ fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store:
         name: format!("{scheme}://{bucket}"),
         objects,
         multipart,
+        parts_are_objects: scheme == "gs",
     })
 }
 
@@ -1152,6 +1156,7 @@ mod tests {
             name: "s3://mem".into(),
             objects: mem.clone(),
             multipart: mem,
+            parts_are_objects: false,
         });
         let path = PathBuf::from("s3://mem/ckpt/__0_0.distcp");
         Remote { store, key, path }.open().unwrap()
