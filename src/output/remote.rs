@@ -14,8 +14,8 @@
 //! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
 //! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
 //! run into the same place. On GCS a multipart upload is the storage seam's own (parts staged as
-//! objects beside the output and composed when it completes, see `src/storage/gcs.rs`): the same
-//! steps, and an abort deletes the staged parts.
+//! objects in `.NAME.ckpt-parts/` beside the output and composed when it completes, see
+//! `src/storage/gcs.rs`): the same steps, and an abort deletes the staged parts.
 
 use std::collections::{HashSet, VecDeque};
 use std::fs::File;
@@ -203,6 +203,8 @@ pub fn write(
         .ok_or_else(|| Error::usage(format!("`{out_s}` is not a usable output name")))?
         .to_string();
     let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
+    // Where a store whose upload parts are objects (GCS) stages them: beside the output too.
+    let parts_dir = remote.parent().join(&format!(".{name}.ckpt-parts"))?;
 
     // Uploads of runs that were killed before they could abort them. The run's first request:
     // a missing bucket or refused credentials show here, and are named as the output, not as
@@ -283,7 +285,7 @@ pub fn write(
     let mut ids: Vec<Option<String>> = vec![None; n];
     for i in 0..n {
         if !plan.role(i).is_streamed() && lens[i] > 0 {
-            let id = dests[i].create_upload()?;
+            let id = dests[i].create_upload(&parts_dir)?;
             uploads.started.push(Started {
                 key: dests[i].key().to_string(),
                 id: id.clone(),

@@ -8,8 +8,9 @@
 //! both, so [`Gcs`] writes with them and leaves reads, listings and deletes to object_store:
 //!
 //! - a whole object is one simple upload: it appears whole or not at all;
-//! - a multipart upload stages each part as an object of its own beside the destination
-//!   (`DIR/.NAME.ckpt-parts/ID/00000`), in any order and in parallel, and completing it composes
+//! - a multipart upload stages each part as an object of its own under a prefix that is its id
+//!   (the caller's, or `DIR/.NAME.ckpt-parts/TOKEN` beside the destination), as `.../00000`, in
+//!   any order and in parallel, and completing it composes
 //!   them into the destination (32 at a time, in rounds for more: a composed object may be a
 //!   component again) and deletes them. The destination appears only with the last compose;
 //!   aborting deletes the staged parts. Each part's bytes are sent once, and no more of them are
@@ -220,9 +221,10 @@ fn generic(text: String) -> object_store::Error {
     }
 }
 
-/// Where the parts of upload `id` to `key` are staged: a hidden prefix beside the destination
-/// (the caller may write there, where it may not be allowed to write elsewhere in the bucket).
-fn staging(key: &Key, id: &str) -> Key {
+/// Where parts of uploads to `key` are staged when the caller does not say: a hidden prefix
+/// beside it (the caller may write there, where it may not be allowed to write elsewhere in the
+/// bucket).
+fn beside(key: &Key) -> Key {
     let parts: Vec<_> = key.parts().collect();
     let (name, dir) = match parts.split_last() {
         Some((name, dir)) => (name.as_ref(), dir),
@@ -230,8 +232,27 @@ fn staging(key: &Key, id: &str) -> Key {
     };
     let mut at: Vec<String> = dir.iter().map(|p| p.as_ref().to_string()).collect();
     at.push(format!(".{name}.ckpt-parts"));
-    at.push(id.to_string());
     Key::from_iter(at)
+}
+
+/// A new upload's id: the prefix under `under` its parts are staged at, unique among the uploads
+/// of every run (this process, this moment, this upload). Aborting needs nothing but the id.
+pub(crate) fn upload_id(under: &Key) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let token = format!(
+        "{:x}-{nanos:x}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    under.clone().join(token).to_string()
+}
+
+/// The staging prefix an upload id names.
+fn staging(id: &str) -> object_store::Result<Key> {
+    Key::parse(id).map_err(|e| generic(format!("upload id `{id}` is not a staging prefix: {e}")))
 }
 
 impl Api {
@@ -523,27 +544,18 @@ impl ObjectStore for Gcs {
 
 #[async_trait]
 impl MultipartStore for Gcs {
-    async fn create_multipart(&self, _path: &Key) -> object_store::Result<MultipartId> {
-        // Unique among the uploads of every run: this process, this moment, this upload.
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        Ok(format!(
-            "{:x}-{nanos:x}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ))
+    async fn create_multipart(&self, path: &Key) -> object_store::Result<MultipartId> {
+        Ok(upload_id(&beside(path)))
     }
 
     async fn put_part(
         &self,
-        path: &Key,
+        _path: &Key,
         id: &MultipartId,
         part_idx: usize,
         data: PutPayload,
     ) -> object_store::Result<PartId> {
-        let part = staging(path, id).join(format!("{part_idx:05}"));
+        let part = staging(id)?.join(format!("{part_idx:05}"));
         self.api.upload(&part, data).await?;
         Ok(PartId {
             content_id: part.to_string(),
@@ -556,7 +568,7 @@ impl MultipartStore for Gcs {
         id: &MultipartId,
         parts: Vec<PartId>,
     ) -> object_store::Result<PutResult> {
-        let stage = staging(path, id);
+        let stage = staging(id)?;
         let sources: Vec<String> = parts.into_iter().map(|p| p.content_id).collect();
         if sources.is_empty() {
             return self.api.upload(path, PutPayload::default()).await;
@@ -574,8 +586,8 @@ impl MultipartStore for Gcs {
         Ok(done)
     }
 
-    async fn abort_multipart(&self, path: &Key, id: &MultipartId) -> object_store::Result<()> {
-        self.delete_below(&staging(path, id)).await
+    async fn abort_multipart(&self, _path: &Key, id: &MultipartId) -> object_store::Result<()> {
+        self.delete_below(&staging(id)?).await
     }
 }
 
@@ -584,15 +596,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parts_are_staged_beside_the_destination() {
-        assert_eq!(
-            staging(&Key::from("out/dcp/__0_0.distcp"), "1-2-3").as_ref(),
-            "out/dcp/.__0_0.distcp.ckpt-parts/1-2-3"
-        );
-        assert_eq!(
-            staging(&Key::from("model.safetensors"), "x").as_ref(),
-            ".model.safetensors.ckpt-parts/x"
-        );
+    fn parts_are_staged_beside_the_destination_unless_told() {
+        let id = upload_id(&beside(&Key::from("out/dcp/__0_0.distcp")));
+        assert!(id.starts_with("out/dcp/.__0_0.distcp.ckpt-parts/"), "{id}");
+        assert_eq!(staging(&id).unwrap().as_ref(), id);
+        let id = upload_id(&beside(&Key::from("model.safetensors")));
+        assert!(id.starts_with(".model.safetensors.ckpt-parts/"), "{id}");
+        let other = upload_id(&beside(&Key::from("model.safetensors")));
+        assert_ne!(id, other);
+        assert!(staging("a//b").is_err());
     }
 
     #[test]

@@ -119,8 +119,13 @@ impl Remote {
         }
     }
 
-    /// Start a multipart upload to this key; its id.
-    pub(crate) fn create_upload(&self) -> Result<String> {
+    /// Start a multipart upload to this key; its id. Where parts are objects (GCS) they are
+    /// staged under `staging` (outside the output, so that nothing is under its name before it
+    /// completes), and the id is the prefix they are staged at.
+    pub(crate) fn create_upload(&self, staging: &Remote) -> Result<String> {
+        if self.store.parts_are_objects {
+            return Ok(super::gcs::upload_id(&staging.key));
+        }
         block_on(self.store.multipart.create_multipart(&self.key))?
             .map_err(|e| store_error(&self.path, e))
     }
