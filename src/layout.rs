@@ -65,6 +65,14 @@ impl Listing {
                 path: path.to_path_buf(),
                 entries: storage::listing(path)?,
             }),
+            None if storage::is_remote(path) => {
+                Err(
+                    Error::usage(format!("`{}` does not exist", path.display())).hint(
+                        "no object has this key and none lies under it: check the key (keys are \
+                     case-sensitive) against a listing of the bucket",
+                    ),
+                )
+            }
             None => Err(Error::usage(format!("`{}` does not exist", path.display()))),
         }
     }

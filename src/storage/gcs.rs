@@ -10,11 +10,10 @@
 //! - a whole object is one simple upload: it appears whole or not at all;
 //! - a multipart upload stages each part as an object of its own under a prefix that is its id
 //!   (the caller's, or `DIR/.NAME.ckpt-parts/TOKEN` beside the destination), as `.../00000`, in
-//!   any order and in parallel, and completing it composes
-//!   them into the destination (32 at a time, in rounds for more: a composed object may be a
-//!   component again) and deletes them. The destination appears only with the last compose;
-//!   aborting deletes the staged parts. Each part's bytes are sent once, and no more of them are
-//!   held than the caller holds.
+//!   any order and in parallel; completing it composes them into the destination (32 at a time,
+//!   in rounds for more: a composed object may be a component again) and deletes them. The
+//!   destination appears only with the last compose; aborting deletes the staged parts. Each
+//!   part's bytes are sent once, and no more of them are held than the caller holds.
 //!
 //! `STORAGE_EMULATOR_HOST`, the variable Google's clients read for an emulator, is honoured as
 //! they honour it: requests go to that host, unsigned.

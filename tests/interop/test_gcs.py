@@ -429,6 +429,7 @@ def test_missing_object_and_bucket(gcs):
     proc = run(gcs, "inspect", f"gs://{BUCKET}/no-such-checkpoint")
     assert proc.returncode == 2, proc.stderr
     assert f"gs://{BUCKET}/no-such-checkpoint" in proc.stderr and "does not exist" in proc.stderr
+    assert "hint: no object has this key" in proc.stderr, proc.stderr
     for args in (["inspect", "gs://no-such-bucket/x"], ["consolidate", fixture("single"), "-o", "gs://no-such-bucket/x"]):
         proc = run(gcs, *args)
         assert proc.returncode == 1, proc.stderr
