@@ -66,12 +66,9 @@ impl Listing {
                 entries: storage::listing(path)?,
             }),
             None if storage::is_remote(path) => {
-                Err(
-                    Error::usage(format!("`{}` does not exist", path.display())).hint(
-                        "no object has this key and none lies under it: check the key (keys are \
-                     case-sensitive) against a listing of the bucket",
-                    ),
-                )
+                let hint = "no object has this key and none lies under it: check the key (keys \
+                            are case-sensitive) against a listing of the bucket";
+                Err(Error::usage(format!("`{}` does not exist", path.display())).hint(hint))
             }
             None => Err(Error::usage(format!("`{}` does not exist", path.display()))),
         }

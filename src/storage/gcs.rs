@@ -403,6 +403,10 @@ impl Api {
 
     /// A failed listing's error, or that the bucket does not exist when it does not.
     async fn explain(&self, e: object_store::Error) -> object_store::Error {
+        // A store that did not answer cannot say more.
+        if e.to_string().contains("error sending request") {
+            return e;
+        }
         if self.bucket_missing().await {
             return generic(format!(
                 "NoSuchBucket: the bucket `{}` does not exist",

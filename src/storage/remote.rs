@@ -349,12 +349,9 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     if text.contains("ContainerNotFound") {
         return err.hint("the container does not exist: create it, or check the URL");
     }
-    // S3 and GCS's XML API say `NoSuchBucket`; GCS's JSON API says it in words, and
-    // fake-gcs-server answers a listing of a missing bucket `500 no bucket named B`.
-    if ["NoSuchBucket", "bucket does not exist", "no bucket named"]
-        .iter()
-        .any(|s| text.contains(s))
-    {
+    // S3 and GCS's XML API say `NoSuchBucket`, GCS's JSON API "The specified bucket does not
+    // exist." (a 404, so before "nothing is stored there").
+    if text.contains("NoSuchBucket") || text.contains("bucket does not exist") {
         return err.hint("the bucket does not exist: create it, or check the URL");
     }
     if not_found {
