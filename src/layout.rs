@@ -65,6 +65,11 @@ impl Listing {
                 path: path.to_path_buf(),
                 entries: storage::listing(path)?,
             }),
+            None if storage::is_remote(path) => {
+                let hint = "no object has this key and none lies under it: check the key (keys \
+                            are case-sensitive) against a listing of the bucket";
+                Err(Error::usage(format!("`{}` does not exist", path.display())).hint(hint))
+            }
             None => Err(Error::usage(format!("`{}` does not exist", path.display()))),
         }
     }

@@ -13,7 +13,9 @@
 //! commit markers ([`crate::plan::FileRole`]) last. The uploads a run starts are recorded in a
 //! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
 //! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
-//! run into the same place.
+//! run into the same place. On GCS a multipart upload is the storage seam's own (parts staged as
+//! objects in `.NAME.ckpt-parts/` beside the output and composed when it completes, see
+//! `src/storage/gcs.rs`): the same steps, and an abort deletes the staged parts.
 
 use std::collections::{HashSet, VecDeque};
 use std::fs::File;
@@ -294,9 +296,17 @@ pub fn write(
 ) -> Result<()> {
     let (remote, name) = output_of(out, input)?;
     let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
+    // Where a store whose upload parts are objects (GCS) stages them: beside the output too.
+    let parts_dir = remote.parent().join(&format!(".{name}.ckpt-parts"))?;
 
-    // Uploads of runs that were killed before they could abort them.
-    for j in journal_dir.objects_below()? {
+    // Uploads of runs that were killed before they could abort them. The run's first request:
+    // a missing bucket or refused credentials show here, and are named as the output, not as
+    // the journal's hidden prefix.
+    let journals = journal_dir.objects_below().map_err(|mut e| {
+        e.file = Some(out.to_path_buf());
+        e
+    })?;
+    for j in journals {
         let closed = match j.read_all() {
             Ok(b) => abort(
                 &j,
@@ -328,7 +338,7 @@ pub fn write(
     let mut ids: Vec<Option<String>> = vec![None; n];
     for i in 0..n {
         if !plan.role(i).is_streamed() && lens[i] > 0 {
-            let id = dests[i].create_upload()?;
+            let id = dests[i].create_upload(&parts_dir)?;
             uploads.started.push(Started {
                 key: dests[i].key().to_string(),
                 id: id.clone(),

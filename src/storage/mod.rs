@@ -13,6 +13,7 @@
 //! which only its framing (end records, central directory, local headers, descriptors) and small
 //! records (`data.pkl`) are fetched, the tensor bytes left unread.
 
+mod gcs;
 mod multipart;
 mod remote;
 

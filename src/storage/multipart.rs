@@ -10,23 +10,49 @@ use object_store::{ObjectStoreExt, PutPayload};
 use super::remote::{block_on, runtime, store_error, Remote};
 use crate::error::{Error, ErrorKind, Result};
 
+/// How long a part already being sent is let finish when its run stops, where parts are objects.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A part of a multipart upload, sent and acknowledged: what [`Remote::complete_upload`] takes.
 #[derive(Clone, Debug)]
 pub(crate) struct UploadedPart(PartId);
 
-/// A part of a multipart upload being sent in the background.
+/// A part of a multipart upload being sent in the background, cancelled when dropped unwaited (a
+/// failed or interrupted run). Where parts are objects (GCS), it is first let finish for a few
+/// seconds: a cancelled request whose body was sent is still stored, and a part stored after the
+/// abort has deleted the others would stay.
 pub(crate) struct PendingPart {
-    handle: tokio::task::JoinHandle<object_store::Result<PartId>>,
+    handle: Option<tokio::task::JoinHandle<object_store::Result<PartId>>>,
     at: Remote,
 }
 
 impl PendingPart {
     /// Wait until the store has acknowledged the part.
-    pub(crate) fn wait(self) -> Result<UploadedPart> {
-        let done = block_on(self.handle)?
+    pub(crate) fn wait(mut self) -> Result<UploadedPart> {
+        let handle = self
+            .handle
+            .take()
+            .ok_or_else(|| Error::bug("an upload part was waited for twice"))?;
+        let done = block_on(handle)?
             .map_err(|e| Error::new(ErrorKind::Io, format!("upload task failed: {e}")))?;
         done.map(UploadedPart)
             .map_err(|e| store_error(&self.at.path, e))
+    }
+}
+
+impl Drop for PendingPart {
+    fn drop(&mut self) {
+        if let Some(mut handle) = self.handle.take() {
+            if self.at.store.parts_are_objects {
+                let drained = block_on(async { tokio::time::timeout(DRAIN, &mut handle).await });
+                // A finished handle may not be waited for again.
+                if matches!(drained, Ok(Ok(_))) {
+                    return;
+                }
+            }
+            handle.abort();
+            let _ = block_on(handle);
+        }
     }
 }
 
@@ -93,8 +119,13 @@ impl Remote {
         }
     }
 
-    /// Start a multipart upload to this key; its id.
-    pub(crate) fn create_upload(&self) -> Result<String> {
+    /// Start a multipart upload to this key; its id. Where parts are objects (GCS) they are
+    /// staged under `staging` (outside the output, so that nothing is under its name before it
+    /// completes), and the id is the prefix they are staged at.
+    pub(crate) fn create_upload(&self, staging: &Remote) -> Result<String> {
+        if self.store.parts_are_objects {
+            return Ok(super::gcs::upload_id(&staging.key));
+        }
         block_on(self.store.multipart.create_multipart(&self.key))?
             .map_err(|e| store_error(&self.path, e))
     }
@@ -110,7 +141,7 @@ impl Remote {
         let payload = PutPayload::from(bytes::Bytes::from(bytes));
         let handle = runtime()?.spawn(async move { mp.put_part(&key, &id, k, payload).await });
         Ok(PendingPart {
-            handle,
+            handle: Some(handle),
             at: self.clone(),
         })
     }

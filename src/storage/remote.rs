@@ -49,6 +49,9 @@ pub(crate) struct Store {
     pub(crate) name: String,
     pub(crate) objects: Arc<dyn ObjectStore>,
     pub(crate) multipart: Arc<dyn MultipartStore>,
+    /// Each part of a multipart upload is an object of its own until the upload completes or is
+    /// aborted (GCS, see [`super::gcs`]): one stored after the abort would stay.
+    pub(crate) parts_are_objects: bool,
 }
 
 /// A remote location: a bucket's store and a key in it.
@@ -114,12 +117,7 @@ fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store:
                 .with_retry(retry())
                 .build()?,
         ),
-        "gs" => both(
-            object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry())
-                .build()?,
-        ),
+        "gs" => both(super::gcs::build(bucket, retry())?),
         _ => both(
             object_store::azure::MicrosoftAzureBuilder::from_env()
                 .with_container_name(bucket)
@@ -131,6 +129,7 @@ fn build(scheme: &str, bucket: &str) -> std::result::Result<Store, object_store:
         name: format!("{scheme}://{bucket}"),
         objects,
         multipart,
+        parts_are_objects: scheme == "gs",
     })
 }
 
@@ -317,10 +316,11 @@ fn vars(scheme: &str) -> Vars {
         },
         "gs" => Vars {
             setup: "set GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or \
-                    GOOGLE_APPLICATION_CREDENTIALS",
+                    GOOGLE_APPLICATION_CREDENTIALS; STORAGE_EMULATOR_HOST for an emulator",
             credentials: "check GOOGLE_SERVICE_ACCOUNT, GOOGLE_SERVICE_ACCOUNT_KEY or \
                           GOOGLE_APPLICATION_CREDENTIALS",
-            endpoint: "check GOOGLE_BASE_URL (if set) and that the store is reachable",
+            endpoint: "check STORAGE_EMULATOR_HOST or GOOGLE_BASE_URL (if set) and that the store \
+                       is reachable",
         },
         _ => Vars {
             setup: "set AWS_REGION, AWS_ENDPOINT_URL (and AWS_ALLOW_HTTP=true for http://) and \
@@ -349,11 +349,13 @@ pub(crate) fn store_error(path: &Path, e: object_store::Error) -> Error {
     if text.contains("ContainerNotFound") {
         return err.hint("the container does not exist: create it, or check the URL");
     }
+    // S3 and GCS's XML API say `NoSuchBucket`, GCS's JSON API "The specified bucket does not
+    // exist." (a 404, so before "nothing is stored there").
+    if text.contains("NoSuchBucket") || text.contains("bucket does not exist") {
+        return err.hint("the bucket does not exist: create it, or check the URL");
+    }
     if not_found {
         return err.hint("check the bucket and key: nothing is stored there");
-    }
-    if text.contains("NoSuchBucket") {
-        return err.hint("the bucket does not exist: create it, or check the URL");
     }
     if is_throttled(&text) {
         return err.hint(format!(
@@ -1151,6 +1153,7 @@ mod tests {
             name: "s3://mem".into(),
             objects: mem.clone(),
             multipart: mem,
+            parts_are_objects: false,
         });
         let path = PathBuf::from("s3://mem/ckpt/__0_0.distcp");
         Remote { store, key, path }.open().unwrap()

@@ -185,9 +185,12 @@ pub fn write_part(
     opts: &ExecOptions,
 ) -> Result<(PathBuf, u64, usize, Finished)> {
     if out.to_string_lossy().starts_with("gs://") {
+        // GCS's upload parts are staged objects (src/storage/gcs.rs), which any machine can add
+        // to; but the parts agree through conditional creates, and ckpt's GCS writer does not
+        // make those yet (fake-gcs-server refuses object_store's own, XML API requests).
         return Err(Error::usage(format!(
-            "--part {part} cannot write into `{}`: ckpt does not yet join uploads from several \
-             machines into one GCS object",
+            "--part {part} cannot write into `{}` yet: the parts of a run agree through \
+             conditional creates, which ckpt does not make on GCS",
             out.display()
         ))
         .hint(
@@ -408,7 +411,9 @@ fn start_uploads(
         .collect();
     let started = at_once(&todo, |&i| {
         let key = dests[i].key().to_string();
-        Ok(dests[i].create_upload().map(|id| (i, Started { key, id })))
+        Ok(dests[i]
+            .create_upload(staging)
+            .map(|id| (i, Started { key, id })))
     })?;
     let mut uploads = vec![None; lens.len()];
     let mut failed = None;
