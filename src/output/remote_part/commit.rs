@@ -6,7 +6,7 @@
 //! twice is harmless on Azure (a block list names committed blocks too); on S3 the second try
 //! finds the upload gone and the object in place, which is what it wanted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
@@ -18,7 +18,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
 use crate::output::OutputKind;
 use crate::plan::Plan;
-use crate::storage::{Remote, UploadedPart};
+use crate::storage::{PendingPart, Remote, UploadedPart};
 
 /// The id the store gave each upload part, by (file, part number).
 type Ids = BTreeMap<(usize, usize), String>;
@@ -146,7 +146,8 @@ impl Commit<'_> {
     }
 
     /// Compute the upload parts the shares held back again, patch their CRCs from every part's
-    /// partial CRCs, and send them.
+    /// partial CRCs, and send them: one at a time into the spool, each released once sent, so
+    /// that the spool and the memory hold a few upload parts whatever the number held.
     fn send_held(
         &self,
         markers: &[Marker],
@@ -164,27 +165,37 @@ impl Commit<'_> {
         let spool = Spool::new()?;
         let dest: Vec<PathBuf> = (0..self.plan.file_count()).map(|i| spool.path(i)).collect();
         let inputs = exec::open_inputs(self.plan, self.opts.io)?;
-        let todo: Vec<Piece> = pieces
-            .iter()
-            .map(|(p, _)| *p)
-            .filter(|p| held.contains(&(p.file, p.k)))
-            .collect();
-        for &p in &todo {
-            compute(self.plan, &inputs, &dest, p, &opts)?;
-        }
+        let held: HashSet<&(usize, usize)> = held.iter().collect();
         let crcs: Vec<PartialCrc> = markers.iter().flat_map(|m| m.crcs.clone()).collect();
         let slots: Vec<OpenSlot> = markers.iter().flat_map(|m| m.open_slots.clone()).collect();
-        exec::patch_crcs(&dest, &crcs, &slots, false)?;
-        let mut pending = Vec::new();
-        for &p in &todo {
+        let bound = upload::in_flight(self.opts.threads);
+        let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
+        for (p, _) in pieces.iter().filter(|(p, _)| held.contains(&(p.file, p.k))) {
+            if self.opts.cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "interrupted"));
+            }
+            compute(self.plan, &inputs, &dest, *p, &opts)?;
+            // The slots in this upload part (one cut through stays open in both).
+            let mine: Vec<OpenSlot> = slots
+                .iter()
+                .filter(|s| s.file == p.file && s.slot < p.end && s.slot + 4 > p.at)
+                .cloned()
+                .collect();
+            exec::patch_crcs(&dest, &crcs, &mine, false)?;
+            if in_flight.len() >= bound {
+                if let Some((q, sent)) = in_flight.pop_front() {
+                    ids.insert((q.file, q.k), sent.wait()?.id().to_string());
+                }
+            }
             let id = upload_id(self.record, p.file)?;
-            pending.push((
-                p,
-                upload::send_part(&dest[p.file], &self.dests[p.file], id, p.k, p.at..p.end)?,
+            let to = &self.dests[p.file];
+            in_flight.push_back((
+                *p,
+                upload::send_part(&dest[p.file], to, id, p.k, p.at..p.end)?,
             ));
         }
-        for (p, sent) in pending {
-            ids.insert((p.file, p.k), sent.wait()?.id().to_string());
+        while let Some((q, sent)) = in_flight.pop_front() {
+            ids.insert((q.file, q.k), sent.wait()?.id().to_string());
         }
         Ok(())
     }
