@@ -66,7 +66,7 @@ pub struct ExecOptions<'a> {
     pub threads: usize,
     pub io: IoMode,
     pub progress: &'a dyn Progress,
-    /// Set (e.g. by a Ctrl-C handler) to stop early with an error.
+    /// Set (by [`crate::interrupt`]'s handler, in the binary) to stop early with an error.
     pub cancel: &'a AtomicBool,
     /// Make outputs durable before returning: start each output's writeback every
     /// [`WRITEBACK_BYTES`] written (so the disk works while later blocks are copied) and fsync
