@@ -367,7 +367,8 @@ fn ctrl_c_while_reading_ends_at_once() {
     let child = ckpt_cmd(&[OsStr::new("inspect"), input.as_os_str()])
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    // Well inside the reading, which takes this build seconds.
+    std::thread::sleep(Duration::from_millis(300));
     let (result, took) = interrupt(child, "INT");
     assert_eq!(
         result.status.code(),
