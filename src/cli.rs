@@ -4,7 +4,6 @@
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
@@ -258,8 +257,9 @@ pub fn to_stderr(line: std::fmt::Arguments) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
-/// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
-pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+/// Exit codes: 0 success, 1 problems found or failure, 2 usage error; the binary exits 130
+/// (SIGINT) or 143 (SIGTERM) when interrupted (see [`crate::interrupt`]).
+pub fn run(cli: Cli, cancel: &AtomicBool) -> Result<i32> {
     let reading = Reading {
         shapes_from: cli.shapes_from.as_deref(),
         tag: cli.tag.as_deref(),
@@ -267,8 +267,8 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
         Command::Inspect(args) => inspect(args, reading),
         Command::Verify(args) => verify(args, reading),
-        Command::Consolidate(args) => consolidate(args, reading, &cancel),
-        Command::Reshard(args) => reshard(args, reading, &cancel),
+        Command::Consolidate(args) => consolidate(args, reading, cancel),
+        Command::Reshard(args) => reshard(args, reading, cancel),
         Command::GenerateShellCompletion(args) => completion(args),
     }
 }

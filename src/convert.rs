@@ -249,7 +249,7 @@ fn convert_part(
     let staging = out.staging().to_path_buf();
     let final_path = out.final_path().to_path_buf();
     let finished = out.finish(share.len(), outcome, &dest, || {
-        exec::write_streamed_files(plan, &dest, true)
+        exec::write_streamed_files(plan, &dest, true, exec_opts.cancel)
     })?;
     Ok(Done::Part {
         part,

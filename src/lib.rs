@@ -35,6 +35,7 @@ pub mod formats;
 pub(crate) mod fsdp_local;
 pub mod geometry;
 pub(crate) mod inspect;
+pub mod interrupt;
 pub(crate) mod layout;
 pub(crate) mod lora;
 pub mod model;
@@ -48,6 +49,3 @@ pub mod verify;
 pub mod zip;
 
 pub use error::{Error, ErrorKind, Result};
-
-// The binary's (src/main.rs installs the Ctrl-C handler); named here so the check above sees it.
-use ctrlc as _;

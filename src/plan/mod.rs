@@ -282,14 +282,18 @@ impl Plan<'_> {
         self.role(i).is_streamed()
     }
 
-    /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length.
+    /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length. Setting `stop`
+    /// ends it early with an error.
     pub fn write_streamed<W: std::io::Write + std::io::Seek>(
         &self,
         i: usize,
         sink: &mut W,
+        stop: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<u64> {
         match &self.files {
-            PlannedFiles::Dcp(dcp) if self.is_streamed(i) => dcp_metadata::write_to(sink, &&**dcp),
+            PlannedFiles::Dcp(dcp) if self.is_streamed(i) => {
+                dcp_metadata::write_to(sink, &&**dcp, stop)
+            }
             _ => Ok(0),
         }
     }
