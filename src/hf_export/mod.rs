@@ -1,0 +1,382 @@
+//! Export to a Hugging Face model (`--hf-config`): a step between reading and planning, like
+//! [`crate::lora`] and [`crate::fsdp_local`], that turns a checkpoint into one holding exactly
+//! the tensors `architectures[0]` of a Hugging Face config.json names, in its layouts.
+//!
+//! Trainers that do not use transformers' names (torchtitan; Megatron-core next) save
+//! checkpoints no inference engine loads, and their own converters build the whole model in
+//! memory, need torch, and skip what their map lacks without a word. Here the source's naming
+//! is recognised from its tensor names (under any app-state prefix), the maps are data
+//! ([`tables`]), and every change of layout is a view of bytes where they already are
+//! ([`views`]): the export is a copy, in bounded memory, like any consolidate.
+//!
+//! Training state (optimizer, scheduler, dataloader, train state, rotary buffers, non-tensor
+//! values) is left out without being asked, and so is `lm_head` when the config ties it to the
+//! embedding. Everything else under the model's names must be placed: a tensor the map does
+//! not know, a config that disagrees with a tensor's shape, and a parameter the config wants
+//! but no tensor gives are usage errors, found before anything is written.
+
+pub(crate) mod config;
+pub(crate) mod report;
+pub(crate) mod tables;
+pub(crate) mod views;
+
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, Tensor};
+pub(crate) use config::HfConfig;
+use tables::{Naming, Row};
+use views::ViewKind;
+
+/// One tensor of the export: the source tensor it is a view of.
+#[derive(Clone, Debug)]
+pub(crate) struct Placed {
+    /// Index of the source tensor in the checkpoint.
+    source: usize,
+    pub source_name: String,
+    pub target: String,
+    pub view: ViewKind,
+}
+
+/// An entry of the checkpoint the export leaves out, and why.
+#[derive(Clone, Debug)]
+pub(crate) struct LeftOut {
+    pub name: String,
+    pub why: &'static str,
+}
+
+/// How a checkpoint maps onto a Hugging Face architecture.
+#[derive(Clone, Debug)]
+pub(crate) struct Mapping {
+    pub architecture: &'static str,
+    pub naming: Naming,
+    /// The app-state prefix the model's names sit under (`model.`, or empty).
+    pub prefix: String,
+    /// The exported tensors, in the Hugging Face model's `state_dict` order.
+    pub placed: Vec<Placed>,
+    pub left_out: Vec<LeftOut>,
+}
+
+/// Top-level names of training state beside a model saved without a prefix (torchtitan's
+/// `optimizer`, `lr_scheduler`, `dataloader`, `train_state`; other trainers' alike).
+const TRAINING_STATE: [&str; 9] = [
+    "optimizer",
+    "optim",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "rng_state",
+    "extra_state",
+];
+
+/// Buffers a model may save that are not parameters of a Hugging Face model: rotary
+/// frequencies (old transformers' `rotary_emb.inv_freq`, torchtitan's `freqs_cis`) and
+/// Transformer Engine's `_extra_state`.
+const BUFFERS: [&str; 3] = ["rotary_emb.inv_freq", "freqs_cis", "_extra_state"];
+
+/// The embedding's name under each naming: what recognises a naming and its prefix.
+const ANCHORS: [(&str, Naming); 2] = [
+    ("model.embed_tokens.weight", Naming::HuggingFace),
+    ("tok_embeddings.weight", Naming::Torchtitan),
+];
+
+/// The naming and prefix of `ckpt`'s model: from the embedding with the shortest prefix that is
+/// not training state (an optimizer's states repeat the model's names after theirs).
+fn recognise(ckpt: &Checkpoint) -> Result<(Naming, String)> {
+    let mut best: Option<(Naming, &str)> = None;
+    for t in &ckpt.tensors {
+        for (anchor, naming) in ANCHORS {
+            let Some(prefix) = t.name.strip_suffix(anchor) else {
+                continue;
+            };
+            if !(prefix.is_empty() || prefix.ends_with('.')) || is_training_state(prefix) {
+                continue;
+            }
+            if best.is_none_or(|(_, p)| prefix.len() < p.len()) {
+                best = Some((naming, prefix));
+            }
+        }
+    }
+    let Some((naming, prefix)) = best else {
+        return Err(Error::usage(
+            "no embedding tensor found (`model.embed_tokens.weight` of Hugging Face names or `tok_embeddings.weight` of torchtitan's, under any prefix), so the checkpoint's model naming is unknown",
+        )
+        .hint("`ckpt inspect` lists the checkpoint's tensors"));
+    };
+    let naming = match naming {
+        Naming::Torchtitan => {
+            let old = ckpt.tensors.iter().any(|t| {
+                t.name
+                    .strip_prefix(prefix)
+                    .is_some_and(|rest| rest.contains(".attention.wq."))
+            });
+            if old {
+                Naming::Torchtitan02
+            } else {
+                Naming::Torchtitan
+            }
+        }
+        other => other,
+    };
+    Ok((naming, prefix.to_string()))
+}
+
+fn is_training_state(name: &str) -> bool {
+    let first = name.split('.').next().unwrap_or_default();
+    TRAINING_STATE.contains(&first)
+}
+
+/// Why an entry under the model's prefix is not a parameter to export, if it is not.
+fn not_a_parameter(rest: &str) -> Option<&'static str> {
+    if is_training_state(rest) {
+        return Some("training state");
+    }
+    BUFFERS
+        .iter()
+        .any(|b| rest == *b || rest.ends_with(&format!(".{b}")))
+        .then_some("buffer (not a parameter)")
+}
+
+/// Map `ckpt` onto `cfg`'s architecture, checking every shape against the config.
+pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
+    let arch = cfg.arch;
+    let (naming, prefix) = recognise(ckpt)?;
+    let rows = arch.rows(naming).ok_or_else(|| {
+        Error::usage(format!(
+            "the checkpoint has {} names, which ckpt has no map of to {}",
+            naming.describe(),
+            arch.name
+        ))
+        .file(&cfg.path)
+    })?;
+    let mut left_out = Vec::new();
+    let mut placed = Vec::new();
+    let mut unplaced = Vec::new();
+    for (i, t) in ckpt.tensors.iter().enumerate() {
+        let Some(rest) = t.name.strip_prefix(prefix.as_str()) else {
+            left_out.push(left(&t.name, "not under the model's prefix"));
+            continue;
+        };
+        if let Some(why) = not_a_parameter(rest) {
+            left_out.push(left(&t.name, why));
+            continue;
+        }
+        let Some((row, indices)) = rows
+            .iter()
+            .find_map(|r| Some((r, tables::match_pattern(r.source, rest)?)))
+        else {
+            unplaced.push(t.name.as_str());
+            continue;
+        };
+        if let Some(&(_, layer)) = indices.iter().find(|(c, _)| *c == 'L') {
+            if layer >= cfg.layers {
+                return Err(Error::usage(format!(
+                    "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}",
+                    t.name, cfg.layers
+                ))
+                .file(&cfg.path)
+                .tensor(&t.name)
+                .hint(CONFIG_HINT));
+            }
+        }
+        let target = tables::fill(row.target, &indices);
+        if cfg.tied && target == "lm_head.weight" {
+            left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
+            continue;
+        }
+        placed.push(Placed {
+            source: i,
+            source_name: t.name.clone(),
+            target,
+            view: row.view,
+        });
+    }
+    if let Some(first) = unplaced.first() {
+        let more = match unplaced.len() {
+            1 => String::new(),
+            n => format!(" (and {} more)", n - 1),
+        };
+        return Err(Error::usage(format!(
+            "tensor `{first}`{more} of the model ({} names) has no place in {}",
+            naming.describe(),
+            arch.name
+        ))
+        .tensor(*first)
+        .hint(format!(
+            "leave it out with --exclude '{first}' if it is not part of the model, or check that config.json's architecture is the trained model's"
+        )));
+    }
+    for v in &ckpt.values {
+        left_out.push(left(&v.name, "not a tensor"));
+    }
+    let placed = order_and_check(ckpt, cfg, placed, &rows)?;
+    Ok(Mapping {
+        architecture: arch.name,
+        naming,
+        prefix,
+        placed,
+        left_out,
+    })
+}
+
+const CONFIG_HINT: &str = "pass the config.json of the model this checkpoint was trained as";
+
+fn left(name: &str, why: &'static str) -> LeftOut {
+    LeftOut {
+        name: name.to_string(),
+        why,
+    }
+}
+
+/// `placed` in the architecture's parameter order, each parameter the config asks for given
+/// exactly once, by a tensor of the shape the config gives it.
+fn order_and_check(
+    ckpt: &Checkpoint,
+    cfg: &HfConfig,
+    placed: Vec<Placed>,
+    rows: &[Row],
+) -> Result<Vec<Placed>> {
+    let mut by_target: BTreeMap<String, Placed> = BTreeMap::new();
+    for p in placed {
+        if let Some(other) = by_target.get(&p.target) {
+            return Err(Error::usage(format!(
+                "tensors `{}` and `{}` both map to `{}`",
+                other.source_name, p.source_name, p.target
+            ))
+            .tensor(&p.source_name)
+            .hint("leave one out with --exclude"));
+        }
+        by_target.insert(p.target.clone(), p);
+    }
+    // The model's `state_dict` order: what comes before the layers (the embedding), each
+    // layer's parameters, then what comes after (the final norm, the head).
+    let params = cfg.arch.params;
+    let layered = |p: &&tables::Param| p.name.contains("{L}");
+    let first = params
+        .iter()
+        .position(|p| layered(&p))
+        .unwrap_or(params.len());
+    let (head, rest) = params.split_at(first);
+    let order = head
+        .iter()
+        .map(|p| (p, None))
+        .chain((0..cfg.layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
+        .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
+    let mut out = Vec::with_capacity(by_target.len());
+    for (param, layer) in order {
+        let name = match layer {
+            Some(l) => tables::fill(param.name, &[('L', l)]),
+            None => param.name.to_string(),
+        };
+        if !cfg.has(param.when) {
+            if let Some(p) = by_target.get(&name) {
+                return Err(Error::usage(format!(
+                    "tensor `{}` maps to `{name}`, which {} does not have with this config.json",
+                    p.source_name, cfg.arch.name
+                ))
+                .file(&cfg.path)
+                .tensor(&p.source_name)
+                .hint(CONFIG_HINT));
+            }
+            continue;
+        }
+        let Some(p) = by_target.remove(&name) else {
+            return Err(missing(cfg, rows, param.name, &name, layer));
+        };
+        check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
+        out.push(p);
+    }
+    if let Some(p) = by_target.values().next() {
+        // Every row's target is a parameter of its architecture (a unit test checks the tables).
+        return Err(Error::bug(format!(
+            "`{}` is not a parameter of {}",
+            p.target, cfg.arch.name
+        ))
+        .tensor(&p.source_name));
+    }
+    Ok(out)
+}
+
+/// The error for a parameter the config asks for and no tensor gives.
+fn missing(cfg: &HfConfig, rows: &[Row], pattern: &str, name: &str, layer: Option<u64>) -> Error {
+    let from = rows
+        .iter()
+        .find(|r| r.target == pattern)
+        .map(|r| match layer {
+            Some(l) => tables::fill(r.source, &[('L', l)]),
+            None => r.source.to_string(),
+        });
+    let wanted = match &from {
+        Some(source) if source != name => format!(" (from `{source}`)"),
+        _ => String::new(),
+    };
+    let why = match layer {
+        Some(_) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),
+        None => String::new(),
+    };
+    Error::usage(format!(
+        "{} needs `{name}`{wanted}, which the checkpoint does not have{why}",
+        cfg.arch.name
+    ))
+    .file(&cfg.path)
+    .hint(CONFIG_HINT)
+}
+
+/// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
+fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
+    let here = format!("tensor `{}` (`{}`)", t.name, p.target);
+    if t.shape.len() != want.len() {
+        return Err(Error::usage(format!(
+            "{here} has shape {:?}, but {} has {} dims there",
+            t.shape,
+            cfg.arch.name,
+            want.len()
+        ))
+        .tensor(&t.name));
+    }
+    for (d, (&n, &dim)) in t.shape.iter().zip(want).enumerate() {
+        let (size, says) = cfg.size(dim);
+        if n != size {
+            return Err(Error::usage(format!(
+                "{here} has {n} in dim {d} of its shape {:?}, but config.json's {says}",
+                t.shape
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint the export writes: `mapping`'s tensors under their Hugging Face names, each
+/// a view of its source's pieces; nothing else.
+pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Result<Checkpoint> {
+    let mut tensors = Vec::with_capacity(mapping.placed.len());
+    for p in &mapping.placed {
+        let t = &ckpt.tensors[p.source];
+        let pieces = match p.view {
+            ViewKind::Rename => t.pieces.clone(),
+            ViewKind::RopeQuery => views::rope_rows(t, cfg.heads)?,
+            ViewKind::RopeKv => views::rope_rows(t, cfg.kv_heads)?,
+        };
+        tensors.push(Tensor {
+            name: p.target.clone(),
+            key_path: Vec::new(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces,
+        });
+    }
+    Ok(Checkpoint {
+        tensors,
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        ..ckpt
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,480 @@
+//! The name maps, as data: for each Hugging Face architecture the parameters its model holds
+//! (in `state_dict` order, with the shape the config gives each), and for each source naming a
+//! table of rows (source pattern, Hugging Face pattern, view). Adding an architecture is a
+//! parameter list, a table per naming and a test; the code in `mod.rs` knows no model.
+//!
+//! Patterns are names with `{L}` for a layer index and `{E}` for an expert index.
+
+use super::views::ViewKind;
+
+/// One row of a name map.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row {
+    pub source: &'static str,
+    pub target: &'static str,
+    pub view: ViewKind,
+}
+
+const fn row(source: &'static str, target: &'static str, view: ViewKind) -> Row {
+    Row {
+        source,
+        target,
+        view,
+    }
+}
+
+/// How a checkpoint names its model's tensors, as recognised from the names themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Naming {
+    /// transformers' own names (accelerate, TRL, veRL's FSDP), under any app-state prefix.
+    HuggingFace,
+    /// torchtitan 0.3: `attention.qkv_linear.wq`, `lm_head`.
+    Torchtitan,
+    /// torchtitan 0.2: `attention.wq`, `output`.
+    Torchtitan02,
+}
+
+impl Naming {
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Naming::HuggingFace => "hugging-face",
+            Naming::Torchtitan => "torchtitan",
+            Naming::Torchtitan02 => "torchtitan-0.2",
+        }
+    }
+}
+
+/// A dimension of a Hugging Face parameter, as the config gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dim {
+    /// `vocab_size`
+    Vocab,
+    /// `hidden_size`
+    Hidden,
+    /// `num_attention_heads × head_dim`
+    QueryRows,
+    /// `num_key_value_heads × head_dim`
+    KvRows,
+    /// `head_dim`
+    HeadSize,
+    /// `intermediate_size`
+    Inter,
+}
+
+/// When the config has a parameter in the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum When {
+    Always,
+    /// `attention_bias` is true.
+    AttentionBias,
+    /// `mlp_bias` is true.
+    MlpBias,
+    /// `tie_word_embeddings` is false.
+    Untied,
+}
+
+/// A parameter of a Hugging Face model: its name pattern, shape and presence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Param {
+    pub name: &'static str,
+    pub shape: &'static [Dim],
+    pub when: When,
+}
+
+const fn param(name: &'static str, shape: &'static [Dim], when: When) -> Param {
+    Param { name, shape, when }
+}
+
+/// A Hugging Face architecture (`architectures[0]` of config.json) and its name maps.
+#[derive(Debug)]
+pub(crate) struct Arch {
+    pub name: &'static str,
+    /// `tie_word_embeddings` when config.json does not say.
+    pub tied_by_default: bool,
+    /// Parameters in the model's `state_dict` order; `{L}` once per layer.
+    pub params: &'static [Param],
+    /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
+    pub torchtitan: Option<&'static [Row]>,
+    pub torchtitan02: Option<&'static [Row]>,
+}
+
+impl Arch {
+    /// The rows mapping `naming` to this architecture, or `None` where there is no such map.
+    pub(crate) fn rows(&self, naming: Naming) -> Option<Vec<Row>> {
+        match naming {
+            // Every parameter under its own name: a table of identity rows.
+            Naming::HuggingFace => Some(
+                self.params
+                    .iter()
+                    .map(|p| row(p.name, p.name, ViewKind::Rename))
+                    .collect(),
+            ),
+            Naming::Torchtitan => self.torchtitan.map(<[Row]>::to_vec),
+            Naming::Torchtitan02 => self.torchtitan02.map(<[Row]>::to_vec),
+        }
+    }
+}
+
+use Dim::*;
+use ViewKind::{Rename, RopeKv, RopeQuery};
+use When::*;
+
+const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
+const NORM: Param = param("model.norm.weight", &[Hidden], Always);
+const LM_HEAD: Param = param("lm_head.weight", &[Vocab, Hidden], Untied);
+const Q: Param = param(
+    "model.layers.{L}.self_attn.q_proj.weight",
+    &[QueryRows, Hidden],
+    Always,
+);
+const K: Param = param(
+    "model.layers.{L}.self_attn.k_proj.weight",
+    &[KvRows, Hidden],
+    Always,
+);
+const V: Param = param(
+    "model.layers.{L}.self_attn.v_proj.weight",
+    &[KvRows, Hidden],
+    Always,
+);
+const O: Param = param(
+    "model.layers.{L}.self_attn.o_proj.weight",
+    &[Hidden, QueryRows],
+    Always,
+);
+const GATE: Param = param(
+    "model.layers.{L}.mlp.gate_proj.weight",
+    &[Inter, Hidden],
+    Always,
+);
+const UP: Param = param(
+    "model.layers.{L}.mlp.up_proj.weight",
+    &[Inter, Hidden],
+    Always,
+);
+const DOWN: Param = param(
+    "model.layers.{L}.mlp.down_proj.weight",
+    &[Hidden, Inter],
+    Always,
+);
+const IN_NORM: Param = param("model.layers.{L}.input_layernorm.weight", &[Hidden], Always);
+const POST_NORM: Param = param(
+    "model.layers.{L}.post_attention_layernorm.weight",
+    &[Hidden],
+    Always,
+);
+const Q_NORM: Param = param(
+    "model.layers.{L}.self_attn.q_norm.weight",
+    &[HeadSize],
+    Always,
+);
+const K_NORM: Param = param(
+    "model.layers.{L}.self_attn.k_norm.weight",
+    &[HeadSize],
+    Always,
+);
+
+/// transformers' `LlamaForCausalLM`: `attention_bias` adds q/k/v/o biases, `mlp_bias` the MLP's.
+const LLAMA_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        AttentionBias,
+    ),
+    K,
+    param(
+        "model.layers.{L}.self_attn.k_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    V,
+    param(
+        "model.layers.{L}.self_attn.v_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    O,
+    param(
+        "model.layers.{L}.self_attn.o_proj.bias",
+        &[Hidden],
+        AttentionBias,
+    ),
+    GATE,
+    param("model.layers.{L}.mlp.gate_proj.bias", &[Inter], MlpBias),
+    UP,
+    param("model.layers.{L}.mlp.up_proj.bias", &[Inter], MlpBias),
+    DOWN,
+    param("model.layers.{L}.mlp.down_proj.bias", &[Hidden], MlpBias),
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// transformers' `Qwen2ForCausalLM`: q/k/v always have a bias, o never.
+const QWEN2_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        Always,
+    ),
+    K,
+    param("model.layers.{L}.self_attn.k_proj.bias", &[KvRows], Always),
+    V,
+    param("model.layers.{L}.self_attn.v_proj.bias", &[KvRows], Always),
+    O,
+    GATE,
+    UP,
+    DOWN,
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// transformers' `Qwen3ForCausalLM`: RMS norms over each head's queries and keys.
+const QWEN3_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        AttentionBias,
+    ),
+    K,
+    param(
+        "model.layers.{L}.self_attn.k_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    V,
+    param(
+        "model.layers.{L}.self_attn.v_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    O,
+    param(
+        "model.layers.{L}.self_attn.o_proj.bias",
+        &[Hidden],
+        AttentionBias,
+    ),
+    Q_NORM,
+    K_NORM,
+    GATE,
+    UP,
+    DOWN,
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// torchtitan 0.3's Llama 3 (`Llama3StateDictAdapter`): its rotary embedding is complex
+/// (interleaved pairs), so wq and wk rows are permuted to transformers' half-split order.
+const TT_LLAMA: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row(
+        "layers.{L}.attention.qkv_linear.wq.weight",
+        Q.name,
+        RopeQuery,
+    ),
+    row("layers.{L}.attention.qkv_linear.wk.weight", K.name, RopeKv),
+    row("layers.{L}.attention.qkv_linear.wv.weight", V.name, Rename),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("lm_head.weight", LM_HEAD.name, Rename),
+];
+
+/// torchtitan 0.2's Llama 3: the same model, wq/wk/wv directly under `attention`, the output
+/// projection called `output`.
+const TT02_LLAMA: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row("layers.{L}.attention.wq.weight", Q.name, RopeQuery),
+    row("layers.{L}.attention.wk.weight", K.name, RopeKv),
+    row("layers.{L}.attention.wv.weight", V.name, Rename),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("output.weight", LM_HEAD.name, Rename),
+];
+
+/// torchtitan 0.3's dense Qwen3 (`Qwen3StateDictAdapter`): its rotary embedding is cos/sin over
+/// half-split rows as transformers', so no row moves.
+const TT_QWEN3: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wq.weight", Q.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wk.weight", K.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wv.weight", V.name, Rename),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.attention.q_norm.weight", Q_NORM.name, Rename),
+    row("layers.{L}.attention.k_norm.weight", K_NORM.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("lm_head.weight", LM_HEAD.name, Rename),
+];
+
+/// torchtitan 0.2's dense Qwen3.
+const TT02_QWEN3: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row("layers.{L}.attention.wq.weight", Q.name, Rename),
+    row("layers.{L}.attention.wk.weight", K.name, Rename),
+    row("layers.{L}.attention.wv.weight", V.name, Rename),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.attention.q_norm.weight", Q_NORM.name, Rename),
+    row("layers.{L}.attention.k_norm.weight", K_NORM.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("output.weight", LM_HEAD.name, Rename),
+];
+
+/// Every architecture ckpt exports to.
+pub(crate) const ARCHS: &[Arch] = &[
+    Arch {
+        name: "LlamaForCausalLM",
+        tied_by_default: false,
+        params: LLAMA_PARAMS,
+        torchtitan: Some(TT_LLAMA),
+        torchtitan02: Some(TT02_LLAMA),
+    },
+    Arch {
+        // torchtitan has no Qwen2.
+        name: "Qwen2ForCausalLM",
+        tied_by_default: false,
+        params: QWEN2_PARAMS,
+        torchtitan: None,
+        torchtitan02: None,
+    },
+    Arch {
+        name: "Qwen3ForCausalLM",
+        tied_by_default: false,
+        params: QWEN3_PARAMS,
+        torchtitan: Some(TT_QWEN3),
+        torchtitan02: Some(TT02_QWEN3),
+    },
+];
+
+/// The architecture called `name`.
+pub(crate) fn arch(name: &str) -> Option<&'static Arch> {
+    ARCHS.iter().find(|a| a.name == name)
+}
+
+/// `name` matched against `pattern`: the `{L}`/`{E}` indices it holds, in order, or `None`.
+pub(crate) fn match_pattern(pattern: &str, name: &str) -> Option<Vec<(char, u64)>> {
+    let mut found = Vec::new();
+    let mut rest = name;
+    let mut pat = pattern;
+    loop {
+        match pat.find('{') {
+            None => return (rest == pat).then_some(found),
+            Some(at) => {
+                let literal = &pat[..at];
+                rest = rest.strip_prefix(literal)?;
+                let close = pat[at..].find('}')? + at;
+                let which = pat[at + 1..close].chars().next()?;
+                let digits =
+                    rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+                if digits == 0 || (digits > 1 && rest.starts_with('0')) {
+                    return None;
+                }
+                found.push((which, rest[..digits].parse().ok()?));
+                rest = &rest[digits..];
+                pat = &pat[close + 1..];
+            }
+        }
+    }
+}
+
+/// `pattern` with its `{L}`/`{E}` filled from `indices` (a placeholder with no index stays).
+pub(crate) fn fill(pattern: &str, indices: &[(char, u64)]) -> String {
+    let mut out = pattern.to_string();
+    for (which, i) in indices {
+        out = out.replacen(&format!("{{{which}}}"), &i.to_string(), 1);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn patterns_match_and_fill() {
+        let p = "layers.{L}.attention.wq.weight";
+        assert_eq!(
+            match_pattern(p, "layers.12.attention.wq.weight"),
+            Some(vec![('L', 12)])
+        );
+        assert_eq!(match_pattern(p, "layers.x.attention.wq.weight"), None);
+        assert_eq!(match_pattern(p, "layers.01.attention.wq.weight"), None);
+        assert_eq!(match_pattern(p, "layers.1.attention.wq.weight.x"), None);
+        assert_eq!(match_pattern("norm.weight", "norm.weight"), Some(vec![]));
+        assert_eq!(match_pattern("norm.weight", "model.norm.weight"), None);
+        assert_eq!(fill("a.{L}.b.{E}", &[('L', 3), ('E', 7)]), "a.3.b.7");
+    }
+
+    /// Each source table maps onto its architecture's parameters one to one: no two rows give
+    /// one name, every parameter comes from a row, and every row's patterns have the same
+    /// placeholders.
+    #[test]
+    fn tables_place_every_parameter_once() {
+        for arch in ARCHS {
+            let params: BTreeSet<&str> = arch.params.iter().map(|p| p.name).collect();
+            assert_eq!(params.len(), arch.params.len(), "{}", arch.name);
+            for naming in [
+                Naming::HuggingFace,
+                Naming::Torchtitan,
+                Naming::Torchtitan02,
+            ] {
+                let Some(rows) = arch.rows(naming) else {
+                    continue;
+                };
+                let targets: Vec<&str> = rows.iter().map(|r| r.target).collect();
+                let unique: BTreeSet<&str> = targets.iter().copied().collect();
+                assert_eq!(unique.len(), targets.len(), "{} {naming:?}", arch.name);
+                for t in &targets {
+                    assert!(params.contains(t), "{} {naming:?}: {t}", arch.name);
+                }
+                let sources: BTreeSet<&str> = rows.iter().map(|r| r.source).collect();
+                assert_eq!(sources.len(), rows.len(), "{} {naming:?}", arch.name);
+                for r in &rows {
+                    let holes = |s: &str| s.matches("{L}").count();
+                    assert_eq!(holes(r.source), holes(r.target), "{r:?}");
+                }
+                // torchtitan has no biases: only unconditional parameters need a row.
+                for p in arch.params {
+                    if p.when == Always || p.when == Untied {
+                        assert!(
+                            unique.contains(p.name),
+                            "{} {naming:?}: {}",
+                            arch.name,
+                            p.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
