@@ -61,19 +61,26 @@ impl HfConfig {
         let bad = |field: &str, why: &str| {
             Error::usage(format!("config.json's `{field}` {why}")).file(&path)
         };
-        let name = json
+        let named = json
             .get("architectures")
             .and_then(|a| a.get(0))
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("architectures", "is missing or empty"))?;
-        let arch = tables::arch(name).ok_or_else(|| {
-            let known: Vec<&str> = tables::ARCHS.iter().map(|a| a.name).collect();
-            Error::usage(format!(
-                "architecture `{name}` has no name map in ckpt; known: {}",
-                known.join(", ")
-            ))
-            .file(&path)
-        })?;
+            .and_then(Value::as_str);
+        let model_type = json.get("model_type").and_then(Value::as_str);
+        let arch = match (named, model_type) {
+            (Some(name), _) => tables::arch(name).ok_or_else(|| unknown(name, &path))?,
+            // transformers' AutoModelForCausalLM goes by `model_type` alone.
+            (None, Some(t)) => tables::ARCHS
+                .iter()
+                .find(|a| a.model_type == t)
+                .ok_or_else(|| unknown(&format!("model_type {t}"), &path))?,
+            (None, None) => return Err(bad("architectures", "is missing or empty")),
+        };
+        let named = named.is_some();
+        let mut json = json;
+        if !named {
+            // vLLM goes by `architectures`: the output's config names it.
+            json.insert("architectures".into(), Value::from(vec![arch.name]));
+        }
         let int = |field: &str| -> Result<Option<u64>> {
             match json.get(field) {
                 None | Some(Value::Null) => Ok(None),
@@ -210,6 +217,16 @@ impl HfConfig {
     }
 }
 
+/// The error for an architecture no table maps to.
+fn unknown(name: &str, path: &Path) -> Error {
+    let known: Vec<&str> = tables::ARCHS.iter().map(|a| a.name).collect();
+    Error::usage(format!(
+        "architecture `{name}` has no name map in ckpt; known: {}",
+        known.join(", ")
+    ))
+    .file(path)
+}
+
 /// Whether a file of a model directory goes with an export: not config.json (written anew),
 /// not weights or their index (the export writes its own), not hidden.
 fn is_companion(name: &str) -> bool {
@@ -262,6 +279,15 @@ mod tests {
         assert_eq!(e.kind, crate::error::ErrorKind::Usage);
         assert!(e.message.contains("`GPT2LMHeadModel`"), "{}", e.message);
         assert!(e.message.contains("Qwen3ForCausalLM"), "{}", e.message);
+        // Without `architectures`, `model_type` names it, and the output's config says so.
+        let c = config(&LLAMA.replace(
+            "\"architectures\": [\"LlamaForCausalLM\"]",
+            "\"model_type\": \"qwen3\"",
+        ))
+        .unwrap();
+        assert_eq!(c.arch.name, "Qwen3ForCausalLM");
+        let out: Value = serde_json::from_slice(&c.json_with_dtype(DType::F32)).unwrap();
+        assert_eq!(out["architectures"][0], "Qwen3ForCausalLM");
         let e = config(&LLAMA.replace("\"vocab_size\": 100,", "")).unwrap_err();
         assert!(
             e.message.contains("`vocab_size` is missing"),

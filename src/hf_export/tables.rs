@@ -89,6 +89,9 @@ const fn param(name: &'static str, shape: &'static [Dim], when: When) -> Param {
 #[derive(Debug)]
 pub(crate) struct Arch {
     pub name: &'static str,
+    /// config.json's `model_type` of the architecture, which names it where `architectures`
+    /// is missing (a config saved on its own, not with a model).
+    pub model_type: &'static str,
     /// `tie_word_embeddings` when config.json does not say.
     pub tied_by_default: bool,
     /// Parameters in the model's `state_dict` order; `{L}` once per layer.
@@ -353,6 +356,7 @@ const TT02_QWEN3: &[Row] = &[
 pub(crate) const ARCHS: &[Arch] = &[
     Arch {
         name: "LlamaForCausalLM",
+        model_type: "llama",
         tied_by_default: false,
         params: LLAMA_PARAMS,
         torchtitan: Some(TT_LLAMA),
@@ -361,6 +365,7 @@ pub(crate) const ARCHS: &[Arch] = &[
     Arch {
         // torchtitan has no Qwen2.
         name: "Qwen2ForCausalLM",
+        model_type: "qwen2",
         tied_by_default: false,
         params: QWEN2_PARAMS,
         torchtitan: None,
@@ -368,6 +373,7 @@ pub(crate) const ARCHS: &[Arch] = &[
     },
     Arch {
         name: "Qwen3ForCausalLM",
+        model_type: "qwen3",
         tied_by_default: false,
         params: QWEN3_PARAMS,
         torchtitan: Some(TT_QWEN3),

@@ -1,0 +1,234 @@
+"""`consolidate --hf-config` hands transformers a model directory it loads as is: small
+transformers models built with a fixed seed, saved by torch's DCP as an app state (accelerate's
+`model.` prefix beside an optimizer) and as torchtitan names it (top level, wq/wk rows in
+torchtitan's interleaved RoPE order for Llama, beside `optimizer.*`, `lr_scheduler.*`,
+`train_state.*`), exported by ckpt, then loaded with `from_pretrained`: the logits are the
+original model's, and both sources give the same bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+
+from conftest import run_ckpt
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def small_config(arch: str):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        # Not hidden / heads (8): the export must use the config's head_dim.
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(tie_word_embeddings=False, **common)
+    if arch == "qwen2":
+        common.pop("head_dim")
+        return transformers.Qwen2Config(tie_word_embeddings=True, **common)
+    return transformers.Qwen3Config(tie_word_embeddings=True, **common)
+
+
+MODELS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def build(arch: str):
+    torch.manual_seed(0)
+    cfg = small_config(arch)
+    model = getattr(transformers, MODELS[arch])(cfg).eval()
+    # Random norms and biases too, so a misplaced one shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+    return model
+
+
+INPUT_IDS = torch.tensor([[1, 5, 9, 13, 2, 7, 40, 41], [3, 3, 8, 60, 95, 0, 11, 12]])
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def hf_dir(model, path):
+    """The model directory training starts from: config, generation config, tokenizer files."""
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel"}}')
+    (path / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    return path
+
+
+def optimizer_state(sd: dict, prefix: str) -> dict:
+    return {f"{prefix}{k}": torch.full_like(v, 0.25) for k, v in sd.items()}
+
+
+def save_accelerate(model, path):
+    """An app state as accelerate's FSDP SHARDED_STATE_DICT saves it: `model.` + HF names."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {"model": sd, "optimizer": {"state": optimizer_state(sd, "")}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def tt_from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """torchtitan's `Llama3StateDictAdapter._reverse_permute`: HF rows to torchtitan's."""
+    dim1, dim2 = w.shape
+    return w.view(heads, 2, dim1 // heads // 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+
+
+TT_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def save_torchtitan(model, arch: str, path):
+    """The same model as torchtitan 0.3's CheckpointManager lays it out: model at the top level
+    under torchtitan's names (Llama's wq/wk rows permuted as its complex RoPE wants them), beside
+    the optimizer, scheduler, dataloader and train state."""
+    cfg = model.config
+    sd = {}
+    for name, v in model.state_dict().items():
+        parts = name.split(".")
+        key = name
+        if len(parts) > 2 and parts[1] == "layers":
+            layer = parts[2]
+            key = ".".join(parts[:2] + ["{}"] + parts[3:])
+        tt = TT_NAMES[key].replace("{}", layer) if "{}" in key else TT_NAMES[key]
+        v = v.detach().clone()
+        if arch == "llama" and tt.endswith("wq.weight"):
+            v = tt_from_hf(v, cfg.num_attention_heads)
+        if arch == "llama" and tt.endswith("wk.weight"):
+            v = tt_from_hf(v, cfg.num_key_value_heads)
+        sd[tt] = v
+    state = dict(sd)
+    state.update(optimizer_state(sd, "optimizer.state."))
+    state["lr_scheduler.last_epoch"] = torch.tensor(2)
+    state["train_state"] = {"step": 2, "ntokens_seen": 1024}
+    state["dataloader"] = {"world_size": 2}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def tensors_of(out) -> dict:
+    files = sorted(out.glob("*.safetensors"))
+    got = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            assert st.metadata() == {"format": "pt"}, f
+            for k in st.keys():
+                got[k] = st.get_tensor(k)
+    return got
+
+
+def export(src, hf, out, *extra):
+    r = run_ckpt("consolidate", src, "-o", out, "--hf-config", hf, *extra)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def assert_same_logits(out, want: torch.Tensor):
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    got = logits(loaded)
+    tol = 1e-4 * want.abs().max().item()
+    assert (got - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_accelerate_dcp_exports_to_the_same_model(tmp_path, arch):
+    model = build(arch)
+    want = logits(model)
+    hf = hf_dir(model, tmp_path / "hf")
+    save_accelerate(model, tmp_path / "dcp")
+    out = export(tmp_path / "dcp", hf, tmp_path / "out")
+    assert_same_logits(out, want)
+    got = tensors_of(out)
+    sd = model.state_dict()
+    tied = model.config.tie_word_embeddings
+    assert set(got) == {k for k in sd if not (tied and k == "lm_head.weight")}
+    for k, v in got.items():
+        assert torch.equal(v, sd[k]), k
+    # config.json is transformers' own with the dtype written; the other files as they were.
+    cfg = json.loads((out / "config.json").read_text())
+    src = json.loads((hf / "config.json").read_text())
+    field = "dtype" if "dtype" in src else "torch_dtype"
+    assert cfg[field] == "float32"
+    assert {k: v for k, v in cfg.items() if k != field} == {k: v for k, v in src.items() if k != field}
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
+        assert (out / f).read_bytes() == (hf / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_torchtitan_names_export_to_the_same_bytes(tmp_path, arch):
+    model = build(arch)
+    want = logits(model)
+    hf = hf_dir(model, tmp_path / "hf")
+    save_accelerate(model, tmp_path / "acc")
+    save_torchtitan(model, arch, tmp_path / "tt")
+    a = tensors_of(export(tmp_path / "acc", hf, tmp_path / "from_acc"))
+    b = tensors_of(export(tmp_path / "tt", hf, tmp_path / "from_tt"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_same_logits(tmp_path / "from_tt", want)
+
+
+def test_bf16_export_is_torch_cast_and_names_the_dtype(tmp_path):
+    model = build("llama")
+    hf = hf_dir(model, tmp_path / "hf")
+    save_torchtitan(model, "llama", tmp_path / "tt")
+    out = export(tmp_path / "tt", hf, tmp_path / "out", "--dtype", "bf16", "--max-shard-size", "40KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    got = tensors_of(out)
+    sd = model.state_dict()
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16
+        assert torch.equal(v, sd[k].to(torch.bfloat16)), k
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert loaded.dtype == torch.bfloat16
+
+
+def test_wrong_config_exits_2_and_writes_nothing(tmp_path):
+    model = build("llama")
+    hf = hf_dir(model, tmp_path / "hf")
+    save_torchtitan(model, "llama", tmp_path / "tt")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4
+    (hf / "config.json").write_text(json.dumps(cfg))
+    r = run_ckpt("consolidate", tmp_path / "tt", "-o", tmp_path / "out", "--hf-config", hf)
+    assert r.returncode == 2, r.stderr
+    assert "num_key_value_heads" in r.stderr and "layers.0.attention.qkv_linear.wk.weight" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tt"]
