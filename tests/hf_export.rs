@@ -442,3 +442,55 @@ fn inspect_shows_the_mapping_and_what_is_left_out() {
     assert!(text.contains("layers.0.attention.qkv_linear.wq.weight  ->  model.layers.0.self_attn.q_proj.weight  [rope rows (query heads)]"), "{text}");
     assert!(text.contains("training state"), "{text}");
 }
+
+#[test]
+fn parts_write_the_same_directory_as_one_run() {
+    let env = TestEnv::new();
+    let input = dcp(&env, &torchtitan_tensors());
+    let hf = hf_dir(&env, "LlamaForCausalLM", "torch_dtype");
+    let whole = env.path("whole");
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> = vec!["consolidate".into(), input.clone().into()];
+        a.extend([
+            "-o".into(),
+            out.into(),
+            "--hf-config".into(),
+            hf.clone().into(),
+        ]);
+        a.extend(["--max-shard-size".into(), "900".into(), "-q".into()]);
+        a
+    };
+    let run = |a: &[std::ffi::OsString]| {
+        let refs: Vec<&dyn AsRef<std::ffi::OsStr>> =
+            a.iter().map(|s| s as &dyn AsRef<std::ffi::OsStr>).collect();
+        ckpt(&refs)
+    };
+    ok(&run(&args(&whole)));
+    let parts = env.path("parts");
+    for i in [2, 0, 1] {
+        let mut a = args(&parts);
+        a.extend(["--part".into(), format!("{i}/3").into()]);
+        ok(&run(&a));
+    }
+    let files = |dir: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().into_string().unwrap(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    };
+    let want = files(&whole);
+    assert!(
+        want.len() > 5,
+        "{:?}",
+        want.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert_eq!(files(&parts), want);
+}
