@@ -232,3 +232,27 @@ def test_wrong_config_exits_2_and_writes_nothing(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "num_key_value_heads" in r.stderr and "layers.0.attention.qkv_linear.wk.weight" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tt"]
+
+
+def test_export_to_s3_is_the_local_export(tmp_path):
+    """An object-store output is uploaded as a local run writes it, config and tokenizer too."""
+    pytest.importorskip("boto3")
+    import test_s3  # a module object, so that its tests are not collected here again
+
+    model = build("llama")
+    hf = hf_dir(model, tmp_path / "hf")
+    save_torchtitan(model, "llama", tmp_path / "tt")
+    local = export(tmp_path / "tt", hf, tmp_path / "local", "--max-shard-size", "40KB")
+    server = test_s3.S3Server()
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="ckpt")
+        r = test_s3.run(server, "consolidate", tmp_path / "tt", "-o", "s3://ckpt/out",
+                        "--hf-config", hf, "--max-shard-size", "40KB")
+        assert r.returncode == 0, r.stderr
+        got = tmp_path / "got"
+        got.mkdir()
+        test_s3.download_tree(client, "ckpt", "out", got)
+        test_s3.same_tree(local, got)
+    finally:
+        server.stop()
