@@ -34,7 +34,23 @@ pub(crate) struct HfConfig {
     pub tied: bool,
     pub attention_bias: bool,
     pub mlp_bias: bool,
+    /// DeepSeek-V3's fields, by name (`n_routed_experts`, `kv_lora_rank`, ...), where the
+    /// config has them: read only for the dims of the architecture's parameters.
+    moe: Vec<(&'static str, u64)>,
 }
+
+/// The fields of mixture-of-experts and latent-attention models, zero allowed.
+const MOE_FIELDS: [&str; 9] = [
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+];
 
 impl HfConfig {
     /// Read `--hf-config`: a model directory holding config.json, or a config.json.
@@ -114,7 +130,19 @@ impl HfConfig {
                 ))
             }
         };
+        let mut moe = Vec::new();
+        for field in MOE_FIELDS {
+            match json.get(field) {
+                None | Some(Value::Null) => {}
+                Some(v) => moe.push((
+                    field,
+                    v.as_u64()
+                        .ok_or_else(|| bad(field, &format!("is {v}, not an integer")))?,
+                )),
+            }
+        }
         Ok(HfConfig {
+            moe,
             arch,
             hidden,
             heads,
@@ -132,34 +160,103 @@ impl HfConfig {
         })
     }
 
-    /// Whether the model has a parameter that is there `when`.
-    pub(crate) fn has(&self, when: When) -> bool {
+    /// A DeepSeek-V3 field (see `MOE_FIELDS`), if the config has it.
+    fn moe_field(&self, field: &str) -> Option<u64> {
+        self.moe.iter().find(|(f, _)| *f == field).map(|(_, n)| *n)
+    }
+
+    /// Whether the model has a parameter that is there `when`, in `layer` for a layer's.
+    pub(crate) fn has(&self, when: When, layer: Option<u64>) -> bool {
+        // transformers' DeepseekV3Config default.
+        let dense = self.moe_field("first_k_dense_replace").unwrap_or(3);
+        let q_lora = self.moe_field("q_lora_rank").is_some_and(|r| r > 0);
         match when {
             When::Always => true,
             When::AttentionBias => self.attention_bias,
             When::MlpBias => self.mlp_bias,
             When::Untied => !self.tied,
+            When::DenseLayer => layer.is_some_and(|l| l < dense),
+            When::MoeLayer | When::MoeLayerIfSaved => layer.is_some_and(|l| l >= dense),
+            When::QLora => q_lora,
+            When::NoQLora => !q_lora,
         }
     }
 
-    /// The size the config gives `dim`, and how it says so (for messages).
-    pub(crate) fn size(&self, dim: Dim) -> (u64, String) {
-        let product = |a: &str, x: u64, b: &str, y: u64| {
-            (x * y, format!("`{a}` × `{b}` = {x} × {y} = {}", x * y))
+    /// The size the config gives `dim`, and how it says so (for messages); an error naming the
+    /// field the config lacks.
+    pub(crate) fn size(&self, dim: Dim) -> Result<(u64, String)> {
+        let field = |name: &str| {
+            self.moe_field(name).ok_or_else(|| {
+                Error::usage(format!(
+                    "config.json's `{name}` is missing, which {} needs",
+                    self.arch.name
+                ))
+                .file(&self.path)
+            })
         };
-        match dim {
+        let one = |name: &str| -> Result<(u64, String)> {
+            let n = field(name)?;
+            Ok((n, format!("`{name}` = {n}")))
+        };
+        let product = |a: &str, x: u64, b: &str, y: u64| {
+            (x * y, format!("`{a}` × {b} = {x} × {y} = {}", x * y))
+        };
+        Ok(match dim {
             Dim::Vocab => (self.vocab, format!("`vocab_size` = {}", self.vocab)),
             Dim::Hidden => (self.hidden, format!("`hidden_size` = {}", self.hidden)),
             Dim::Inter => (self.inter, format!("`intermediate_size` = {}", self.inter)),
             Dim::HeadSize => (self.head_dim, format!("`head_dim` = {}", self.head_dim)),
-            Dim::QueryRows => product("num_attention_heads", self.heads, "head_dim", self.head_dim),
+            Dim::QueryRows => product(
+                "num_attention_heads",
+                self.heads,
+                "`head_dim`",
+                self.head_dim,
+            ),
             Dim::KvRows => product(
                 "num_key_value_heads",
                 self.kv_heads,
-                "head_dim",
+                "`head_dim`",
                 self.head_dim,
             ),
-        }
+            Dim::Experts => one("n_routed_experts")?,
+            Dim::MoeInter => one("moe_intermediate_size")?,
+            Dim::QLoraRank => one("q_lora_rank")?,
+            Dim::KvLoraRank => one("kv_lora_rank")?,
+            Dim::SharedInter => {
+                let (f, n) = (field("moe_intermediate_size")?, field("n_shared_experts")?);
+                (
+                    f * n,
+                    format!(
+                        "`moe_intermediate_size` × `n_shared_experts` = {f} × {n} = {}",
+                        f * n
+                    ),
+                )
+            }
+            Dim::KvARows => {
+                let (r, p) = (field("kv_lora_rank")?, field("qk_rope_head_dim")?);
+                (
+                    r + p,
+                    format!(
+                        "`kv_lora_rank` + `qk_rope_head_dim` = {r} + {p} = {}",
+                        r + p
+                    ),
+                )
+            }
+            Dim::QkRows => {
+                let (a, b) = (field("qk_nope_head_dim")?, field("qk_rope_head_dim")?);
+                let what = format!("(`qk_nope_head_dim` + `qk_rope_head_dim`) = ({a} + {b})");
+                product("num_attention_heads", self.heads, &what, a + b)
+            }
+            Dim::KvBRows => {
+                let (a, b) = (field("qk_nope_head_dim")?, field("v_head_dim")?);
+                let what = format!("(`qk_nope_head_dim` + `v_head_dim`) = ({a} + {b})");
+                product("num_attention_heads", self.heads, &what, a + b)
+            }
+            Dim::VRows => {
+                let v = field("v_head_dim")?;
+                product("num_attention_heads", self.heads, "`v_head_dim`", v)
+            }
+        })
     }
 
     /// config.json as written to the output: the input's, with each dtype field it has
@@ -269,8 +366,19 @@ mod tests {
         .unwrap();
         assert_eq!(c.head_dim, 32);
         assert!(c.tied);
-        assert_eq!(c.size(Dim::KvRows).0, 64);
-        assert!(c.size(Dim::KvRows).1.contains("`num_key_value_heads`"));
+        assert_eq!(c.size(Dim::KvRows).unwrap().0, 64);
+        assert!(c
+            .size(Dim::KvRows)
+            .unwrap()
+            .1
+            .contains("`num_key_value_heads`"));
+        // A field of another architecture's is an error naming it.
+        let e = c.size(Dim::Experts).unwrap_err();
+        assert!(
+            e.message.contains("`n_routed_experts` is missing"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

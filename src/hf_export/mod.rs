@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Tensor};
 pub(crate) use config::HfConfig;
-use tables::{Naming, Row};
+use tables::{Arch, Dim, Naming, Row, When};
 use views::ViewKind;
 
 /// One tensor of the export: the source tensor it is a view of.
@@ -36,6 +36,8 @@ pub(crate) struct Placed {
     pub source_name: String,
     pub target: String,
     pub view: ViewKind,
+    /// The index of the leading axis an [`ViewKind::Unstack`] takes.
+    pub index: Option<u64>,
 }
 
 /// An entry of the checkpoint the export leaves out, and why.
@@ -84,7 +86,7 @@ const ANCHORS: [(&str, Naming); 2] = [
 
 /// The naming and prefix of `ckpt`'s model: from the embedding with the shortest prefix that is
 /// not training state (an optimizer's states repeat the model's names after theirs).
-fn recognise(ckpt: &Checkpoint) -> Result<(Naming, String)> {
+fn recognise(ckpt: &Checkpoint, arch: &Arch) -> Result<(Naming, String)> {
     let mut best: Option<(Naming, &str)> = None;
     for t in &ckpt.tensors {
         for (anchor, naming) in ANCHORS {
@@ -105,14 +107,22 @@ fn recognise(ckpt: &Checkpoint) -> Result<(Naming, String)> {
         )
         .hint("`ckpt inspect` lists the checkpoint's tensors"));
     };
+    // torchtitan's two generations share most names (0.3's DeepSeek-V3 keeps 0.2's
+    // `attention.wq`): the one whose table places more of the tensors is the checkpoint's.
     let naming = match naming {
         Naming::Torchtitan => {
-            let old = ckpt.tensors.iter().any(|t| {
-                t.name
-                    .strip_prefix(prefix)
-                    .is_some_and(|rest| rest.contains(".attention.wq."))
-            });
-            if old {
+            let placed = |naming: Naming| {
+                let rows = arch.rows(naming).unwrap_or_default();
+                ckpt.tensors
+                    .iter()
+                    .filter_map(|t| t.name.strip_prefix(prefix))
+                    .filter(|rest| {
+                        rows.iter()
+                            .any(|r| tables::match_pattern(r.source, rest).is_some())
+                    })
+                    .count()
+            };
+            if placed(Naming::Torchtitan02) > placed(Naming::Torchtitan) {
                 Naming::Torchtitan02
             } else {
                 Naming::Torchtitan
@@ -129,9 +139,13 @@ fn is_training_state(name: &str) -> bool {
 }
 
 /// Why an entry under the model's prefix is not a parameter to export, if it is not.
-fn not_a_parameter(rest: &str) -> Option<&'static str> {
+fn not_a_parameter(rest: &str, arch: &Arch) -> Option<&'static str> {
     if is_training_state(rest) {
         return Some("training state");
+    }
+    let first = rest.split('.').next().unwrap_or_default();
+    if arch.extra_modules.contains(&first) {
+        return Some("a module transformers' model does not have");
     }
     BUFFERS
         .iter()
@@ -142,7 +156,7 @@ fn not_a_parameter(rest: &str) -> Option<&'static str> {
 /// Map `ckpt` onto `cfg`'s architecture, checking every shape against the config.
 pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
     let arch = cfg.arch;
-    let (naming, prefix) = recognise(ckpt)?;
+    let (naming, prefix) = recognise(ckpt, arch)?;
     let rows = arch.rows(naming).ok_or_else(|| {
         Error::usage(format!(
             "the checkpoint has {} names, which ckpt has no map of to {}",
@@ -159,7 +173,7 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             left_out.push(left(&t.name, "not under the model's prefix"));
             continue;
         };
-        if let Some(why) = not_a_parameter(rest) {
+        if let Some(why) = not_a_parameter(rest, arch) {
             left_out.push(left(&t.name, why));
             continue;
         }
@@ -186,12 +200,37 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
             continue;
         }
-        placed.push(Placed {
-            source: i,
-            source_name: t.name.clone(),
-            target,
-            view: row.view,
-        });
+        if row.view != ViewKind::Unstack {
+            placed.push(Placed {
+                source: i,
+                source_name: t.name.clone(),
+                target,
+                view: row.view,
+                index: None,
+            });
+            continue;
+        }
+        // One tensor per expert of the leading axis.
+        let (experts, says) = cfg.size(Dim::Experts)?;
+        let leading = t.shape.first().copied().unwrap_or(0);
+        if t.shape.len() < 2 || leading != experts {
+            return Err(Error::usage(format!(
+                "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
+                t.name, t.shape
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+        for e in 0..experts {
+            placed.push(Placed {
+                source: i,
+                source_name: t.name.clone(),
+                target: tables::fill(&target, &[('E', e)]),
+                view: row.view,
+                index: Some(e),
+            });
+        }
     }
     if let Some(first) = unplaced.first() {
         let more = match unplaced.len() {
@@ -259,6 +298,13 @@ fn order_and_check(
         .position(|p| layered(&p))
         .unwrap_or(params.len());
     let (head, rest) = params.split_at(first);
+    // Each parameter once per layer it is in, and a routed expert's once per expert.
+    let experts = |p: &tables::Param| -> Result<Vec<Option<u64>>> {
+        if !p.name.contains("{E}") {
+            return Ok(vec![None]);
+        }
+        Ok((0..cfg.size(Dim::Experts)?.0).map(Some).collect())
+    };
     let order = head
         .iter()
         .map(|p| (p, None))
@@ -266,27 +312,35 @@ fn order_and_check(
         .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
     let mut out = Vec::with_capacity(by_target.len());
     for (param, layer) in order {
-        let name = match layer {
-            Some(l) => tables::fill(param.name, &[('L', l)]),
-            None => param.name.to_string(),
-        };
-        if !cfg.has(param.when) {
-            if let Some(p) = by_target.get(&name) {
-                return Err(Error::usage(format!(
-                    "tensor `{}` maps to `{name}`, which {} does not have with this config.json",
-                    p.source_name, cfg.arch.name
-                ))
-                .file(&cfg.path)
-                .tensor(&p.source_name)
-                .hint(CONFIG_HINT));
+        let present = cfg.has(param.when, layer);
+        for expert in experts(param)? {
+            let mut indices = Vec::new();
+            indices.extend(layer.map(|l| ('L', l)));
+            indices.extend(expert.map(|e| ('E', e)));
+            let name = tables::fill(param.name, &indices);
+            if !present {
+                if let Some(p) = by_target.get(&name) {
+                    return Err(Error::usage(format!(
+                        "tensor `{}` maps to `{name}`, which {} does not have: config.json's {}",
+                        p.source_name,
+                        cfg.arch.name,
+                        param.when.absent_because()
+                    ))
+                    .file(&cfg.path)
+                    .tensor(&p.source_name)
+                    .hint(CONFIG_HINT));
+                }
+                continue;
             }
-            continue;
+            let Some(p) = by_target.remove(&name) else {
+                if param.when == When::MoeLayerIfSaved {
+                    continue;
+                }
+                return Err(missing(cfg, rows, param.name, &name, &indices));
+            };
+            check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
+            out.push(p);
         }
-        let Some(p) = by_target.remove(&name) else {
-            return Err(missing(cfg, rows, param.name, &name, layer));
-        };
-        check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
-        out.push(p);
     }
     if let Some(p) = by_target.values().next() {
         // Every row's target is a parameter of its architecture (a unit test checks the tables).
@@ -300,14 +354,18 @@ fn order_and_check(
 }
 
 /// The error for a parameter the config asks for and no tensor gives.
-fn missing(cfg: &HfConfig, rows: &[Row], pattern: &str, name: &str, layer: Option<u64>) -> Error {
+fn missing(
+    cfg: &HfConfig,
+    rows: &[Row],
+    pattern: &str,
+    name: &str,
+    indices: &[(char, u64)],
+) -> Error {
+    let layer = indices.iter().find(|(c, _)| *c == 'L');
     let from = rows
         .iter()
         .find(|r| r.target == pattern)
-        .map(|r| match layer {
-            Some(l) => tables::fill(r.source, &[('L', l)]),
-            None => r.source.to_string(),
-        });
+        .map(|r| tables::fill(r.source, indices));
     let wanted = match &from {
         Some(source) if source != name => format!(" (from `{source}`)"),
         _ => String::new(),
@@ -327,21 +385,23 @@ fn missing(cfg: &HfConfig, rows: &[Row], pattern: &str, name: &str, layer: Optio
 /// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
 fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
     let here = format!("tensor `{}` (`{}`)", t.name, p.target);
-    if t.shape.len() != want.len() {
+    let shape = match p.view {
+        ViewKind::Unstack => t.shape.get(1..).unwrap_or_default(),
+        _ => &t.shape[..],
+    };
+    if shape.len() != want.len() {
         return Err(Error::usage(format!(
-            "{here} has shape {:?}, but {} has {} dims there",
-            t.shape,
+            "{here} has shape {shape:?}, but {} has {} dims there",
             cfg.arch.name,
             want.len()
         ))
         .tensor(&t.name));
     }
-    for (d, (&n, &dim)) in t.shape.iter().zip(want).enumerate() {
-        let (size, says) = cfg.size(dim);
+    for (d, (&n, &dim)) in shape.iter().zip(want).enumerate() {
+        let (size, says) = cfg.size(dim)?;
         if n != size {
             return Err(Error::usage(format!(
-                "{here} has {n} in dim {d} of its shape {:?}, but config.json's {says}",
-                t.shape
+                "{here} has {n} in dim {d} of its shape {shape:?}, but config.json's {says}"
             ))
             .file(&cfg.path)
             .tensor(&t.name)
@@ -361,12 +421,17 @@ pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Resu
             ViewKind::Rename => t.pieces.clone(),
             ViewKind::RopeQuery => views::rope_rows(t, cfg.heads)?,
             ViewKind::RopeKv => views::rope_rows(t, cfg.kv_heads)?,
+            ViewKind::Unstack => views::unstack(t, p.index.unwrap_or(0))?,
+        };
+        let shape = match p.view {
+            ViewKind::Unstack => t.shape.get(1..).unwrap_or_default().to_vec(),
+            _ => t.shape.clone(),
         };
         tensors.push(Tensor {
             name: p.target.clone(),
             key_path: Vec::new(),
             dtype: t.dtype,
-            shape: t.shape.clone(),
+            shape,
             pieces,
         });
     }

@@ -22,6 +22,9 @@ pub(crate) struct Row<'a> {
     pub source: &'a str,
     pub target: &'a str,
     pub view: &'a str,
+    /// The index of the leading axis an `unstack` takes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -42,6 +45,7 @@ pub(crate) fn report(m: &Mapping) -> Report<'_> {
                 source: &p.source_name,
                 target: &p.target,
                 view: p.view.describe(),
+                index: p.index,
             })
             .collect(),
         left_out: m
@@ -74,10 +78,10 @@ pub(crate) fn render(r: &Report) -> String {
     );
     let width = r.mapping.iter().map(|m| m.source.len()).max().unwrap_or(0);
     for m in &r.mapping {
-        let view = if m.view == "rename" {
-            String::new()
-        } else {
-            format!("  [{}]", m.view)
+        let view = match (m.view, m.index) {
+            ("rename", _) => String::new(),
+            (view, Some(i)) => format!("  [{view} {i}]"),
+            (view, None) => format!("  [{view}]"),
         };
         let _ = writeln!(s, "  {:width$}  ->  {}{view}", m.source, m.target);
     }

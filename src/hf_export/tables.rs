@@ -59,6 +59,24 @@ pub(crate) enum Dim {
     HeadSize,
     /// `intermediate_size`
     Inter,
+    /// `n_routed_experts`
+    Experts,
+    /// `moe_intermediate_size`
+    MoeInter,
+    /// `moe_intermediate_size × n_shared_experts`
+    SharedInter,
+    /// `num_attention_heads × (qk_nope_head_dim + qk_rope_head_dim)`
+    QkRows,
+    /// `q_lora_rank`
+    QLoraRank,
+    /// `kv_lora_rank + qk_rope_head_dim`
+    KvARows,
+    /// `kv_lora_rank`
+    KvLoraRank,
+    /// `num_attention_heads × (qk_nope_head_dim + v_head_dim)`
+    KvBRows,
+    /// `num_attention_heads × v_head_dim`
+    VRows,
 }
 
 /// When the config has a parameter in the model.
@@ -71,6 +89,33 @@ pub(crate) enum When {
     MlpBias,
     /// `tie_word_embeddings` is false.
     Untied,
+    /// The layer is dense: its index is below `first_k_dense_replace`.
+    DenseLayer,
+    /// The layer is a mixture of experts: its index is `first_k_dense_replace` or above.
+    MoeLayer,
+    /// As [`When::MoeLayer`], but the model starts from zeros where the checkpoint has none
+    /// (torchtitan saves no expert bias without load balancing).
+    MoeLayerIfSaved,
+    /// `q_lora_rank` is set: queries through a low-rank projection.
+    QLora,
+    /// `q_lora_rank` is null.
+    NoQLora,
+}
+
+impl When {
+    /// What in config.json leaves such a parameter out, for messages.
+    pub(crate) fn absent_because(self) -> &'static str {
+        match self {
+            When::Always => "",
+            When::AttentionBias => "`attention_bias` is false",
+            When::MlpBias => "`mlp_bias` is false",
+            When::Untied => "`tie_word_embeddings` is true",
+            When::DenseLayer => "the layer is at or past `first_k_dense_replace`",
+            When::MoeLayer | When::MoeLayerIfSaved => "the layer is before `first_k_dense_replace`",
+            When::QLora => "`q_lora_rank` is null",
+            When::NoQLora => "`q_lora_rank` is set",
+        }
+    }
 }
 
 /// A parameter of a Hugging Face model: its name pattern, shape and presence.
@@ -99,6 +144,9 @@ pub(crate) struct Arch {
     /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
     pub torchtitan: Option<&'static [Row]>,
     pub torchtitan02: Option<&'static [Row]>,
+    /// Top-level names of the source's that the architecture has no place for and that are
+    /// left out (torchtitan's multi-token prediction layers, which transformers does not load).
+    pub extra_modules: &'static [&'static str],
 }
 
 impl Arch {
@@ -119,7 +167,7 @@ impl Arch {
 }
 
 use Dim::*;
-use ViewKind::{Rename, RopeKv, RopeQuery};
+use ViewKind::{Rename, RopeKv, RopeQuery, Unstack};
 use When::*;
 
 const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
@@ -352,6 +400,191 @@ const TT02_QWEN3: &[Row] = &[
     row("output.weight", LM_HEAD.name, Rename),
 ];
 
+/// transformers' `DeepseekV3ForCausalLM`: multi-head latent attention (queries through a
+/// low-rank projection when `q_lora_rank` is set), dense MLPs in the first
+/// `first_k_dense_replace` layers, routed experts (one name per expert), a router with its
+/// score-correction bias and shared experts in the others.
+const DEEPSEEK_V3_PARAMS: &[Param] = &[
+    EMBED,
+    param(
+        "model.layers.{L}.self_attn.q_proj.weight",
+        &[QkRows, Hidden],
+        NoQLora,
+    ),
+    param(
+        "model.layers.{L}.self_attn.q_a_proj.weight",
+        &[QLoraRank, Hidden],
+        QLora,
+    ),
+    param(
+        "model.layers.{L}.self_attn.q_a_layernorm.weight",
+        &[QLoraRank],
+        QLora,
+    ),
+    param(
+        "model.layers.{L}.self_attn.q_b_proj.weight",
+        &[QkRows, QLoraRank],
+        QLora,
+    ),
+    param(
+        "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+        &[KvARows, Hidden],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.self_attn.kv_a_layernorm.weight",
+        &[KvLoraRank],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.self_attn.kv_b_proj.weight",
+        &[KvBRows, KvLoraRank],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.self_attn.o_proj.weight",
+        &[Hidden, VRows],
+        Always,
+    ),
+    param(GATE.name, &[Inter, Hidden], DenseLayer),
+    param(UP.name, &[Inter, Hidden], DenseLayer),
+    param(DOWN.name, &[Hidden, Inter], DenseLayer),
+    param(
+        "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+        &[MoeInter, Hidden],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+        &[MoeInter, Hidden],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+        &[Hidden, MoeInter],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.gate.weight",
+        &[Experts, Hidden],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.gate.e_score_correction_bias",
+        &[Experts],
+        MoeLayerIfSaved,
+    ),
+    param(
+        "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+        &[SharedInter, Hidden],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+        &[SharedInter, Hidden],
+        MoeLayer,
+    ),
+    param(
+        "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+        &[Hidden, SharedInter],
+        MoeLayer,
+    ),
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// torchtitan 0.3's DeepSeek-V3 (`DeepSeekV3StateDictAdapter`): transformers' DeepSeek-V3
+/// rotates interleaved pairs as torchtitan does (`rope_interleave`), so no row moves; the
+/// routed experts are stacked on a leading axis (`w1_EFD` `[E, F, D]`, `w2_EDF` `[E, D, F]`).
+const TT_DEEPSEEK_V3: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row(
+        "layers.{L}.attention.wq.weight",
+        "model.layers.{L}.self_attn.q_proj.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.wq_a.weight",
+        "model.layers.{L}.self_attn.q_a_proj.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.q_norm.weight",
+        "model.layers.{L}.self_attn.q_a_layernorm.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.wq_b.weight",
+        "model.layers.{L}.self_attn.q_b_proj.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.wkv_a.weight",
+        "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.kv_norm.weight",
+        "model.layers.{L}.self_attn.kv_a_layernorm.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.wkv_b.weight",
+        "model.layers.{L}.self_attn.kv_b_proj.weight",
+        Rename,
+    ),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+        "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+        Unstack,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+        "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+        Unstack,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
+        "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+        Unstack,
+    ),
+    row(
+        "layers.{L}.moe.router.gate.weight",
+        "model.layers.{L}.mlp.gate.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.expert_bias_E",
+        "model.layers.{L}.mlp.gate.e_score_correction_bias",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.shared_experts.w1.weight",
+        "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.shared_experts.w3.weight",
+        "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.shared_experts.w2.weight",
+        "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+        Rename,
+    ),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("lm_head.weight", LM_HEAD.name, Rename),
+];
+
 /// Every architecture ckpt exports to.
 pub(crate) const ARCHS: &[Arch] = &[
     Arch {
@@ -361,6 +594,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         params: LLAMA_PARAMS,
         torchtitan: Some(TT_LLAMA),
         torchtitan02: Some(TT02_LLAMA),
+        extra_modules: &[],
     },
     Arch {
         // torchtitan has no Qwen2.
@@ -370,6 +604,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         params: QWEN2_PARAMS,
         torchtitan: None,
         torchtitan02: None,
+        extra_modules: &[],
     },
     Arch {
         name: "Qwen3ForCausalLM",
@@ -378,6 +613,17 @@ pub(crate) const ARCHS: &[Arch] = &[
         params: QWEN3_PARAMS,
         torchtitan: Some(TT_QWEN3),
         torchtitan02: Some(TT02_QWEN3),
+        extra_modules: &[],
+    },
+    Arch {
+        name: "DeepseekV3ForCausalLM",
+        model_type: "deepseek_v3",
+        tied_by_default: false,
+        params: DEEPSEEK_V3_PARAMS,
+        torchtitan: Some(TT_DEEPSEEK_V3),
+        // torchtitan 0.2's DeepSeek-V3 names are not mapped.
+        torchtitan02: None,
+        extra_modules: &["mtp_layers"],
     },
 ];
 
@@ -468,10 +714,13 @@ mod tests {
                 for r in &rows {
                     let holes = |s: &str| s.matches("{L}").count();
                     assert_eq!(holes(r.source), holes(r.target), "{r:?}");
+                    // An expert index appears in the target alone exactly when the row unstacks.
+                    let experts = !r.source.contains("{E}") && r.target.contains("{E}");
+                    assert_eq!(experts, r.view == ViewKind::Unstack, "{r:?}");
                 }
-                // torchtitan has no biases: only unconditional parameters need a row.
+                // torchtitan has no biases: every parameter but those needs a row.
                 for p in arch.params {
-                    if p.when == Always || p.when == Untied {
+                    if !matches!(p.when, AttentionBias | MlpBias) {
                         assert!(
                             unique.contains(p.name),
                             "{} {naming:?}: {}",

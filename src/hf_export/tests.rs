@@ -352,7 +352,7 @@ fn biases_follow_the_config_flags() {
         .tensors;
     hf.push(tensor("model.layers.0.mlp.up_proj.bias", &[10]));
     let e = usage_error(&checkpoint(hf.clone()), &config("LlamaForCausalLM", &[]));
-    assert!(e.message.contains("does not have"), "{}", e.message);
+    assert!(e.message.contains("`mlp_bias` is false"), "{}", e.message);
     // With mlp_bias the others are missing.
     let e = usage_error(
         &checkpoint(hf),
@@ -378,4 +378,146 @@ fn a_computed_tensor_is_not_permuted() {
     }
     let e = apply(ckpt, &cfg, &m).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Usage);
+}
+
+/// torchtitan 0.3's DeepSeek-V3 of a small config: layer 0 dense, layer 1 of 3 routed experts and
+/// a shared one; queries without a low-rank projection unless `q_lora`.
+fn torchtitan_deepseek(q_lora: bool) -> Checkpoint {
+    let mut ts = vec![tensor("tok_embeddings.weight", &[11, 8])];
+    for l in 0..2 {
+        let p = format!("layers.{l}.");
+        if q_lora {
+            ts.push(tensor(&format!("{p}attention.wq_a.weight"), &[4, 8]));
+            ts.push(tensor(&format!("{p}attention.q_norm.weight"), &[4]));
+            ts.push(tensor(&format!("{p}attention.wq_b.weight"), &[10, 4]));
+        } else {
+            ts.push(tensor(&format!("{p}attention.wq.weight"), &[10, 8]));
+        }
+        ts.push(tensor(&format!("{p}attention.wkv_a.weight"), &[6, 8]));
+        ts.push(tensor(&format!("{p}attention.kv_norm.weight"), &[4]));
+        ts.push(tensor(&format!("{p}attention.wkv_b.weight"), &[12, 4]));
+        ts.push(tensor(&format!("{p}attention.wo.weight"), &[8, 6]));
+        if l == 0 {
+            ts.push(tensor(&format!("{p}feed_forward.w1.weight"), &[10, 8]));
+            ts.push(tensor(&format!("{p}feed_forward.w2.weight"), &[8, 10]));
+            ts.push(tensor(&format!("{p}feed_forward.w3.weight"), &[10, 8]));
+        } else {
+            let e = format!("{p}moe.routed_experts.inner_experts.");
+            ts.push(tensor(&format!("{e}w1_EFD"), &[3, 5, 8]));
+            ts.push(tensor(&format!("{e}w2_EDF"), &[3, 8, 5]));
+            ts.push(tensor(&format!("{e}w3_EFD"), &[3, 5, 8]));
+            ts.push(tensor(&format!("{p}moe.router.gate.weight"), &[3, 8]));
+            ts.push(tensor(&format!("{p}moe.expert_bias_E"), &[3]));
+            ts.push(tensor(&format!("{p}moe.shared_experts.w1.weight"), &[5, 8]));
+            ts.push(tensor(&format!("{p}moe.shared_experts.w2.weight"), &[8, 5]));
+            ts.push(tensor(&format!("{p}moe.shared_experts.w3.weight"), &[5, 8]));
+        }
+        ts.push(tensor(&format!("{p}attention_norm.weight"), &[8]));
+        ts.push(tensor(&format!("{p}ffn_norm.weight"), &[8]));
+    }
+    ts.push(tensor("norm.weight", &[8]));
+    ts.push(tensor("lm_head.weight", &[11, 8]));
+    ts.push(tensor("mtp_layers.0.enorm.weight", &[8]));
+    ts.push(tensor(
+        "optimizer.state.layers.1.moe.expert_bias_E.exp_avg",
+        &[3],
+    ));
+    checkpoint(ts)
+}
+
+fn deepseek_config(q_lora: bool) -> HfConfig {
+    config(
+        "DeepseekV3ForCausalLM",
+        &[
+            ("head_dim", Value::Null),
+            ("num_key_value_heads", 2.into()),
+            ("n_routed_experts", 3.into()),
+            ("moe_intermediate_size", 5.into()),
+            ("n_shared_experts", 1.into()),
+            ("first_k_dense_replace", 1.into()),
+            ("q_lora_rank", if q_lora { 4.into() } else { Value::Null }),
+            ("kv_lora_rank", 4.into()),
+            ("qk_rope_head_dim", 2.into()),
+            ("qk_nope_head_dim", 3.into()),
+            ("v_head_dim", 3.into()),
+        ],
+    )
+}
+
+#[test]
+fn torchtitan_deepseek_v3_unstacks_the_experts() {
+    for q_lora in [false, true] {
+        let cfg = deepseek_config(q_lora);
+        let ckpt = torchtitan_deepseek(q_lora);
+        let m = map(&ckpt, &cfg).unwrap();
+        assert_eq!(
+            m.naming,
+            Naming::Torchtitan,
+            "0.3 although it has `attention.wq`"
+        );
+        let names = targets(&m);
+        let q = if q_lora { 3 } else { 1 };
+        // embed; 2 layers of (q + 4 attention + 2 norms), 3 dense MLPs, 3 experts x 3 + gate,
+        // bias, 3 shared; norm; head.
+        assert_eq!(
+            names.len(),
+            1 + 2 * (q + 4 + 2) + 3 + 9 + 2 + 3 + 2,
+            "{names:?}"
+        );
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        for e in 0..3 {
+            for p in ["gate_proj", "up_proj", "down_proj"] {
+                let name = format!("model.layers.1.mlp.experts.{e}.{p}.weight");
+                assert!(names.contains(&name), "{name}");
+            }
+        }
+        assert!(names.contains(&"model.layers.1.mlp.gate.e_score_correction_bias".to_string()));
+        assert!(!names.iter().any(|n| n.contains("layers.0.mlp.experts")));
+        let why = |name: &str| m.left_out.iter().find(|l| l.name == name).unwrap().why;
+        assert!(why("mtp_layers.0.enorm.weight").contains("does not have"));
+        let out = apply(ckpt, &cfg, &m).unwrap();
+        let down = out
+            .tensors
+            .iter()
+            .find(|t| t.name == "model.layers.1.mlp.experts.2.down_proj.weight")
+            .unwrap();
+        assert_eq!(down.shape, vec![8, 5]);
+        assert_eq!(down.pieces.get(0).offset(), 2 * 40 * 4);
+    }
+}
+
+#[test]
+fn deepseek_v3_errors_name_its_fields() {
+    let ckpt = torchtitan_deepseek(false);
+    let e = usage_error(&ckpt, &deepseek_config(true));
+    assert!(e.message.contains("`q_lora_rank` is set"), "{}", e.message);
+    let mut cfg = deepseek_config(false);
+    cfg = {
+        let mut json: Map<String, Value> =
+            serde_json::from_slice(&cfg.json_with_dtype(DType::F32)).unwrap();
+        json.insert("n_routed_experts".into(), 4.into());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+        HfConfig::read(&path).unwrap()
+    };
+    let e = usage_error(&ckpt, &cfg);
+    assert!(
+        e.message.contains("`n_routed_experts` = 4"),
+        "{}",
+        e.message
+    );
+    assert_eq!(
+        e.tensor.as_deref(),
+        Some("layers.1.moe.routed_experts.inner_experts.w1_EFD")
+    );
+    // Without the expert bias (torchtitan without load balancing) the router starts at zero.
+    let mut ckpt = torchtitan_deepseek(false);
+    ckpt.tensors.retain(|t| !t.name.ends_with("expert_bias_E"));
+    let m = map(&ckpt, &deepseek_config(false)).unwrap();
+    assert!(!targets(&m).iter().any(|n| n.contains("e_score")));
+    // Another architecture's config lacks DeepSeek-V3's fields.
+    let e = usage_error(&ckpt, &config("DeepseekV3ForCausalLM", &[]));
+    assert!(e.message.contains("is missing"), "{}", e.message);
 }

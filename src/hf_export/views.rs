@@ -19,6 +19,9 @@ pub(crate) enum ViewKind {
     RopeQuery,
     /// The same over the key/value heads, for `wk`.
     RopeKv,
+    /// One tensor per index of the leading axis (expert-stacked weights): the row's target has
+    /// an `{E}` its source lacks, filled with the index.
+    Unstack,
 }
 
 impl ViewKind {
@@ -28,6 +31,7 @@ impl ViewKind {
             ViewKind::Rename => "rename",
             ViewKind::RopeQuery => "rope rows (query heads)",
             ViewKind::RopeKv => "rope rows (kv heads)",
+            ViewKind::Unstack => "unstack",
         }
     }
 }
@@ -101,6 +105,38 @@ pub(crate) fn rope_rows(t: &Tensor, heads: u64) -> Result<Pieces> {
                 )?;
             }
         }
+    }
+    Ok(out)
+}
+
+/// Index `index` of `t`'s leading axis, that axis dropped: one layer of a layer-stacked weight,
+/// one expert of an expert-stacked one.
+pub(crate) fn unstack(t: &Tensor, index: u64) -> Result<Pieces> {
+    check_copied(t)?;
+    let n = t.shape.first().copied().unwrap_or(0);
+    if t.shape.is_empty() || index >= n {
+        return Err(Error::bug(format!(
+            "index {index} of a leading axis of {n} (shape {:?})",
+            t.shape
+        ))
+        .tensor(&t.name));
+    }
+    let elem = t.dtype.size() as u64;
+    let mut out = Pieces::new(t.pieces.ndim() - 1);
+    for p in t.pieces.iter() {
+        let (o, s) = (p.offsets()[0], p.sizes()[0]);
+        if index < o || index >= o + s {
+            continue;
+        }
+        let strides = p.strides();
+        out.push_parts(
+            &p.offsets()[1..],
+            &p.sizes()[1..],
+            Arc::clone(p.file()),
+            p.offset() + (index - o) * strides[0] * elem,
+            &strides[1..],
+            p.encoding(),
+        )?;
     }
     Ok(out)
 }
@@ -259,5 +295,20 @@ mod tests {
             let e = rope_rows(&t, heads).unwrap_err();
             assert_eq!(e.tensor.as_deref(), Some("t"), "{heads}");
         }
+    }
+
+    #[test]
+    fn unstack_gives_each_slice_of_the_leading_axis() {
+        for (dim, cuts) in [(0, 1), (0, 2), (0, 3), (1, 2), (2, 3)] {
+            let shape = [3u64, 4, 5];
+            let (t, buf) = saved(&shape, dim, cuts);
+            for e in 0..3 {
+                let got = materialize(&shape[1..], &unstack(&t, e).unwrap(), &buf);
+                let want: Vec<u32> = (0..20).map(|i| (e * 20 + i) as u32).collect();
+                assert_eq!(got, want, "cut {dim}/{cuts} expert {e}");
+            }
+        }
+        let (t, _) = saved(&[3, 4, 5], 0, 1);
+        assert!(unstack(&t, 3).is_err());
     }
 }
