@@ -256,3 +256,98 @@ def test_export_to_s3_is_the_local_export(tmp_path):
         test_s3.same_tree(local, got)
     finally:
         server.stop()
+
+
+TT_DEEPSEEK_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.q_a_proj.weight": "layers.{}.attention.wq_a.weight",
+    "model.layers.{}.self_attn.q_a_layernorm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.q_b_proj.weight": "layers.{}.attention.wq_b.weight",
+    "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight": "layers.{}.attention.wkv_a.weight",
+    "model.layers.{}.self_attn.kv_a_layernorm.weight": "layers.{}.attention.kv_norm.weight",
+    "model.layers.{}.self_attn.kv_b_proj.weight": "layers.{}.attention.wkv_b.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
+    "model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.moe.expert_bias_E",
+    "model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.moe.shared_experts.w1.weight",
+    "model.layers.{}.mlp.shared_experts.up_proj.weight": "layers.{}.moe.shared_experts.w3.weight",
+    "model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.moe.shared_experts.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+TT_EXPERTS = {"gate_proj": "w1_EFD", "up_proj": "w3_EFD", "down_proj": "w2_EDF"}
+
+
+def build_deepseek(q_lora_rank):
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+        topk_group=1, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+    )
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name or name.endswith("bias"):
+                t.copy_(torch.randn_like(t) * 0.5 + 1.0)
+    return model
+
+
+def save_torchtitan_deepseek(per_expert: dict, layers: int, path):
+    """torchtitan 0.3's layout of DeepSeek-V3 (its `from_hf`): routed experts stacked on a leading
+    axis, model at the top level beside the training state and a multi-token prediction layer."""
+    sd = {}
+    experts: dict = {}
+    for name, v in per_expert.items():
+        parts = name.split(".")
+        if "experts" in parts and "shared_experts" not in parts:
+            layer, e, proj = parts[2], int(parts[5]), parts[6]
+            experts.setdefault((layer, proj), {})[e] = v
+            continue
+        key, layer = name, None
+        if len(parts) > 2 and parts[1] == "layers":
+            layer = parts[2]
+            key = ".".join(parts[:2] + ["{}"] + parts[3:])
+        sd[TT_DEEPSEEK_NAMES[key].replace("{}", layer or "")] = v.clone()
+    for (layer, proj), by_e in experts.items():
+        stacked = torch.stack([by_e[e] for e in sorted(by_e)])
+        sd[f"layers.{layer}.moe.routed_experts.inner_experts.{TT_EXPERTS[proj]}"] = stacked
+    state = dict(sd)
+    state.update(optimizer_state(sd, "optimizer.state."))
+    state["mtp_layers.0.enorm.weight"] = torch.ones(32)
+    state["train_state"] = {"step": 2}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_torchtitan_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
+    """transformers' own save_pretrained (one tensor per routed expert) is the reference."""
+    model = build_deepseek(q_lora_rank)
+    want = logits(model)
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref)
+    reference = tensors_of(ref)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in ref.iterdir():
+        if f.suffix == ".json":
+            (hf / f.name).write_bytes(f.read_bytes())
+    save_torchtitan_deepseek(reference, model.config.num_hidden_layers, tmp_path / "tt")
+    r = run_ckpt("inspect", tmp_path / "tt", "--hf-config", hf, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["naming"] == "torchtitan"
+    assert "mtp_layers.0.enorm.weight" in {x["name"] for x in doc["left_out"]}
+    got = tensors_of(export(tmp_path / "tt", hf, tmp_path / "out"))
+    assert set(got) == set(reference)
+    for k in got:
+        assert torch.equal(got[k], reference[k]), k
+    assert_same_logits(tmp_path / "out", want)
