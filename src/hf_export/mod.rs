@@ -36,7 +36,7 @@ pub(crate) struct Placed {
     pub source_name: String,
     pub target: String,
     pub view: ViewKind,
-    /// The index of the leading axis an [`ViewKind::Unstack`] takes.
+    /// The index of the leading axis an unstacking view takes.
     pub index: Option<u64>,
 }
 
@@ -177,59 +177,16 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             left_out.push(left(&t.name, why));
             continue;
         }
-        let Some((row, indices)) = rows
+        // Several rows take parts of one tensor (`gate_up_proj`'s gate and up rows).
+        let matches: Vec<(&Row, Vec<(char, u64)>)> = rows
             .iter()
-            .find_map(|r| Some((r, tables::match_pattern(r.source, rest)?)))
-        else {
+            .filter_map(|r| Some((r, tables::match_pattern(r.source, rest)?)))
+            .collect();
+        if matches.is_empty() {
             unplaced.push(t.name.as_str());
-            continue;
-        };
-        if let Some(&(_, layer)) = indices.iter().find(|(c, _)| *c == 'L') {
-            if layer >= cfg.layers {
-                return Err(Error::usage(format!(
-                    "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}",
-                    t.name, cfg.layers
-                ))
-                .file(&cfg.path)
-                .tensor(&t.name)
-                .hint(CONFIG_HINT));
-            }
         }
-        let target = tables::fill(row.target, &indices);
-        if cfg.tied && target == "lm_head.weight" {
-            left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
-            continue;
-        }
-        if row.view != ViewKind::Unstack {
-            placed.push(Placed {
-                source: i,
-                source_name: t.name.clone(),
-                target,
-                view: row.view,
-                index: None,
-            });
-            continue;
-        }
-        // One tensor per expert of the leading axis.
-        let (experts, says) = cfg.size(Dim::Experts)?;
-        let leading = t.shape.first().copied().unwrap_or(0);
-        if t.shape.len() < 2 || leading != experts {
-            return Err(Error::usage(format!(
-                "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
-                t.name, t.shape
-            ))
-            .file(&cfg.path)
-            .tensor(&t.name)
-            .hint(CONFIG_HINT));
-        }
-        for e in 0..experts {
-            placed.push(Placed {
-                source: i,
-                source_name: t.name.clone(),
-                target: tables::fill(&target, &[('E', e)]),
-                view: row.view,
-                index: Some(e),
-            });
+        for (row, indices) in matches {
+            place(i, t, row, &indices, cfg, &mut placed, &mut left_out)?;
         }
     }
     if let Some(first) = unplaced.first() {
@@ -258,6 +215,66 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
         placed,
         left_out,
     })
+}
+
+/// Place tensor `i` by `row` (whose source it matched with `indices`): one tensor, or one per
+/// expert of its leading axis, or none for a tied head.
+fn place(
+    i: usize,
+    t: &Tensor,
+    row: &Row,
+    indices: &[(char, u64)],
+    cfg: &HfConfig,
+    placed: &mut Vec<Placed>,
+    left_out: &mut Vec<LeftOut>,
+) -> Result<()> {
+    if let Some(&(_, layer)) = indices.iter().find(|(c, _)| *c == 'L') {
+        if layer >= cfg.layers {
+            return Err(Error::usage(format!(
+                "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}",
+                t.name, cfg.layers
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+    }
+    let target = tables::fill(row.target, indices);
+    if cfg.tied && target == "lm_head.weight" {
+        left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
+        return Ok(());
+    }
+    if !row.view.unstacks() {
+        placed.push(Placed {
+            source: i,
+            source_name: t.name.clone(),
+            target,
+            view: row.view,
+            index: None,
+        });
+        return Ok(());
+    }
+    let (experts, says) = cfg.size(Dim::Experts)?;
+    let leading = t.shape.first().copied().unwrap_or(0);
+    if t.shape.len() < 2 || leading != experts {
+        return Err(Error::usage(format!(
+            "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
+            t.name, t.shape
+        ))
+        .file(&cfg.path)
+        .tensor(&t.name)
+        .hint(CONFIG_HINT));
+    }
+    for e in 0..experts {
+        placed.push(Placed {
+            source: i,
+            source_name: t.name.clone(),
+            target: tables::fill(&target, &[('E', e)]),
+            view: row.view,
+            index: Some(e),
+        });
+    }
+    Ok(())
 }
 
 const CONFIG_HINT: &str = "pass the config.json of the model this checkpoint was trained as";
@@ -385,10 +402,15 @@ fn missing(
 /// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
 fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
     let here = format!("tensor `{}` (`{}`)", t.name, p.target);
-    let shape = match p.view {
-        ViewKind::Unstack => t.shape.get(1..).unwrap_or_default(),
-        _ => &t.shape[..],
+    let Some(shape) = p.view.shape(&t.shape) else {
+        return Err(Error::usage(format!(
+            "{here} has shape {:?}, which cannot be viewed as `{}`",
+            t.shape,
+            p.view.describe()
+        ))
+        .tensor(&t.name));
     };
+    let shape = &shape[..];
     if shape.len() != want.len() {
         return Err(Error::usage(format!(
             "{here} has shape {shape:?}, but {} has {} dims there",
@@ -417,15 +439,18 @@ pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Resu
     let mut tensors = Vec::with_capacity(mapping.placed.len());
     for p in &mapping.placed {
         let t = &ckpt.tensors[p.source];
+        // `map` checked every view's shape against the config.
+        let shape = p.view.shape(&t.shape).unwrap_or_default();
         let pieces = match p.view {
             ViewKind::Rename => t.pieces.clone(),
             ViewKind::RopeQuery => views::rope_rows(t, cfg.heads)?,
             ViewKind::RopeKv => views::rope_rows(t, cfg.kv_heads)?,
             ViewKind::Unstack => views::unstack(t, p.index.unwrap_or(0))?,
-        };
-        let shape = match p.view {
-            ViewKind::Unstack => t.shape.get(1..).unwrap_or_default().to_vec(),
-            _ => t.shape.clone(),
+            ViewKind::UnstackSplit { part, .. } => {
+                let expert = views::unstack(t, p.index.unwrap_or(0))?;
+                let len = shape.first().copied().unwrap_or(0);
+                views::rows(&expert, t.dtype.size() as u64, part * len, len)?
+            }
         };
         tensors.push(Tensor {
             name: p.target.clone(),

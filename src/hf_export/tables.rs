@@ -141,6 +141,9 @@ pub(crate) struct Arch {
     pub tied_by_default: bool,
     /// Parameters in the model's `state_dict` order; `{L}` once per layer.
     pub params: &'static [Param],
+    /// Rows for names transformers holds in memory but saves otherwise (so that an app state
+    /// saved by accelerate differs from `save_pretrained`'s), beside the identity rows.
+    pub hf_in_memory: &'static [Row],
     /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
     pub torchtitan: Option<&'static [Row]>,
     pub torchtitan02: Option<&'static [Row]>,
@@ -158,6 +161,7 @@ impl Arch {
                 self.params
                     .iter()
                     .map(|p| row(p.name, p.name, ViewKind::Rename))
+                    .chain(self.hf_in_memory.iter().copied())
                     .collect(),
             ),
             Naming::Torchtitan => self.torchtitan.map(<[Row]>::to_vec),
@@ -167,7 +171,7 @@ impl Arch {
 }
 
 use Dim::*;
-use ViewKind::{Rename, RopeKv, RopeQuery, Unstack};
+use ViewKind::{Rename, RopeKv, RopeQuery, Unstack, UnstackSplit};
 use When::*;
 
 const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
@@ -495,6 +499,27 @@ const DEEPSEEK_V3_PARAMS: &[Param] = &[
     LM_HEAD,
 ];
 
+/// transformers 5 holds the routed experts fused (`experts.gate_up_proj` `[E, 2F, D]`, each
+/// expert's gate rows then its up rows; `experts.down_proj` `[E, D, F]`) and saves one tensor per
+/// expert: an accelerate or FSDP2 checkpoint has the fused names.
+const HF_DEEPSEEK_V3_FUSED: &[Row] = &[
+    row(
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+        UnstackSplit { part: 0, of: 2 },
+    ),
+    row(
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+        UnstackSplit { part: 1, of: 2 },
+    ),
+    row(
+        "model.layers.{L}.mlp.experts.down_proj",
+        "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+        Unstack,
+    ),
+];
+
 /// torchtitan 0.3's DeepSeek-V3 (`DeepSeekV3StateDictAdapter`): transformers' DeepSeek-V3
 /// rotates interleaved pairs as torchtitan does (`rope_interleave`), so no row moves; the
 /// routed experts are stacked on a leading axis (`w1_EFD` `[E, F, D]`, `w2_EDF` `[E, D, F]`).
@@ -592,6 +617,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         model_type: "llama",
         tied_by_default: false,
         params: LLAMA_PARAMS,
+        hf_in_memory: &[],
         torchtitan: Some(TT_LLAMA),
         torchtitan02: Some(TT02_LLAMA),
         extra_modules: &[],
@@ -602,6 +628,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         model_type: "qwen2",
         tied_by_default: false,
         params: QWEN2_PARAMS,
+        hf_in_memory: &[],
         torchtitan: None,
         torchtitan02: None,
         extra_modules: &[],
@@ -611,6 +638,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         model_type: "qwen3",
         tied_by_default: false,
         params: QWEN3_PARAMS,
+        hf_in_memory: &[],
         torchtitan: Some(TT_QWEN3),
         torchtitan02: Some(TT02_QWEN3),
         extra_modules: &[],
@@ -620,6 +648,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         model_type: "deepseek_v3",
         tied_by_default: false,
         params: DEEPSEEK_V3_PARAMS,
+        hf_in_memory: HF_DEEPSEEK_V3_FUSED,
         torchtitan: Some(TT_DEEPSEEK_V3),
         // torchtitan 0.2's DeepSeek-V3 names are not mapped.
         torchtitan02: None,
@@ -688,8 +717,8 @@ mod tests {
     }
 
     /// Each source table maps onto its architecture's parameters one to one: no two rows give
-    /// one name, every parameter comes from a row, and every row's patterns have the same
-    /// placeholders.
+    /// one name (but a saved and an in-memory Hugging Face name), every parameter comes from a
+    /// row, and every row's patterns have the same placeholders.
     #[test]
     fn tables_place_every_parameter_once() {
         for arch in ARCHS {
@@ -705,18 +734,31 @@ mod tests {
                 };
                 let targets: Vec<&str> = rows.iter().map(|r| r.target).collect();
                 let unique: BTreeSet<&str> = targets.iter().copied().collect();
-                assert_eq!(unique.len(), targets.len(), "{} {naming:?}", arch.name);
+                let alternatives = match naming {
+                    Naming::HuggingFace => arch.hf_in_memory.len(),
+                    _ => 0,
+                };
+                assert_eq!(
+                    unique.len() + alternatives,
+                    targets.len(),
+                    "{} {naming:?}",
+                    arch.name
+                );
                 for t in &targets {
                     assert!(params.contains(t), "{} {naming:?}: {t}", arch.name);
                 }
-                let sources: BTreeSet<&str> = rows.iter().map(|r| r.source).collect();
+                // A source in several rows only for parts of it.
+                let sources: BTreeSet<(&str, String)> = rows
+                    .iter()
+                    .map(|r| (r.source, format!("{:?}", r.view)))
+                    .collect();
                 assert_eq!(sources.len(), rows.len(), "{} {naming:?}", arch.name);
                 for r in &rows {
                     let holes = |s: &str| s.matches("{L}").count();
                     assert_eq!(holes(r.source), holes(r.target), "{r:?}");
                     // An expert index appears in the target alone exactly when the row unstacks.
                     let experts = !r.source.contains("{E}") && r.target.contains("{E}");
-                    assert_eq!(experts, r.view == ViewKind::Unstack, "{r:?}");
+                    assert_eq!(experts, r.view.unstacks(), "{r:?}");
                 }
                 // torchtitan has no biases: every parameter but those needs a row.
                 for p in arch.params {

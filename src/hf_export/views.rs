@@ -22,6 +22,9 @@ pub(crate) enum ViewKind {
     /// One tensor per index of the leading axis (expert-stacked weights): the row's target has
     /// an `{E}` its source lacks, filled with the index.
     Unstack,
+    /// [`ViewKind::Unstack`], then part `part` of `of` equal parts of the rows: transformers'
+    /// in-memory `gate_up_proj` `[E, 2F, D]` holds each expert's gate rows, then its up rows.
+    UnstackSplit { part: u64, of: u64 },
 }
 
 impl ViewKind {
@@ -32,6 +35,30 @@ impl ViewKind {
             ViewKind::RopeQuery => "rope rows (query heads)",
             ViewKind::RopeKv => "rope rows (kv heads)",
             ViewKind::Unstack => "unstack",
+            ViewKind::UnstackSplit { part: 0, .. } => "unstack, first half of rows",
+            ViewKind::UnstackSplit { .. } => "unstack, second half of rows",
+        }
+    }
+
+    /// Whether the view makes one tensor per index of the leading axis.
+    pub(crate) fn unstacks(self) -> bool {
+        matches!(self, ViewKind::Unstack | ViewKind::UnstackSplit { .. })
+    }
+
+    /// The shape of the view of a tensor of `shape`, or `None` where it does not fit.
+    pub(crate) fn shape(self, shape: &[u64]) -> Option<Vec<u64>> {
+        match self {
+            ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv => Some(shape.to_vec()),
+            ViewKind::Unstack => Some(shape.get(1..)?.to_vec()),
+            ViewKind::UnstackSplit { of, .. } => {
+                let mut rest = shape.get(1..)?.to_vec();
+                let rows = rest.first_mut()?;
+                if of == 0 || *rows % of != 0 {
+                    return None;
+                }
+                *rows /= of;
+                Some(rest)
+            }
         }
     }
 }
@@ -135,6 +162,35 @@ pub(crate) fn unstack(t: &Tensor, index: u64) -> Result<Pieces> {
             Arc::clone(p.file()),
             p.offset() + (index - o) * strides[0] * elem,
             &strides[1..],
+            p.encoding(),
+        )?;
+    }
+    Ok(out)
+}
+
+/// Rows `start..start + len` of pieces of a tensor of `elem`-byte elements, as a tensor of their
+/// own: part of a `[gate; up]` stack.
+pub(crate) fn rows(pieces: &Pieces, elem: u64, start: u64, len: u64) -> Result<Pieces> {
+    let mut out = Pieces::new(pieces.ndim());
+    for p in pieces.iter() {
+        let (Some(&o), Some(&n)) = (p.offsets().first(), p.sizes().first()) else {
+            return Err(Error::bug("rows of a 0-dim tensor"));
+        };
+        let (lo, hi) = (o.max(start), (o + n).min(start + len));
+        if lo >= hi {
+            continue;
+        }
+        let strides = p.strides();
+        let mut offsets = p.offsets().to_vec();
+        let mut sizes = p.sizes().to_vec();
+        offsets[0] = lo - start;
+        sizes[0] = hi - lo;
+        out.push_parts(
+            &offsets,
+            &sizes,
+            Arc::clone(p.file()),
+            p.offset() + (lo - o) * strides[0] * elem,
+            &strides,
             p.encoding(),
         )?;
     }
@@ -310,5 +366,17 @@ mod tests {
         }
         let (t, _) = saved(&[3, 4, 5], 0, 1);
         assert!(unstack(&t, 3).is_err());
+    }
+
+    #[test]
+    fn rows_give_a_slice_of_the_first_dim() {
+        for (dim, cuts) in [(0, 1), (0, 3), (0, 5), (1, 2), (0, 7)] {
+            let (t, buf) = saved(&[6, 3], dim, cuts);
+            for (start, len) in [(0, 3), (3, 3), (1, 4), (5, 1)] {
+                let got = materialize(&[len, 3], &rows(&t.pieces, 4, start, len).unwrap(), &buf);
+                let want: Vec<u32> = (start * 3..(start + len) * 3).map(|i| i as u32).collect();
+                assert_eq!(got, want, "cut {dim}/{cuts} rows {start}+{len}");
+            }
+        }
     }
 }

@@ -328,8 +328,9 @@ def save_torchtitan_deepseek(per_expert: dict, layers: int, path):
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
-def test_torchtitan_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
-    """transformers' own save_pretrained (one tensor per routed expert) is the reference."""
+def test_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
+    """transformers' own save_pretrained (one tensor per routed expert) is the reference, for
+    torchtitan's layout and for transformers' in-memory names saved by accelerate."""
     model = build_deepseek(q_lora_rank)
     want = logits(model)
     ref = tmp_path / "ref"
@@ -351,3 +352,11 @@ def test_torchtitan_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lor
     for k in got:
         assert torch.equal(got[k], reference[k]), k
     assert_same_logits(tmp_path / "out", want)
+    # An accelerate app state holds transformers' in-memory names: the experts fused
+    # (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]).
+    assert any(k.endswith("experts.gate_up_proj") for k in model.state_dict())
+    save_accelerate(model, tmp_path / "acc")
+    got = tensors_of(export(tmp_path / "acc", hf, tmp_path / "from_acc"))
+    assert set(got) == set(reference)
+    for k in got:
+        assert torch.equal(got[k], reference[k]), k
