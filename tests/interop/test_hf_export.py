@@ -234,8 +234,10 @@ def test_wrong_config_exits_2_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tt"]
 
 
-def test_export_to_s3_is_the_local_export(tmp_path):
-    """An object-store output is uploaded as a local run writes it, config and tokenizer too."""
+def test_export_to_and_from_s3_is_the_local_export(tmp_path):
+    """An object-store output is uploaded as a local run writes it, config and tokenizer too; a
+    checkpoint read from object storage (its small items opened when copied, so the views'
+    strides apply to each item's elements) exports to the same files."""
     pytest.importorskip("boto3")
     import test_s3  # a module object, so that its tests are not collected here again
 
@@ -254,6 +256,11 @@ def test_export_to_s3_is_the_local_export(tmp_path):
         got.mkdir()
         test_s3.download_tree(client, "ckpt", "out", got)
         test_s3.same_tree(local, got)
+        test_s3.upload_tree(client, tmp_path / "tt", "ckpt", "tt")
+        r = test_s3.run(server, "consolidate", "s3://ckpt/tt", "-o", tmp_path / "from_s3",
+                        "--hf-config", hf, "--max-shard-size", "40KB")
+        assert r.returncode == 0, r.stderr
+        test_s3.same_tree(local, tmp_path / "from_s3")
     finally:
         server.stop()
 
