@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::tables::{self, Arch, Dim, When};
+use super::views::Sizes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -158,6 +159,16 @@ impl HfConfig {
             dir,
             json,
         })
+    }
+
+    /// What the views need of the config.
+    pub(crate) fn sizes(&self) -> Sizes {
+        Sizes {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            vocab: self.vocab,
+        }
     }
 
     /// A DeepSeek-V3 field (see `MOE_FIELDS`), if the config has it.

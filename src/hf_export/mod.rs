@@ -61,7 +61,9 @@ pub(crate) struct Mapping {
 
 /// Top-level names of training state beside a model saved without a prefix (torchtitan's
 /// `optimizer`, `lr_scheduler`, `dataloader`, `train_state`; other trainers' alike).
-const TRAINING_STATE: [&str; 9] = [
+const TRAINING_STATE: [&str; 11] = [
+    "opt_param_scheduler",
+    "rerun_state_machine",
     "optimizer",
     "optim",
     "lr_scheduler",
@@ -79,9 +81,10 @@ const TRAINING_STATE: [&str; 9] = [
 const BUFFERS: [&str; 3] = ["rotary_emb.inv_freq", "freqs_cis", "_extra_state"];
 
 /// The embedding's name under each naming: what recognises a naming and its prefix.
-const ANCHORS: [(&str, Naming); 2] = [
+const ANCHORS: [(&str, Naming); 3] = [
     ("model.embed_tokens.weight", Naming::HuggingFace),
     ("tok_embeddings.weight", Naming::Torchtitan),
+    ("embedding.word_embeddings.weight", Naming::Megatron),
 ];
 
 /// The naming and prefix of `ckpt`'s model: from the embedding with the shortest prefix that is
@@ -103,7 +106,7 @@ fn recognise(ckpt: &Checkpoint, arch: &Arch) -> Result<(Naming, String)> {
     }
     let Some((naming, prefix)) = best else {
         return Err(Error::usage(
-            "no embedding tensor found (`model.embed_tokens.weight` of Hugging Face names or `tok_embeddings.weight` of torchtitan's, under any prefix), so the checkpoint's model naming is unknown",
+            "no embedding tensor found (`model.embed_tokens.weight` of Hugging Face names, `tok_embeddings.weight` of torchtitan's or `embedding.word_embeddings.weight` of Megatron-core's, under any prefix), so the checkpoint's model naming is unknown",
         )
         .hint("`ckpt inspect` lists the checkpoint's tensors"));
     };
@@ -244,7 +247,7 @@ fn place(
         left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
         return Ok(());
     }
-    if !row.view.unstacks() {
+    let Some(axis) = tables::unstacked(row) else {
         placed.push(Placed {
             source: i,
             source_name: t.name.clone(),
@@ -253,10 +256,14 @@ fn place(
             index: None,
         });
         return Ok(());
-    }
-    let (experts, says) = cfg.size(Dim::Experts)?;
+    };
+    // One tensor per index of the leading axis: per layer, or per expert.
+    let (count, says) = match axis {
+        'L' => (cfg.layers, format!("`num_hidden_layers` = {}", cfg.layers)),
+        _ => cfg.size(Dim::Experts)?,
+    };
     let leading = t.shape.first().copied().unwrap_or(0);
-    if t.shape.len() < 2 || leading != experts {
+    if t.shape.len() < 2 || leading != count {
         return Err(Error::usage(format!(
             "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
             t.name, t.shape
@@ -265,13 +272,13 @@ fn place(
         .tensor(&t.name)
         .hint(CONFIG_HINT));
     }
-    for e in 0..experts {
+    for k in 0..count {
         placed.push(Placed {
             source: i,
             source_name: t.name.clone(),
-            target: tables::fill(&target, &[('E', e)]),
+            target: tables::fill(&target, &[(axis, k)]),
             view: row.view,
-            index: Some(e),
+            index: Some(k),
         });
     }
     Ok(())
@@ -402,14 +409,20 @@ fn missing(
 /// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
 fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
     let here = format!("tensor `{}` (`{}`)", t.name, p.target);
-    let Some(shape) = p.view.shape(&t.shape) else {
-        return Err(Error::usage(format!(
-            "{here} has shape {:?}, which cannot be viewed as `{}`",
-            t.shape,
+    let stacked = if p.index.is_some() {
+        t.shape.get(1..).unwrap_or_default()
+    } else {
+        &t.shape[..]
+    };
+    let shape = p.view.shape(stacked, &cfg.sizes()).map_err(|why| {
+        Error::usage(format!(
+            "{here} cannot be viewed as {}: {why}",
             p.view.describe()
         ))
-        .tensor(&t.name));
-    };
+        .file(&cfg.path)
+        .tensor(&t.name)
+        .hint(CONFIG_HINT)
+    })?;
     let shape = &shape[..];
     if shape.len() != want.len() {
         return Err(Error::usage(format!(
@@ -437,21 +450,22 @@ fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> 
 /// a view of its source's pieces; nothing else.
 pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Result<Checkpoint> {
     let mut tensors = Vec::with_capacity(mapping.placed.len());
+    let sizes = cfg.sizes();
     for p in &mapping.placed {
         let t = &ckpt.tensors[p.source];
-        // `map` checked every view's shape against the config.
-        let shape = p.view.shape(&t.shape).unwrap_or_default();
-        let pieces = match p.view {
-            ViewKind::Rename => t.pieces.clone(),
-            ViewKind::RopeQuery => views::rope_rows(t, cfg.heads)?,
-            ViewKind::RopeKv => views::rope_rows(t, cfg.kv_heads)?,
-            ViewKind::Unstack => views::unstack(t, p.index.unwrap_or(0))?,
-            ViewKind::UnstackSplit { part, .. } => {
-                let expert = views::unstack(t, p.index.unwrap_or(0))?;
-                let len = shape.first().copied().unwrap_or(0);
-                views::rows(&expert, t.dtype.size() as u64, part * len, len)?
+        let (pieces, stacked) = match p.index {
+            Some(k) => (views::unstack(t, k)?, t.shape.get(1..).unwrap_or_default()),
+            None => {
+                if p.view != ViewKind::Rename {
+                    views::check_copied(t)?;
+                }
+                (t.pieces.clone(), &t.shape[..])
             }
         };
+        // `map` checked every view's shape against the config.
+        let shape = p.view.shape(stacked, &sizes).map_err(Error::usage)?;
+        let elem = t.dtype.size() as u64;
+        let pieces = p.view.apply(&pieces, stacked, elem, &sizes)?;
         tensors.push(Tensor {
             name: p.target.clone(),
             key_path: Vec::new(),

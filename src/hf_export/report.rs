@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::views::ViewKind;
 use super::Mapping;
 
 /// The stable JSON document of a mapping.
@@ -21,7 +22,8 @@ pub(crate) struct Report<'a> {
 pub(crate) struct Row<'a> {
     pub source: &'a str,
     pub target: &'a str,
-    pub view: &'a str,
+    /// The view, after `unstack N, ` when the target is index N of the source's leading axis.
+    pub view: String,
     /// The index of the leading axis an `unstack` takes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub index: Option<u64>,
@@ -44,7 +46,11 @@ pub(crate) fn report(m: &Mapping) -> Report<'_> {
             .map(|p| Row {
                 source: &p.source_name,
                 target: &p.target,
-                view: p.view.describe(),
+                view: match p.index {
+                    Some(i) if p.view == ViewKind::Rename => format!("unstack {i}"),
+                    Some(i) => format!("unstack {i}, {}", p.view.describe()),
+                    None => p.view.describe().to_string(),
+                },
                 index: p.index,
             })
             .collect(),
@@ -78,10 +84,9 @@ pub(crate) fn render(r: &Report) -> String {
     );
     let width = r.mapping.iter().map(|m| m.source.len()).max().unwrap_or(0);
     for m in &r.mapping {
-        let view = match (m.view, m.index) {
-            ("rename", _) => String::new(),
-            (view, Some(i)) => format!("  [{view} {i}]"),
-            (view, None) => format!("  [{view}]"),
+        let view = match m.view.as_str() {
+            "rename" => String::new(),
+            view => format!("  [{view}]"),
         };
         let _ = writeln!(s, "  {:width$}  ->  {}{view}", m.source, m.target);
     }

@@ -32,6 +32,9 @@ pub(crate) enum Naming {
     Torchtitan,
     /// torchtitan 0.2: `attention.wq`, `output`.
     Torchtitan02,
+    /// Megatron-core's `GPTModel` (Megatron-LM, NeMo): decoder weights stacked over layers,
+    /// fused QKV and `[gate; up]`, norms named after the linears they precede.
+    Megatron,
 }
 
 impl Naming {
@@ -40,6 +43,7 @@ impl Naming {
             Naming::HuggingFace => "hugging-face",
             Naming::Torchtitan => "torchtitan",
             Naming::Torchtitan02 => "torchtitan-0.2",
+            Naming::Megatron => "megatron-core",
         }
     }
 }
@@ -147,6 +151,8 @@ pub(crate) struct Arch {
     /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
     pub torchtitan: Option<&'static [Row]>,
     pub torchtitan02: Option<&'static [Row]>,
+    /// The rows for Megatron-core's names.
+    pub megatron: Option<&'static [Row]>,
     /// Top-level names of the source's that the architecture has no place for and that are
     /// left out (torchtitan's multi-token prediction layers, which transformers does not load).
     pub extra_modules: &'static [&'static str],
@@ -166,12 +172,14 @@ impl Arch {
             ),
             Naming::Torchtitan => self.torchtitan.map(<[Row]>::to_vec),
             Naming::Torchtitan02 => self.torchtitan02.map(<[Row]>::to_vec),
+            Naming::Megatron => self.megatron.map(<[Row]>::to_vec),
         }
     }
 }
 
+use super::views::QkvPart;
 use Dim::*;
-use ViewKind::{Rename, RopeKv, RopeQuery, Unstack, UnstackSplit};
+use ViewKind::{Qkv, Rename, RopeKv, RopeQuery, Split, TrimVocab};
 use When::*;
 
 const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
@@ -506,17 +514,17 @@ const HF_DEEPSEEK_V3_FUSED: &[Row] = &[
     row(
         "model.layers.{L}.mlp.experts.gate_up_proj",
         "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
-        UnstackSplit { part: 0, of: 2 },
+        Split { part: 0, of: 2 },
     ),
     row(
         "model.layers.{L}.mlp.experts.gate_up_proj",
         "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-        UnstackSplit { part: 1, of: 2 },
+        Split { part: 1, of: 2 },
     ),
     row(
         "model.layers.{L}.mlp.experts.down_proj",
         "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
-        Unstack,
+        Rename,
     ),
 ];
 
@@ -567,17 +575,17 @@ const TT_DEEPSEEK_V3: &[Row] = &[
     row(
         "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
         "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
-        Unstack,
+        Rename,
     ),
     row(
         "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
         "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-        Unstack,
+        Rename,
     ),
     row(
         "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
         "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
-        Unstack,
+        Rename,
     ),
     row(
         "layers.{L}.moe.router.gate.weight",
@@ -610,6 +618,70 @@ const TT_DEEPSEEK_V3: &[Row] = &[
     row("lm_head.weight", LM_HEAD.name, Rename),
 ];
 
+/// The rows every Megatron-core GPT shares (as its `torch_dist` checkpoint names them: each
+/// decoder weight stacked over layers, the layer norms under the linears they precede, which the
+/// local layer spec saves as Transformer Engine's do). Megatron rotates half-split rows as
+/// transformers does: no row moves.
+macro_rules! megatron_rows {
+    ($($extra:expr),* $(,)?) => {
+        &[
+            row("embedding.word_embeddings.weight", EMBED.name, TrimVocab),
+            row(MG_QKV, Q.name, Qkv(QkvPart::Q)),
+            row(MG_QKV, K.name, Qkv(QkvPart::K)),
+            row(MG_QKV, V.name, Qkv(QkvPart::V)),
+            row("decoder.layers.self_attention.linear_qkv.layer_norm_weight", IN_NORM.name, Rename),
+            row("decoder.layers.input_layernorm.weight", IN_NORM.name, Rename),
+            row("decoder.layers.self_attention.linear_proj.weight", O.name, Rename),
+            row(MG_FC1, GATE.name, Split { part: 0, of: 2 }),
+            row(MG_FC1, UP.name, Split { part: 1, of: 2 }),
+            row("decoder.layers.mlp.linear_fc1.layer_norm_weight", POST_NORM.name, Rename),
+            row("decoder.layers.pre_mlp_layernorm.weight", POST_NORM.name, Rename),
+            row("decoder.layers.mlp.linear_fc2.weight", DOWN.name, Rename),
+            row("decoder.final_layernorm.weight", NORM.name, Rename),
+            row("output_layer.weight", LM_HEAD.name, TrimVocab),
+            $($extra,)*
+        ]
+    };
+}
+
+const MG_QKV: &str = "decoder.layers.self_attention.linear_qkv.weight";
+const MG_QKV_BIAS: &str = "decoder.layers.self_attention.linear_qkv.bias";
+const MG_FC1: &str = "decoder.layers.mlp.linear_fc1.weight";
+
+const MEGATRON_LLAMA: &[Row] = megatron_rows![];
+
+/// Qwen2's q/k/v biases are the fused QKV's bias, interleaved per group as its rows.
+const MEGATRON_QWEN2: &[Row] = megatron_rows![
+    row(
+        MG_QKV_BIAS,
+        "model.layers.{L}.self_attn.q_proj.bias",
+        Qkv(QkvPart::Q)
+    ),
+    row(
+        MG_QKV_BIAS,
+        "model.layers.{L}.self_attn.k_proj.bias",
+        Qkv(QkvPart::K)
+    ),
+    row(
+        MG_QKV_BIAS,
+        "model.layers.{L}.self_attn.v_proj.bias",
+        Qkv(QkvPart::V)
+    ),
+];
+
+const MEGATRON_QWEN3: &[Row] = megatron_rows![
+    row(
+        "decoder.layers.self_attention.q_layernorm.weight",
+        Q_NORM.name,
+        Rename
+    ),
+    row(
+        "decoder.layers.self_attention.k_layernorm.weight",
+        K_NORM.name,
+        Rename
+    ),
+];
+
 /// Every architecture ckpt exports to.
 pub(crate) const ARCHS: &[Arch] = &[
     Arch {
@@ -620,6 +692,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         hf_in_memory: &[],
         torchtitan: Some(TT_LLAMA),
         torchtitan02: Some(TT02_LLAMA),
+        megatron: Some(MEGATRON_LLAMA),
         extra_modules: &[],
     },
     Arch {
@@ -631,6 +704,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         hf_in_memory: &[],
         torchtitan: None,
         torchtitan02: None,
+        megatron: Some(MEGATRON_QWEN2),
         extra_modules: &[],
     },
     Arch {
@@ -641,6 +715,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         hf_in_memory: &[],
         torchtitan: Some(TT_QWEN3),
         torchtitan02: Some(TT02_QWEN3),
+        megatron: Some(MEGATRON_QWEN3),
         extra_modules: &[],
     },
     Arch {
@@ -650,8 +725,9 @@ pub(crate) const ARCHS: &[Arch] = &[
         params: DEEPSEEK_V3_PARAMS,
         hf_in_memory: HF_DEEPSEEK_V3_FUSED,
         torchtitan: Some(TT_DEEPSEEK_V3),
-        // torchtitan 0.2's DeepSeek-V3 names are not mapped.
+        // torchtitan 0.2's and Megatron's DeepSeek-V3 names are not mapped.
         torchtitan02: None,
+        megatron: None,
         extra_modules: &["mtp_layers"],
     },
 ];
@@ -659,6 +735,15 @@ pub(crate) const ARCHS: &[Arch] = &[
 /// The architecture called `name`.
 pub(crate) fn arch(name: &str) -> Option<&'static Arch> {
     ARCHS.iter().find(|a| a.name == name)
+}
+
+/// The placeholder of `row`'s target that its source lacks (`L` of a layer-stacked source, `E`
+/// of an expert-stacked one): the source's leading axis, one target per index.
+pub(crate) fn unstacked(row: &Row) -> Option<char> {
+    ['L', 'E'].into_iter().find(|c| {
+        let hole = format!("{{{c}}}");
+        row.target.contains(&hole) && !row.source.contains(&hole)
+    })
 }
 
 /// `name` matched against `pattern`: the `{L}`/`{E}` indices it holds, in order, or `None`.
@@ -728,14 +813,18 @@ mod tests {
                 Naming::HuggingFace,
                 Naming::Torchtitan,
                 Naming::Torchtitan02,
+                Naming::Megatron,
             ] {
                 let Some(rows) = arch.rows(naming) else {
                     continue;
                 };
                 let targets: Vec<&str> = rows.iter().map(|r| r.target).collect();
                 let unique: BTreeSet<&str> = targets.iter().copied().collect();
+                // transformers' in-memory names; Megatron's norms under their own names or the
+                // linears'.
                 let alternatives = match naming {
                     Naming::HuggingFace => arch.hf_in_memory.len(),
+                    Naming::Megatron => 2,
                     _ => 0,
                 };
                 assert_eq!(
@@ -754,11 +843,11 @@ mod tests {
                     .collect();
                 assert_eq!(sources.len(), rows.len(), "{} {naming:?}", arch.name);
                 for r in &rows {
-                    let holes = |s: &str| s.matches("{L}").count();
-                    assert_eq!(holes(r.source), holes(r.target), "{r:?}");
-                    // An expert index appears in the target alone exactly when the row unstacks.
-                    let experts = !r.source.contains("{E}") && r.target.contains("{E}");
-                    assert_eq!(experts, r.view.unstacks(), "{r:?}");
+                    // The target has the source's placeholders and at most one more, which
+                    // unstacks the source's leading axis.
+                    let holes = |s: &str| ['L', 'E'].map(|c| s.contains(&format!("{{{c}}}")));
+                    let (src, dst) = (holes(r.source), holes(r.target));
+                    assert!(src.iter().zip(&dst).all(|(s, d)| !s || *d), "{r:?}");
                 }
                 // torchtitan has no biases: every parameter but those needs a row.
                 for p in arch.params {

@@ -521,3 +521,98 @@ fn deepseek_v3_errors_name_its_fields() {
     let e = usage_error(&ckpt, &config("DeepseekV3ForCausalLM", &[]));
     assert!(e.message.contains("is missing"), "{}", e.message);
 }
+
+/// Megatron-core's names of the small config's model (2 query heads and 1 group of head_dim 6:
+/// 24 fused QKV rows), layer-stacked, the vocabulary padded to 16 rows.
+fn megatron(extra: &[(&str, &[u64])]) -> Checkpoint {
+    let mut ts = vec![
+        tensor("embedding.word_embeddings.weight", &[16, 8]),
+        tensor(
+            "decoder.layers.self_attention.linear_qkv.weight",
+            &[2, 24, 8],
+        ),
+        tensor(
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            &[2, 8],
+        ),
+        tensor(
+            "decoder.layers.self_attention.linear_proj.weight",
+            &[2, 8, 12],
+        ),
+        tensor("decoder.layers.mlp.linear_fc1.weight", &[2, 20, 8]),
+        tensor("decoder.layers.mlp.linear_fc1.layer_norm_weight", &[2, 8]),
+        tensor("decoder.layers.mlp.linear_fc2.weight", &[2, 8, 10]),
+        tensor("decoder.final_layernorm.weight", &[8]),
+        tensor("output_layer.weight", &[16, 8]),
+        // Non-distributed optimizer state keyed by the model's names: a trap for suffixes.
+        tensor(
+            "optimizer.state.exp_avg.embedding.word_embeddings.weight",
+            &[16, 8],
+        ),
+    ];
+    for (name, shape) in extra {
+        ts.push(tensor(name, shape));
+    }
+    checkpoint(ts)
+}
+
+#[test]
+fn megatron_layers_are_unstacked_and_split() {
+    let cfg = config("LlamaForCausalLM", &[]);
+    let m = map(&megatron(&[]), &cfg).unwrap();
+    assert_eq!(m.naming, Naming::Megatron);
+    assert_eq!(m.prefix, "");
+    assert_eq!(targets(&m), hf_names("LlamaForCausalLM", false));
+    let out = apply(megatron(&[]), &cfg, &m).unwrap();
+    let get = |name: &str| out.tensors.iter().find(|t| t.name == name).unwrap();
+    assert_eq!(get("model.embed_tokens.weight").shape, vec![11, 8]);
+    let k = get("model.layers.1.self_attn.k_proj.weight");
+    assert_eq!(k.shape, vec![6, 8]);
+    // Layer 1's fused rows start 24 rows in; its key rows 12 further.
+    assert_eq!(k.pieces.get(0).offset(), (24 + 12) * 8 * 4);
+    let up = get("model.layers.0.mlp.up_proj.weight");
+    assert_eq!(
+        (up.shape.clone(), up.pieces.get(0).offset()),
+        (vec![10, 8], 10 * 8 * 4)
+    );
+
+    let cfg = config("Qwen3ForCausalLM", &[]);
+    let norms: &[(&str, &[u64])] = &[
+        ("decoder.layers.self_attention.q_layernorm.weight", &[2, 6]),
+        ("decoder.layers.self_attention.k_layernorm.weight", &[2, 6]),
+    ];
+    let m = map(&megatron(norms), &cfg).unwrap();
+    assert_eq!(targets(&m), hf_names("Qwen3ForCausalLM", false));
+    let cfg = config("Qwen2ForCausalLM", &[("tie_word_embeddings", true.into())]);
+    let mut ckpt = megatron(&[("decoder.layers.self_attention.linear_qkv.bias", &[2, 24])]);
+    ckpt.tensors.retain(|t| t.name != "output_layer.weight");
+    let m = map(&ckpt, &cfg).unwrap();
+    assert_eq!(targets(&m), hf_names("Qwen2ForCausalLM", true));
+}
+
+#[test]
+fn megatron_errors_name_the_config_field() {
+    let e = usage_error(
+        &megatron(&[]),
+        &config("LlamaForCausalLM", &[("num_key_value_heads", 2.into())]),
+    );
+    assert_eq!(
+        e.tensor.as_deref(),
+        Some("decoder.layers.self_attention.linear_qkv.weight")
+    );
+    assert!(e.message.contains("`num_key_value_heads`"), "{}", e.message);
+    let e = usage_error(
+        &megatron(&[]),
+        &config("LlamaForCausalLM", &[("num_hidden_layers", 3.into())]),
+    );
+    assert!(
+        e.message.contains("`num_hidden_layers` = 3"),
+        "{}",
+        e.message
+    );
+    let e = usage_error(
+        &megatron(&[]),
+        &config("LlamaForCausalLM", &[("vocab_size", 17.into())]),
+    );
+    assert!(e.message.contains("`vocab_size` = 17"), "{}", e.message);
+}

@@ -9,7 +9,10 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::model::{Pieces, Tensor};
 
-/// The closed set of views a name map row may apply (see `tables`).
+/// The closed set of views a name map row may apply (see `tables`). A row whose target has a
+/// placeholder its source lacks (`{L}` of a layer-stacked Megatron weight, `{E}` of an
+/// expert-stacked one) first takes one index of the source's leading axis ([`unstack`]); the
+/// view then applies to what that leaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ViewKind {
     /// Same elements, new name.
@@ -19,12 +22,32 @@ pub(crate) enum ViewKind {
     RopeQuery,
     /// The same over the key/value heads, for `wk`.
     RopeKv,
-    /// One tensor per index of the leading axis (expert-stacked weights): the row's target has
-    /// an `{E}` its source lacks, filled with the index.
-    Unstack,
-    /// [`ViewKind::Unstack`], then part `part` of `of` equal parts of the rows: transformers'
-    /// in-memory `gate_up_proj` `[E, 2F, D]` holds each expert's gate rows, then its up rows.
-    UnstackSplit { part: u64, of: u64 },
+    /// Part `part` of `of` equal parts of the rows: a `[gate; up]` stack (Megatron's
+    /// `linear_fc1`, transformers' in-memory `gate_up_proj`).
+    Split { part: u64, of: u64 },
+    /// Megatron's fused QKV rows, interleaved per query group:
+    /// `qkv.view(groups, heads_per_group + 2, head_dim, ...)` holds each group's query heads,
+    /// then its key head, then its value head; the bias alike.
+    Qkv(QkvPart),
+    /// The first `vocab_size` rows: Megatron pads its vocabulary to a multiple of 128 × TP.
+    TrimVocab,
+}
+
+/// Which of a fused QKV's projections a [`ViewKind::Qkv`] takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QkvPart {
+    Q,
+    K,
+    V,
+}
+
+/// The sizes of the config the views need.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sizes {
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub vocab: u64,
 }
 
 impl ViewKind {
@@ -34,38 +57,103 @@ impl ViewKind {
             ViewKind::Rename => "rename",
             ViewKind::RopeQuery => "rope rows (query heads)",
             ViewKind::RopeKv => "rope rows (kv heads)",
-            ViewKind::Unstack => "unstack",
-            ViewKind::UnstackSplit { part: 0, .. } => "unstack, first half of rows",
-            ViewKind::UnstackSplit { .. } => "unstack, second half of rows",
+            ViewKind::Split { part: 0, of: 2 } => "first half of rows",
+            ViewKind::Split { part: 1, of: 2 } => "second half of rows",
+            ViewKind::Split { .. } => "part of rows",
+            ViewKind::Qkv(QkvPart::Q) => "q rows of each query group",
+            ViewKind::Qkv(QkvPart::K) => "k rows of each query group",
+            ViewKind::Qkv(QkvPart::V) => "v rows of each query group",
+            ViewKind::TrimVocab => "rows up to vocab_size",
         }
     }
 
-    /// Whether the view makes one tensor per index of the leading axis.
-    pub(crate) fn unstacks(self) -> bool {
-        matches!(self, ViewKind::Unstack | ViewKind::UnstackSplit { .. })
-    }
-
-    /// The shape of the view of a tensor of `shape`, or `None` where it does not fit.
-    pub(crate) fn shape(self, shape: &[u64]) -> Option<Vec<u64>> {
+    /// The runs of rows (start, length) the view takes of `rows` rows, in order; `None` for a
+    /// view of every row; an error saying why the rows do not fit.
+    fn runs(self, rows: u64, s: &Sizes) -> Result<Option<Vec<(u64, u64)>>, String> {
         match self {
-            ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv => Some(shape.to_vec()),
-            ViewKind::Unstack => Some(shape.get(1..)?.to_vec()),
-            ViewKind::UnstackSplit { of, .. } => {
-                let mut rest = shape.get(1..)?.to_vec();
-                let rows = rest.first_mut()?;
-                if of == 0 || *rows % of != 0 {
-                    return None;
+            ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv => Ok(None),
+            ViewKind::Split { part, of } => {
+                if of == 0 || rows % of != 0 {
+                    return Err(format!("{rows} rows are not {of} equal parts"));
                 }
-                *rows /= of;
-                Some(rest)
+                Ok(Some(vec![(part * (rows / of), rows / of)]))
+            }
+            ViewKind::TrimVocab => {
+                if rows < s.vocab {
+                    return Err(format!(
+                        "{rows} rows are fewer than config.json's `vocab_size` = {}",
+                        s.vocab
+                    ));
+                }
+                Ok(Some(vec![(0, s.vocab)]))
+            }
+            ViewKind::Qkv(part) => {
+                let (heads, groups, hd) = (s.heads, s.kv_heads, s.head_dim);
+                let per_group = if groups > 0 && heads % groups == 0 {
+                    heads / groups
+                } else {
+                    0
+                };
+                let block = (per_group + 2) * hd;
+                if per_group == 0 || rows != groups * block {
+                    return Err(format!(
+                        "{rows} rows are not config.json's (`num_attention_heads` + 2 × \
+                         `num_key_value_heads`) × `head_dim` = ({heads} + 2 × {groups}) × {hd} = {} \
+                         in {groups} query groups",
+                        (heads + 2 * groups) * hd
+                    ));
+                }
+                let (at, len) = match part {
+                    QkvPart::Q => (0, per_group * hd),
+                    QkvPart::K => (per_group * hd, hd),
+                    QkvPart::V => ((per_group + 1) * hd, hd),
+                };
+                Ok(Some((0..groups).map(|g| (g * block + at, len)).collect()))
             }
         }
+    }
+
+    /// The shape of the view of a tensor of `shape`, or why it does not fit.
+    pub(crate) fn shape(self, shape: &[u64], s: &Sizes) -> Result<Vec<u64>, String> {
+        let mut out = shape.to_vec();
+        if self == ViewKind::Rename {
+            return Ok(out);
+        }
+        let Some(rows) = out.first_mut() else {
+            return Err("a 0-dim tensor has no rows".into());
+        };
+        if let Some(runs) = self.runs(*rows, s)? {
+            *rows = runs.iter().map(|(_, n)| n).sum();
+        }
+        Ok(out)
+    }
+
+    /// The view of `pieces` (of a tensor of `shape` and `elem`-byte elements).
+    pub(crate) fn apply(
+        self,
+        pieces: &Pieces,
+        shape: &[u64],
+        elem: u64,
+        s: &Sizes,
+    ) -> Result<Pieces> {
+        let rows = shape.first().copied().unwrap_or(0);
+        let heads = match self {
+            ViewKind::RopeQuery => s.heads,
+            ViewKind::RopeKv => s.kv_heads,
+            _ => {
+                return match self.runs(rows, s).map_err(Error::usage)? {
+                    None => Ok(pieces.clone()),
+                    Some(runs) => gather_rows(pieces, elem, &runs),
+                }
+            }
+        };
+        rope_rows(pieces, rows, heads, elem)
     }
 }
 
 /// Refuse a tensor whose elements are computed from its pieces (a LoRA fold): the fold works
 /// on the boxes of the tensor it was made for, which a view would move.
-fn check_copied(t: &Tensor) -> Result<()> {
+pub(crate) fn check_copied(t: &Tensor) -> Result<()> {
     if t.pieces.computed().is_some() {
         return Err(Error::usage(
             "a tensor merged with --merge-lora cannot be permuted, split or unstacked on export",
@@ -76,25 +164,21 @@ fn check_copied(t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `t` with the rows of its dim 0 permuted from torchtitan's interleaved RoPE order to Hugging
+/// Pieces with the rows of their dim 0 permuted from torchtitan's interleaved RoPE order to Hugging
 /// Face's, over `heads` heads of `shape[0] / heads` rows each (the other dims pass through).
 ///
 /// Head `h`'s rows `2i + j` go to `j*hd/2 + i`: each (head, j) run of `hd/2` rows is one new
 /// piece per source piece it meets, reading every other row (row stride doubled).
-pub(crate) fn rope_rows(t: &Tensor, heads: u64) -> Result<Pieces> {
-    check_copied(t)?;
-    let rows = t.shape.first().copied().unwrap_or(0);
+fn rope_rows(pieces: &Pieces, rows: u64, heads: u64, elem: u64) -> Result<Pieces> {
     if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
         return Err(Error::usage(format!(
             "its {rows} rows are not {heads} heads of an even number of rows each"
-        ))
-        .tensor(&t.name));
+        )));
     }
     let hd = rows / heads;
     let half = hd / 2;
-    let elem = t.dtype.size() as u64;
-    let mut out = Pieces::new(t.pieces.ndim());
-    for p in t.pieces.iter() {
+    let mut out = Pieces::new(pieces.ndim());
+    for p in pieces.iter() {
         let (r0, nr) = (p.offsets()[0], p.sizes()[0]);
         if nr == 0 || p.sizes().contains(&0) {
             continue;
@@ -168,31 +252,35 @@ pub(crate) fn unstack(t: &Tensor, index: u64) -> Result<Pieces> {
     Ok(out)
 }
 
-/// Rows `start..start + len` of pieces of a tensor of `elem`-byte elements, as a tensor of their
-/// own: part of a `[gate; up]` stack.
-pub(crate) fn rows(pieces: &Pieces, elem: u64, start: u64, len: u64) -> Result<Pieces> {
+/// The rows of `runs` (start, length) of pieces of `elem`-byte elements, one after the other,
+/// as a tensor of their own.
+fn gather_rows(pieces: &Pieces, elem: u64, runs: &[(u64, u64)]) -> Result<Pieces> {
     let mut out = Pieces::new(pieces.ndim());
-    for p in pieces.iter() {
-        let (Some(&o), Some(&n)) = (p.offsets().first(), p.sizes().first()) else {
-            return Err(Error::bug("rows of a 0-dim tensor"));
-        };
-        let (lo, hi) = (o.max(start), (o + n).min(start + len));
-        if lo >= hi {
-            continue;
+    let mut dst = 0;
+    for &(start, len) in runs {
+        for p in pieces.iter() {
+            let (Some(&o), Some(&n)) = (p.offsets().first(), p.sizes().first()) else {
+                return Err(Error::bug("rows of a 0-dim tensor"));
+            };
+            let (lo, hi) = (o.max(start), (o + n).min(start + len));
+            if lo >= hi {
+                continue;
+            }
+            let strides = p.strides();
+            let mut offsets = p.offsets().to_vec();
+            let mut sizes = p.sizes().to_vec();
+            offsets[0] = dst + lo - start;
+            sizes[0] = hi - lo;
+            out.push_parts(
+                &offsets,
+                &sizes,
+                Arc::clone(p.file()),
+                p.offset() + (lo - o) * strides[0] * elem,
+                &strides,
+                p.encoding(),
+            )?;
         }
-        let strides = p.strides();
-        let mut offsets = p.offsets().to_vec();
-        let mut sizes = p.sizes().to_vec();
-        offsets[0] = lo - start;
-        sizes[0] = hi - lo;
-        out.push_parts(
-            &offsets,
-            &sizes,
-            Arc::clone(p.file()),
-            p.offset() + (lo - o) * strides[0] * elem,
-            &strides,
-            p.encoding(),
-        )?;
+        dst += len;
     }
     Ok(out)
 }
@@ -316,7 +404,7 @@ mod tests {
         for (rows, cols, heads) in [(8, 3, 1), (16, 4, 2), (24, 5, 3), (12, 2, 6)] {
             for (dim, cuts) in [(0, 1), (0, 2), (0, 3), (0, 5), (1, 2), (0, 7)] {
                 let (t, buf) = saved(&[rows, cols], dim, cuts);
-                let pieces = rope_rows(&t, heads).unwrap();
+                let pieces = rope_rows(&t.pieces, rows, heads, 4).unwrap();
                 let got = materialize(&t.shape, &pieces, &buf);
                 let hd = rows / heads;
                 for h in 0..heads {
@@ -340,7 +428,7 @@ mod tests {
     #[test]
     fn rope_rows_of_a_vector() {
         let (t, buf) = saved(&[8], 0, 3);
-        let got = materialize(&t.shape, &rope_rows(&t, 2).unwrap(), &buf);
+        let got = materialize(&t.shape, &rope_rows(&t.pieces, 8, 2, 4).unwrap(), &buf);
         assert_eq!(got, vec![0, 2, 1, 3, 4, 6, 5, 7]);
     }
 
@@ -348,8 +436,7 @@ mod tests {
     fn rope_rows_refuse_heads_that_do_not_divide() {
         let (t, _) = saved(&[12, 2], 0, 1);
         for heads in [0, 5, 4, 12] {
-            let e = rope_rows(&t, heads).unwrap_err();
-            assert_eq!(e.tensor.as_deref(), Some("t"), "{heads}");
+            assert!(rope_rows(&t.pieces, 12, heads, 4).is_err(), "{heads}");
         }
     }
 
@@ -368,15 +455,65 @@ mod tests {
         assert!(unstack(&t, 3).is_err());
     }
 
-    #[test]
-    fn rows_give_a_slice_of_the_first_dim() {
+    const SIZES: Sizes = Sizes {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 2,
+        vocab: 5,
+    };
+
+    /// Each row view against its formula: `rows` rows of 3 columns, cut in pieces every way.
+    fn check_rows(view: ViewKind, rows: u64, want_rows: &[u64]) {
         for (dim, cuts) in [(0, 1), (0, 3), (0, 5), (1, 2), (0, 7)] {
-            let (t, buf) = saved(&[6, 3], dim, cuts);
-            for (start, len) in [(0, 3), (3, 3), (1, 4), (5, 1)] {
-                let got = materialize(&[len, 3], &rows(&t.pieces, 4, start, len).unwrap(), &buf);
-                let want: Vec<u32> = (start * 3..(start + len) * 3).map(|i| i as u32).collect();
-                assert_eq!(got, want, "cut {dim}/{cuts} rows {start}+{len}");
-            }
+            let (t, buf) = saved(&[rows, 3], dim, cuts);
+            let shape = view.shape(&t.shape, &SIZES).unwrap();
+            assert_eq!(shape, vec![want_rows.len() as u64, 3], "{view:?}");
+            let pieces = view.apply(&t.pieces, &t.shape, 4, &SIZES).unwrap();
+            let got = materialize(&shape, &pieces, &buf);
+            let want: Vec<u32> = want_rows
+                .iter()
+                .flat_map(|r| (r * 3..r * 3 + 3).map(|i| i as u32))
+                .collect();
+            assert_eq!(got, want, "{view:?} cut {dim}/{cuts}");
         }
+    }
+
+    #[test]
+    fn row_views_match_their_formulas() {
+        check_rows(ViewKind::Split { part: 0, of: 2 }, 6, &[0, 1, 2]);
+        check_rows(ViewKind::Split { part: 1, of: 2 }, 6, &[3, 4, 5]);
+        check_rows(ViewKind::TrimVocab, 8, &[0, 1, 2, 3, 4]);
+        // 2 groups of (2 query heads, 1 key head, 1 value head) of 2 rows each:
+        // qkv.view(groups, per_group + 2, head_dim, cols).
+        let (groups, per_group, hd) = (2u64, 2u64, 2u64);
+        let naive = |part: u64, count: u64| -> Vec<u64> {
+            (0..groups)
+                .flat_map(|g| {
+                    (0..count * hd).map(move |r| g * (per_group + 2) * hd + part * hd + r)
+                })
+                .collect()
+        };
+        check_rows(ViewKind::Qkv(QkvPart::Q), 16, &naive(0, per_group));
+        check_rows(ViewKind::Qkv(QkvPart::K), 16, &naive(per_group, 1));
+        check_rows(ViewKind::Qkv(QkvPart::V), 16, &naive(per_group + 1, 1));
+        check_rows(ViewKind::Rename, 4, &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn row_views_refuse_rows_that_do_not_fit() {
+        let e = ViewKind::Qkv(QkvPart::Q)
+            .shape(&[15, 3], &SIZES)
+            .unwrap_err();
+        assert!(e.contains("`num_key_value_heads`"), "{e}");
+        assert!(ViewKind::TrimVocab
+            .shape(&[4, 3], &SIZES)
+            .unwrap_err()
+            .contains("`vocab_size` = 5"));
+        assert!(ViewKind::Split { part: 0, of: 2 }
+            .shape(&[5, 3], &SIZES)
+            .is_err());
+        assert!(ViewKind::Split { part: 0, of: 2 }
+            .shape(&[], &SIZES)
+            .is_err());
     }
 }
