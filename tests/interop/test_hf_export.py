@@ -367,3 +367,26 @@ def test_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
     assert set(got) == set(reference)
     for k in got:
         assert torch.equal(got[k], reference[k]), k
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen2", "qwen3"])
+def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style):
+    """A megatron-core GPTModel saved by dist_checkpointing (layer-stacked weights, fused QKV per
+    query group, [gate; up], a padded vocabulary) gives, through the export, a model whose
+    `from_pretrained` logits are Megatron's own forward's."""
+    pytest.importorskip("megatron.core")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "megatron_gpt_save.py"
+    r = subprocess.run([sys.executable, str(script), style, str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = export(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "out")
+    want = torch.load(tmp_path / "logits.pt")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = loaded(input_ids=want["input_ids"]).logits
+    tol = 1e-4 * want["logits"].abs().max().item()
+    assert (got - want["logits"]).abs().max().item() <= tol
