@@ -3,6 +3,7 @@
 the same model and the model's own logits on a fixed batch. test_hf_export.py runs it as
 
     python megatron_gpt_save.py STYLE OUTDIR
+    torchrun --nproc_per_node=2 megatron_gpt_save.py STYLE OUTDIR    (tensor parallel over 2)
 
 STYLE is `llama` (GQA, kv_channels 16 where hidden/heads is 8), `qwen2` (QKV bias, tied
 embeddings) or `qwen3` (q/k layernorm); the vocabulary is padded from 100 to 128 rows as
@@ -46,18 +47,22 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
 def main() -> None:
     style, out = sys.argv[1], Path(sys.argv[2])
     s = STYLES[style]
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    sock.close()
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if "WORLD_SIZE" not in os.environ:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]), RANK="0", WORLD_SIZE="1"
+        )
+        sock.close()
+    dist.init_process_group("gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, 1)
     mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(0)
     cfg = TransformerConfig(
@@ -72,19 +77,29 @@ def main() -> None:
     model = GPTModel(
         config=cfg, transformer_layer_spec=spec, vocab_size=PADDED_VOCAB,
         max_sequence_length=64, position_embedding_type="rope", rotary_base=10000,
-        share_embeddings_and_output_weights=s["tied"],
+        share_embeddings_and_output_weights=s["tied"], parallel_output=False,
     ).eval()
+    # The same values on every rank for what is replicated (norms), each rank's own for its
+    # slice of a split tensor (the QKV bias).
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "layer_norm" in name or name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+            if "norm" in name or "layer_norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + 1.0)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2 + rank)))
     ids = torch.tensor([[1, 5, 9, 13, 2, 7, 40, 41], [3, 3, 8, 60, 95, 0, 11, 12]])
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
     with torch.no_grad():
         logits = model(ids, positions, mask)[..., :VOCAB]
-    (out / "ckpt").mkdir(parents=True)
+    if rank == 0:
+        (out / "ckpt").mkdir(parents=True)
+    dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(out / "ckpt"))
+    if rank != 0:
+        dist.destroy_process_group()
+        return
     torch.save({"input_ids": ids, "logits": logits}, out / "logits.pt")
     config = {
         "architectures": [ARCHS[style]],

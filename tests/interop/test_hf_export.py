@@ -369,18 +369,21 @@ def test_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
         assert torch.equal(got[k], reference[k]), k
 
 
-@pytest.mark.parametrize("style", ["llama", "qwen2", "qwen3"])
-def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style):
+@pytest.mark.parametrize("style,tp", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 2)])
+def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style, tp):
     """A megatron-core GPTModel saved by dist_checkpointing (layer-stacked weights, fused QKV per
-    query group, [gate; up], a padded vocabulary) gives, through the export, a model whose
-    `from_pretrained` logits are Megatron's own forward's."""
+    query group, [gate; up], a padded vocabulary; with TP=2 each cut over the ranks) gives, through
+    the export, a model whose `from_pretrained` logits are Megatron's own forward's."""
     pytest.importorskip("megatron.core")
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).parent / "megatron_gpt_save.py"
-    r = subprocess.run([sys.executable, str(script), style, str(tmp_path)],
+    launch = [sys.executable]
+    if tp > 1:
+        launch = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={tp}"]
+    r = subprocess.run([*launch, str(script), style, str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = export(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "out")
