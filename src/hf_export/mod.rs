@@ -15,6 +15,7 @@
 //! not know, a config that disagrees with a tensor's shape, and a parameter the config wants
 //! but no tensor gives are usage errors, found before anything is written.
 
+mod archs;
 pub(crate) mod config;
 pub(crate) mod report;
 pub(crate) mod tables;
