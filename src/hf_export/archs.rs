@@ -445,68 +445,75 @@ const TT_DEEPSEEK_V3: &[Row] = &[
     row("lm_head.weight", LM_HEAD.name, Rename),
 ];
 
-/// The rows every Megatron-core GPT shares (as its `torch_dist` checkpoint names them: each
-/// decoder weight stacked over layers, the layer norms under the linears they precede, which the
-/// local layer spec saves as Transformer Engine's do). Megatron rotates half-split rows as
-/// transformers does: no row moves.
+/// The rows of a Megatron-core GPT (as its `torch_dist` checkpoint names them: the layer norms
+/// under the linears they precede, which the local layer spec saves as Transformer Engine's
+/// do). Each decoder row comes twice: layer-stacked (`decoder.layers.X`, one leading axis over
+/// the layers, what `TransformerBlock` saves) and per layer (`decoder.layers.N.X`, what
+/// heterogeneous layers save). Megatron rotates half-split rows as transformers does: no row
+/// moves.
 macro_rules! megatron_rows {
-    ($($extra:expr),* $(,)?) => {
+    ($(($layer:literal, $target:expr, $view:expr)),* $(,)?) => {
         &[
             row("embedding.word_embeddings.weight", EMBED.name, TrimVocab),
-            row(MG_QKV, Q.name, Qkv(QkvPart::Q)),
-            row(MG_QKV, K.name, Qkv(QkvPart::K)),
-            row(MG_QKV, V.name, Qkv(QkvPart::V)),
-            row("decoder.layers.self_attention.linear_qkv.layer_norm_weight", IN_NORM.name, Rename),
-            row("decoder.layers.input_layernorm.weight", IN_NORM.name, Rename),
-            row("decoder.layers.self_attention.linear_proj.weight", O.name, Rename),
-            row(MG_FC1, GATE.name, Split { part: 0, of: 2 }),
-            row(MG_FC1, UP.name, Split { part: 1, of: 2 }),
-            row("decoder.layers.mlp.linear_fc1.layer_norm_weight", POST_NORM.name, Rename),
-            row("decoder.layers.pre_mlp_layernorm.weight", POST_NORM.name, Rename),
-            row("decoder.layers.mlp.linear_fc2.weight", DOWN.name, Rename),
             row("decoder.final_layernorm.weight", NORM.name, Rename),
             row("output_layer.weight", LM_HEAD.name, TrimVocab),
+            $(
+                row(concat!("decoder.layers.", $layer), $target, $view),
+                row(concat!("decoder.layers.{L}.", $layer), $target, $view),
+            )*
+        ]
+    };
+}
+
+macro_rules! megatron_gpt {
+    ($($extra:tt),* $(,)?) => {
+        megatron_rows![
+            ("self_attention.linear_qkv.weight", Q.name, Qkv(QkvPart::Q)),
+            ("self_attention.linear_qkv.weight", K.name, Qkv(QkvPart::K)),
+            ("self_attention.linear_qkv.weight", V.name, Qkv(QkvPart::V)),
+            ("self_attention.linear_qkv.layer_norm_weight", IN_NORM.name, Rename),
+            ("input_layernorm.weight", IN_NORM.name, Rename),
+            ("self_attention.linear_proj.weight", O.name, Rename),
+            ("mlp.linear_fc1.weight", GATE.name, Split { part: 0, of: 2 }),
+            ("mlp.linear_fc1.weight", UP.name, Split { part: 1, of: 2 }),
+            ("mlp.linear_fc1.layer_norm_weight", POST_NORM.name, Rename),
+            ("pre_mlp_layernorm.weight", POST_NORM.name, Rename),
+            ("mlp.linear_fc2.weight", DOWN.name, Rename),
             $($extra,)*
         ]
     };
 }
 
-const MG_QKV: &str = "decoder.layers.self_attention.linear_qkv.weight";
-const MG_QKV_BIAS: &str = "decoder.layers.self_attention.linear_qkv.bias";
-const MG_FC1: &str = "decoder.layers.mlp.linear_fc1.weight";
-
-const MEGATRON_LLAMA: &[Row] = megatron_rows![];
+const MEGATRON_LLAMA: &[Row] = megatron_gpt![];
 
 /// Qwen2's q/k/v biases are the fused QKV's bias, interleaved per group as its rows.
-const MEGATRON_QWEN2: &[Row] = megatron_rows![
-    row(
-        MG_QKV_BIAS,
-        "model.layers.{L}.self_attn.q_proj.bias",
+const MEGATRON_QWEN2: &[Row] = megatron_gpt![
+    (
+        "self_attention.linear_qkv.bias",
+        QKV_BIAS[0],
         Qkv(QkvPart::Q)
     ),
-    row(
-        MG_QKV_BIAS,
-        "model.layers.{L}.self_attn.k_proj.bias",
+    (
+        "self_attention.linear_qkv.bias",
+        QKV_BIAS[1],
         Qkv(QkvPart::K)
     ),
-    row(
-        MG_QKV_BIAS,
-        "model.layers.{L}.self_attn.v_proj.bias",
+    (
+        "self_attention.linear_qkv.bias",
+        QKV_BIAS[2],
         Qkv(QkvPart::V)
     ),
 ];
 
-const MEGATRON_QWEN3: &[Row] = megatron_rows![
-    row(
-        "decoder.layers.self_attention.q_layernorm.weight",
-        Q_NORM.name,
-        Rename
-    ),
-    row(
-        "decoder.layers.self_attention.k_layernorm.weight",
-        K_NORM.name,
-        Rename
-    ),
+const QKV_BIAS: [&str; 3] = [
+    "model.layers.{L}.self_attn.q_proj.bias",
+    "model.layers.{L}.self_attn.k_proj.bias",
+    "model.layers.{L}.self_attn.v_proj.bias",
+];
+
+const MEGATRON_QWEN3: &[Row] = megatron_gpt![
+    ("self_attention.q_layernorm.weight", Q_NORM.name, Rename),
+    ("self_attention.k_layernorm.weight", K_NORM.name, Rename),
 ];
 
 /// Every architecture ckpt exports to.

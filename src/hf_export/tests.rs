@@ -591,6 +591,26 @@ fn megatron_layers_are_unstacked_and_split() {
 }
 
 #[test]
+fn megatron_per_layer_keys_map_as_the_stacked_ones() {
+    let stacked = megatron(&[]);
+    let mut per_layer = Vec::new();
+    for t in &stacked.tensors {
+        match t.name.strip_prefix("decoder.layers.") {
+            Some(rest) => {
+                for l in 0..2 {
+                    per_layer.push(tensor(&format!("decoder.layers.{l}.{rest}"), &t.shape[1..]));
+                }
+            }
+            None => per_layer.push(t.clone()),
+        }
+    }
+    let cfg = config("LlamaForCausalLM", &[]);
+    let m = map(&checkpoint(per_layer), &cfg).unwrap();
+    assert_eq!(targets(&m), hf_names("LlamaForCausalLM", false));
+    assert!(m.placed.iter().all(|p| p.index.is_none()));
+}
+
+#[test]
 fn megatron_errors_name_the_config_field() {
     let e = usage_error(
         &megatron(&[]),
