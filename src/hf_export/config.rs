@@ -210,7 +210,9 @@ impl HfConfig {
             Ok((n, format!("`{name}` = {n}")))
         };
         let product = |a: &str, x: u64, b: &str, y: u64| {
-            (x * y, format!("`{a}` × {b} = {x} × {y} = {}", x * y))
+            // Saturating: the sizes come from a file, and a product past u64 only has to differ.
+            let n = x.saturating_mul(y);
+            (n, format!("`{a}` × {b} = {x} × {y} = {n}"))
         };
         Ok(match dim {
             Dim::Vocab => (self.vocab, format!("`vocab_size` = {}", self.vocab)),
@@ -236,32 +238,42 @@ impl HfConfig {
             Dim::SharedInter => {
                 let (f, n) = (field("moe_intermediate_size")?, field("n_shared_experts")?);
                 (
-                    f * n,
+                    f.saturating_mul(n),
                     format!(
                         "`moe_intermediate_size` × `n_shared_experts` = {f} × {n} = {}",
-                        f * n
+                        f.saturating_mul(n)
                     ),
                 )
             }
             Dim::KvARows => {
                 let (r, p) = (field("kv_lora_rank")?, field("qk_rope_head_dim")?);
                 (
-                    r + p,
+                    r.saturating_add(p),
                     format!(
                         "`kv_lora_rank` + `qk_rope_head_dim` = {r} + {p} = {}",
-                        r + p
+                        r.saturating_add(p)
                     ),
                 )
             }
             Dim::QkRows => {
                 let (a, b) = (field("qk_nope_head_dim")?, field("qk_rope_head_dim")?);
                 let what = format!("(`qk_nope_head_dim` + `qk_rope_head_dim`) = ({a} + {b})");
-                product("num_attention_heads", self.heads, &what, a + b)
+                product(
+                    "num_attention_heads",
+                    self.heads,
+                    &what,
+                    a.saturating_add(b),
+                )
             }
             Dim::KvBRows => {
                 let (a, b) = (field("qk_nope_head_dim")?, field("v_head_dim")?);
                 let what = format!("(`qk_nope_head_dim` + `v_head_dim`) = ({a} + {b})");
-                product("num_attention_heads", self.heads, &what, a + b)
+                product(
+                    "num_attention_heads",
+                    self.heads,
+                    &what,
+                    a.saturating_add(b),
+                )
             }
             Dim::VRows => {
                 let v = field("v_head_dim")?;

@@ -636,3 +636,16 @@ fn megatron_errors_name_the_config_field() {
     );
     assert!(e.message.contains("`vocab_size` = 17"), "{}", e.message);
 }
+
+#[test]
+fn huge_config_sizes_are_errors_not_overflows() {
+    let huge = Value::from(u64::MAX / 2);
+    for field in ["num_attention_heads", "head_dim", "num_key_value_heads"] {
+        let cfg = config("LlamaForCausalLM", &[(field, huge.clone())]);
+        usage_error(&torchtitan("", false, "lm_head.weight"), &cfg);
+        usage_error(&megatron(&[]), &cfg);
+    }
+    let mut cfg = deepseek_config(false);
+    cfg.heads = u64::MAX / 2;
+    usage_error(&torchtitan_deepseek(false), &cfg);
+}

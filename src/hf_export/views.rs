@@ -94,13 +94,16 @@ impl ViewKind {
                 } else {
                     0
                 };
-                let block = (per_group + 2) * hd;
-                if per_group == 0 || rows != groups * block {
+                // Saturating: the sizes come from config.json.
+                let block = (per_group + 2).saturating_mul(hd);
+                if per_group == 0 || rows != groups.saturating_mul(block) {
                     return Err(format!(
                         "{rows} rows are not config.json's (`num_attention_heads` + 2 × \
                          `num_key_value_heads`) × `head_dim` = ({heads} + 2 × {groups}) × {hd} = {} \
                          in {groups} query groups",
-                        (heads + 2 * groups) * hd
+                        heads
+                            .saturating_add(groups.saturating_mul(2))
+                            .saturating_mul(hd)
                     ));
                 }
                 let (at, len) = match part {
