@@ -350,7 +350,7 @@ fn unknown(name: &str, path: &Path) -> Error {
 /// Whether a file of a model directory goes with an export: not config.json (written anew),
 /// not weights or their index (the export writes its own), not hidden.
 fn is_companion(name: &str) -> bool {
-    const WEIGHTS: [&str; 9] = [
+    const WEIGHTS: [&str; 13] = [
         ".safetensors",
         ".bin",
         ".pt",
@@ -359,6 +359,10 @@ fn is_companion(name: &str) -> bool {
         ".h5",
         ".msgpack",
         ".gguf",
+        ".onnx",
+        ".onnx_data",
+        ".tflite",
+        ".ot",
         ".index.json",
     ];
     name != CONFIG_JSON && !name.starts_with('.') && !WEIGHTS.iter().any(|w| name.ends_with(w))
