@@ -40,7 +40,8 @@ pub struct Cli {
     #[arg(long, global = true, value_name = "REF")]
     shapes_from: Option<PathBuf>,
     /// Which saved tag to read where a checkpoint directory holds several (DeepSpeed's
-    /// `global_stepN`); by default the one its `latest` file names.
+    /// `global_stepN`, Megatron-LM's iteration `N` or `iter_NNNNNNN`); by default the one its
+    /// `latest` (`latest_checkpointed_iteration.txt`) file names.
     #[arg(long, global = true, value_name = "TAG")]
     tag: Option<String>,
 }

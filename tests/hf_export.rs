@@ -494,3 +494,38 @@ fn parts_write_the_same_directory_as_one_run() {
     );
     assert_eq!(files(&parts), want);
 }
+
+#[test]
+fn a_megatron_lm_save_root_is_read_at_the_iteration_it_names() {
+    let env = TestEnv::new();
+    let root = env.path("checkpoints");
+    for iter in ["iter_0000003", "iter_0000007"] {
+        common::copy_tree(
+            &common::fixtures().join("megatron_torch_dist"),
+            &root.join(iter),
+        );
+    }
+    std::fs::write(root.join("latest_checkpointed_iteration.txt"), "7\n").unwrap();
+    let names = |args: &[&dyn AsRef<std::ffi::OsStr>]| -> Value {
+        let out = ckpt(args);
+        ok(&out);
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let latest = names(&[&"inspect", &root, &"--json"]);
+    let direct = names(&[&"inspect", &root.join("iter_0000007"), &"--json"]);
+    assert_eq!(latest["tensors"], direct["tensors"]);
+    assert_eq!(latest["format"], "megatron-torch-dist");
+    ok(&ckpt(&[&"inspect", &root, &"--tag", &"3"]));
+    ok(&ckpt(&[&"inspect", &root, &"--tag", &"iter_0000003"]));
+    let out = ckpt(&[&"inspect", &root, &"--tag", &"4"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("`iter_0000004`"), "{}", stderr(&out));
+    std::fs::write(root.join("latest_checkpointed_iteration.txt"), "9").unwrap();
+    let out = ckpt(&[&"inspect", &root]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("latest_checkpointed_iteration.txt"),
+        "{}",
+        stderr(&out)
+    );
+}
