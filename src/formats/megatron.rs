@@ -188,20 +188,25 @@ pub(crate) fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     }
     let common = dir.join(COMMON);
     if storage::is_file(&common) {
-        let values = common_values(&common)?;
+        let (tensors, values) = common_values(&common)?;
         let taken: std::collections::HashSet<&str> = ckpt
             .tensors
             .iter()
             .map(|t| t.name.as_str())
             .chain(ckpt.values.iter().map(|v| v.name.as_str()))
             .collect();
-        if let Some(v) = values.iter().find(|v| taken.contains(v.name.as_str())) {
+        let names = tensors
+            .iter()
+            .map(|t| &t.name)
+            .chain(values.iter().map(|v| &v.name));
+        if let Some(name) = names.into_iter().find(|n| taken.contains(n.as_str())) {
             return Err(Error::invalid(
                 "`common.pt` has an entry of the same name as one in `.metadata`",
             )
             .file(&common)
-            .tensor(&v.name));
+            .tensor(name));
         }
+        ckpt.tensors.extend(tensors);
         ckpt.values.extend(values);
     }
     Ok(ckpt)
@@ -401,7 +406,7 @@ fn namespace_fields(object: &Object) -> Option<Value> {
 }
 
 /// `common.pt`'s entries: plain values (and any tensor, as torch.save files have them).
-fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
+fn common_values(path: &Path) -> Result<(Vec<Tensor>, Vec<NonTensor>)> {
     let len = match storage::stat(path)? {
         Some(Stat::File(len)) => len,
         _ => return Err(Error::invalid("`common.pt` is missing").file(path)),
@@ -417,9 +422,11 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
         globals: &NamespaceGlobal,
         plain: &namespace_fields,
     };
-    let archive = torch_save::read_with_extra(&bytes, &extra).map_err(|e| e.file(path))?;
+    let mut archive = torch_save::read_with_extra(&bytes, &extra).map_err(|e| e.file(path))?;
     let mut out = Vec::new();
-    for (key_path, leaf) in archive.leaves {
+    let mut tensors = Vec::new();
+    let leaves = std::mem::take(&mut archive.leaves);
+    for (key_path, leaf) in leaves {
         // A `common.pt` of `{}` (nothing but sharded state saved) is one empty leaf: no entry.
         if key_path.is_empty() && matches!(&leaf, Leaf::Value(Value::Dict(d)) if d.is_empty()) {
             continue;
@@ -443,11 +450,16 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
                 value: Some(v),
                 raw: None,
             }),
-            // Megatron keeps tensors in the sharded part; a tensor here would need its own
-            // piece of `common.pt`, which nothing writes in practice.
-            Leaf::Tensor(_) | Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
+            // Megatron keeps most tensors in the sharded part, but every non-distributed
+            // optimizer puts its step here (`optimizer.state.common_step`): a tensor like any
+            // other, one piece of `common.pt`.
+            Leaf::Tensor(t) => tensors.push(
+                torch_save::saved_tensor(&archive, &t, name, &key_path, Path::new(COMMON))
+                    .map_err(|e| e.file(path))?,
+            ),
+            Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
                 return Err(Error::invalid(
-                    "`common.pt` holds a tensor; ckpt reads only plain values there",
+                    "`common.pt` holds a sharded tensor or one of a dtype ckpt does not support",
                 )
                 .file(path)
                 .tensor(&name)
@@ -455,7 +467,7 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
             }
         }
     }
-    Ok(out)
+    Ok((tensors, out))
 }
 
 #[cfg(test)]

@@ -386,7 +386,22 @@ def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style, tp):
     r = subprocess.run([*launch, str(script), style, str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = export(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "out")
+    src = tmp_path / "ckpt"
+    if tp == 1:
+        # As Megatron-LM's save_checkpoint leaves it: the iteration under a save root that
+        # names it, and a non-distributed optimizer's step, a tensor, in common.pt.
+        common = torch.load(src / "common.pt", weights_only=False)
+        common["optimizer"] = {"state": {"common_step": torch.tensor(2)}}
+        torch.save(common, src / "common.pt")
+        (tmp_path / "save").mkdir()
+        src = src.rename(tmp_path / "save" / "iter_0000002")
+        (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("2")
+        src = tmp_path / "save"
+        r = run_ckpt("inspect", src, "--json")
+        assert r.returncode == 0, r.stderr
+        tensors = {t["name"]: t for t in json.loads(r.stdout)["tensors"]}
+        assert tensors["optimizer.state.common_step"]["dtype"] == "I64"
+    out = export(src, tmp_path / "hf", tmp_path / "out")
     want = torch.load(tmp_path / "logits.pt")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
