@@ -34,6 +34,7 @@ pub mod exec;
 pub mod formats;
 pub(crate) mod fsdp_local;
 pub mod geometry;
+pub(crate) mod hf_export;
 pub(crate) mod inspect;
 pub mod interrupt;
 pub(crate) mod layout;

@@ -338,6 +338,33 @@ impl Plan<'_> {
             .map(|c| (c, t.dtype, b.offsets.as_slice()))
     }
 
+    /// Add a file of known bytes to a plan of whole files: what an export writes beside the
+    /// weights (config.json, the tokenizer's files), staged and committed with them.
+    pub fn add_literal_file(&mut self, path: PathBuf, bytes: Vec<u8>) -> Result<()> {
+        let PlannedFiles::Whole { files, .. } = &mut self.files else {
+            return Err(Error::bug("a literal file added to a DCP plan"));
+        };
+        if files.iter().any(|f| f.path == path) {
+            return Err(Error::usage(format!(
+                "`{}` would be written twice in the output",
+                path.display()
+            )));
+        }
+        let len = bytes.len() as u64;
+        let literals = if bytes.is_empty() {
+            Vec::new()
+        } else {
+            vec![(0, bytes)]
+        };
+        files.push(FilePlan {
+            path,
+            len,
+            literals,
+            ..FilePlan::default()
+        });
+        Ok(())
+    }
+
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
         match &self.files {
