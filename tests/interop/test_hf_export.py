@@ -2,7 +2,9 @@
 Hugging Face model directory, held to what the training framework's own converter gives.
 
 The inputs are real torchtitan 0.3.0 checkpoints (fixtures/generate_torchtitan.py: torchtitan's
-Trainer and CheckpointManager, FSDP2 over 2 gloo ranks, 2 AdamW steps from its seed checkpoint),
+Trainer and CheckpointManager, FSDP2 over 2 gloo ranks, 2 AdamW steps from its seed checkpoint) of
+a Llama3 with GQA, a Qwen3 with tied embeddings and q/k norms, and a DeepSeek-V3 (MLA, a dense
+layer then an MoE layer with routed and shared experts and `expert_bias_E`),
 fixtures/torchtitan_<model>/:
 
 - `step-2/`: the DCP directory torchtitan wrote (model tensors at the top level under torchtitan's
@@ -11,18 +13,21 @@ fixtures/torchtitan_<model>/:
 - `hf/`: the Hugging Face directory the training started from (config.json, generation_config.json,
   tokenizer.json, tokenizer_config.json; no weights);
 - `expected/model.safetensors`: torchtitan's own `StateDictAdapter.to_hf` of the trained model;
-  `expected/logits.safetensors`: the training model's logits on a fixed batch (`input_ids`).
+  `expected/logits.safetensors`: the training model's F32 logits on a fixed batch (`input_ids`; for
+  DeepSeek-V3 with the routed experts in F32, see fixtures/README.md).
 
 For each: the export has the reference's tensors bit for bit and no other, transformers'
 `from_pretrained(OUTDIR)` gives the training logits (within 1e-4 of the largest), config.json is
 HF's but for its dtype field, the tokenizer and generation files are copied byte for byte, and
 `--dtype bf16` equals torch's `.to(torch.bfloat16)` of the reference. A config that disagrees with
-the tensors exits 2 naming the field, and writes nothing.
+the tensors (each field the tensors fix: heads, KV heads, head_dim, hidden, intermediate, layers,
+vocab; for DeepSeek-V3 the MLA ranks and head dims, experts, dense layers) exits 2 naming the field
+and both values, and writes nothing.
 
 The references themselves are checked here too, without ckpt: transformers on hf/ plus
 expected/model.safetensors gives expected/logits, and the reference is the DCP checkpoint's model
 tensors renamed, with Llama's wq/wk rows put from torchtitan's interleaved RoPE order into HF's
-(`HF[h*hd + j*hd/2 + i] = TT[h*hd + 2i + j]`).
+(`HF[h*hd + j*hd/2 + i] = TT[h*hd + 2i + j]`) and DeepSeek-V3's expert-stacked tensors unstacked.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from transformers import AutoModelForCausalLM
 TORCHTITAN = {
     "torchtitan_llama3": ("step-2", "LlamaForCausalLM"),
     "torchtitan_qwen3": ("step-2", "Qwen3ForCausalLM"),
+    "torchtitan_deepseek_v3": ("step-2", "DeepseekV3ForCausalLM"),
 }
 NAMES = sorted(TORCHTITAN)
 # config.json's fields naming the dtype of the weights (transformers 5 writes `dtype`; older
@@ -171,7 +177,7 @@ def test_reference_is_the_dcp_model_renamed_with_hf_rope_rows(tmp_path, name):
     assert all(k.split(".")[0] in {"optimizer", "lr_scheduler", "dataloader", "train_state"}
                for k in set(tt) - model_keys)
     cfg = json.loads((fixture(name) / "hf" / "config.json").read_text())
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, nh, nkv = cfg.get("head_dim"), cfg["num_attention_heads"], cfg["num_key_value_heads"]
     llama = cfg["architectures"][0] == "LlamaForCausalLM"
 
     def rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -181,6 +187,7 @@ def test_reference_is_the_dcp_model_renamed_with_hf_rope_rows(tmp_path, name):
         return w.view(heads, hd // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
     per_layer = {
+        # Llama, Qwen3
         "attention.qkv_linear.wq.weight": ("self_attn.q_proj.weight", lambda w: rope_rows(w, nh)),
         "attention.qkv_linear.wk.weight": ("self_attn.k_proj.weight", lambda w: rope_rows(w, nkv)),
         "attention.qkv_linear.wv.weight": ("self_attn.v_proj.weight", None),
@@ -192,12 +199,36 @@ def test_reference_is_the_dcp_model_renamed_with_hf_rope_rows(tmp_path, name):
         "feed_forward.w2.weight": ("mlp.down_proj.weight", None),
         "attention_norm.weight": ("input_layernorm.weight", None),
         "ffn_norm.weight": ("post_attention_layernorm.weight", None),
+        # DeepSeek-V3: MLA (its RoPE halves stay interleaved, config.json's rope_interleave), MoE
+        "attention.wq_a.weight": ("self_attn.q_a_proj.weight", None),
+        "attention.wq_b.weight": ("self_attn.q_b_proj.weight", None),
+        "attention.wkv_a.weight": ("self_attn.kv_a_proj_with_mqa.weight", None),
+        "attention.kv_norm.weight": ("self_attn.kv_a_layernorm.weight", None),
+        "attention.wkv_b.weight": ("self_attn.kv_b_proj.weight", None),
+        "moe.router.gate.weight": ("mlp.gate.weight", None),
+        "moe.expert_bias_E": ("mlp.gate.e_score_correction_bias", None),
+        "moe.shared_experts.w1.weight": ("mlp.shared_experts.gate_proj.weight", None),
+        "moe.shared_experts.w3.weight": ("mlp.shared_experts.up_proj.weight", None),
+        "moe.shared_experts.w2.weight": ("mlp.shared_experts.down_proj.weight", None),
+    }
+    if cfg["architectures"][0] == "DeepseekV3ForCausalLM":
+        # MLA's q_norm is the norm of the query's low-rank projection (Qwen3's normalises heads)
+        per_layer["attention.q_norm.weight"] = ("self_attn.q_a_layernorm.weight", None)
+    # expert-stacked [E, F, D] / [E, D, F]: one HF tensor per expert
+    experts = {
+        "moe.routed_experts.inner_experts.w1_EFD": "gate_proj.weight",
+        "moe.routed_experts.inner_experts.w3_EFD": "up_proj.weight",
+        "moe.routed_experts.inner_experts.w2_EDF": "down_proj.weight",
     }
     top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}
     want = {}
     for k in model_keys:
-        if k.startswith("layers."):
+        if k.startswith("layers.") and k.split(".", 2)[2] in experts:
+            _, i, rest = k.split(".", 2)
+            for e in range(tt[k].shape[0]):
+                want[f"model.layers.{i}.mlp.experts.{e}.{experts[rest]}"] = tt[k][e]
+        elif k.startswith("layers."):
             _, i, rest = k.split(".", 2)
             hf_name, view = per_layer[rest]
             want[f"model.layers.{i}.{hf_name}"] = view(tt[k]) if view else tt[k]
@@ -258,7 +289,7 @@ def test_export_accepts_config_json_itself(ckpt, run_ckpt, tmp_path, name):
 
 
 # field -> a wrong value, given the fixture's config (every one disagrees with the tensors' shapes)
-WRONG = {
+WRONG_GQA = {
     "num_key_value_heads": lambda c: c["num_key_value_heads"] // 2,
     "num_attention_heads": lambda c: c["num_attention_heads"] * 2,
     "head_dim": lambda c: c["head_dim"] * 2,
@@ -270,14 +301,34 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("field", list(WRONG))
-@pytest.mark.parametrize("name", NAMES)
+# DeepSeek-V3's MLA has no KV heads of its own (num_key_value_heads is unused) and head_dim is
+# qk_rope_head_dim; these are the fields its tensors do fix
+WRONG_MLA_MOE = {
+    "num_attention_heads": lambda c: c["num_attention_heads"] * 2,
+    "q_lora_rank": lambda c: c["q_lora_rank"] * 2,
+    "kv_lora_rank": lambda c: c["kv_lora_rank"] * 2,
+    "qk_rope_head_dim": lambda c: c["qk_rope_head_dim"] * 2,
+    "qk_nope_head_dim": lambda c: c["qk_nope_head_dim"] * 2,
+    "v_head_dim": lambda c: c["v_head_dim"] * 2,
+    "hidden_size": lambda c: c["hidden_size"] // 2,
+    "intermediate_size": lambda c: c["intermediate_size"] + 8,
+    "moe_intermediate_size": lambda c: c["moe_intermediate_size"] + 8,
+    "n_routed_experts": lambda c: c["n_routed_experts"] * 2,
+    "first_k_dense_replace": lambda c: c["first_k_dense_replace"] + 1,
+    "num_hidden_layers": lambda c: c["num_hidden_layers"] + 1,
+    "vocab_size": lambda c: c["vocab_size"] + 1,
+}
+WRONG = {name: WRONG_MLA_MOE if "deepseek" in name else WRONG_GQA for name in NAMES}
+WRONG_CASES = [(name, field) for name in NAMES for field in WRONG[name]]
+
+
+@pytest.mark.parametrize("name,field", WRONG_CASES)
 def test_a_config_disagreeing_with_the_tensors_exits_2_and_writes_nothing(ckpt, run_ckpt, tmp_path, name, field):
     hf = tmp_path / "hf"
     shutil.copytree(fixture(name) / "hf", hf)
     cfg = json.loads((hf / "config.json").read_text())
     good = cfg[field]
-    cfg[field] = WRONG[field](cfg)
+    cfg[field] = WRONG[name][field](cfg)
     assert cfg[field] != good
     (hf / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     out = tmp_path / "out"
