@@ -22,7 +22,7 @@ HF's but for its dtype field, the tokenizer and generation files are copied byte
 `--dtype bf16` equals torch's `.to(torch.bfloat16)` of the reference. A config that disagrees with
 the tensors (each field the tensors fix: heads, KV heads, head_dim, hidden, intermediate, layers,
 vocab; for DeepSeek-V3 the MLA ranks and head dims, experts, dense layers) exits 2 naming the field
-and both values, and writes nothing.
+and both values, and writes nothing; so does an architecture ckpt has no map for.
 
 The references themselves are checked here too, without ckpt: transformers on hf/ plus
 expected/model.safetensors gives expected/logits, and the reference is the DCP checkpoint's model
@@ -350,3 +350,19 @@ def test_a_config_disagreeing_with_the_tensors_exits_2_and_writes_nothing(ckpt, 
     assert field in proc.stderr and str(cfg[field]) in proc.stderr and str(good) in proc.stderr, proc.stderr
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no staging left beside it
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_unknown_architecture_exits_2_and_writes_nothing(ckpt, run_ckpt, tmp_path, name):
+    hf = tmp_path / "hf"
+    shutil.copytree(fixture(name) / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]
+    (hf / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    out = tmp_path / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = export(run_ckpt, name, out, hf=hf)
+    assert proc.returncode == 2, f"exit {proc.returncode}:\n{proc.stderr}"
+    assert "NoSuchModelForCausalLM" in proc.stderr, proc.stderr
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
