@@ -176,10 +176,15 @@ impl HfConfig {
         self.moe.iter().find(|(f, _)| *f == field).map(|(_, n)| *n)
     }
 
+    /// `first_k_dense_replace`: how many leading layers are dense (transformers'
+    /// DeepseekV3Config default where the config does not say).
+    pub(crate) fn dense_layers(&self) -> u64 {
+        self.moe_field("first_k_dense_replace").unwrap_or(3)
+    }
+
     /// Whether the model has a parameter that is there `when`, in `layer` for a layer's.
     pub(crate) fn has(&self, when: When, layer: Option<u64>) -> bool {
-        // transformers' DeepseekV3Config default.
-        let dense = self.moe_field("first_k_dense_replace").unwrap_or(3);
+        let dense = self.dense_layers();
         let q_lora = self.moe_field("q_lora_rank").is_some_and(|r| r > 0);
         match when {
             When::Always => true,
@@ -280,6 +285,78 @@ impl HfConfig {
                 product("num_attention_heads", self.heads, "`v_head_dim`", v)
             }
         })
+    }
+
+    /// What a tensor's `n` in `dim` says of the config's fields, where the config's size is a
+    /// sum or product of several (for messages): `head_dim` = 16 at `num_attention_heads` = 4,
+    /// or the other way round, so the message shows the value the config should have had.
+    pub(crate) fn implied(&self, dim: Dim, n: u64) -> Option<String> {
+        let field = |name: &str| self.moe_field(name);
+        // `n` = `a` × `b`: each field's value at the other's.
+        let product = |a: &str, x: u64, b: &str, y: u64| {
+            let mut readings = Vec::new();
+            if x > 0 && n % x == 0 {
+                readings.push(format!("`{b}` = {} at `{a}` = {x}", n / x));
+            }
+            if y > 0 && n % y == 0 {
+                readings.push(format!("`{a}` = {} at `{b}` = {y}", n / y));
+            }
+            (!readings.is_empty()).then(|| readings.join(", or "))
+        };
+        // `n` = `a` + `b`: `a`'s value at `b`'s.
+        let sum = |a: &str, b: &str, y: u64| {
+            n.checked_sub(y)
+                .map(|x| format!("`{a}` = {x} at `{b}` = {y}"))
+        };
+        match dim {
+            Dim::QueryRows => product("num_attention_heads", self.heads, "head_dim", self.head_dim),
+            Dim::KvRows => product(
+                "num_key_value_heads",
+                self.kv_heads,
+                "head_dim",
+                self.head_dim,
+            ),
+            Dim::VRows => product(
+                "num_attention_heads",
+                self.heads,
+                "v_head_dim",
+                field("v_head_dim")?,
+            ),
+            Dim::SharedInter => product(
+                "n_shared_experts",
+                field("n_shared_experts")?,
+                "moe_intermediate_size",
+                field("moe_intermediate_size")?,
+            ),
+            Dim::KvARows => sum(
+                "kv_lora_rank",
+                "qk_rope_head_dim",
+                field("qk_rope_head_dim")?,
+            ),
+            Dim::QkRows | Dim::KvBRows => {
+                let per_head = (self.heads > 0 && n % self.heads == 0).then(|| n / self.heads)?;
+                let (a, b) = match dim {
+                    Dim::QkRows => ("qk_nope_head_dim", "qk_rope_head_dim"),
+                    _ => ("qk_nope_head_dim", "v_head_dim"),
+                };
+                let (x, y) = (field(a)?, field(b)?);
+                let mut readings = Vec::new();
+                if let Some(v) = per_head.checked_sub(y) {
+                    readings.push(format!("`{a}` = {v} at `{b}` = {y}"));
+                }
+                if let Some(v) = per_head.checked_sub(x) {
+                    readings.push(format!("`{b}` = {v} at `{a}` = {x}"));
+                }
+                (!readings.is_empty()).then(|| {
+                    format!(
+                        "{} with `num_attention_heads` = {}",
+                        readings.join(", or "),
+                        self.heads
+                    )
+                })
+            }
+            _ => None,
+        }
     }
 
     /// config.json as written to the output: the input's, with each dtype field it has

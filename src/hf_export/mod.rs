@@ -21,7 +21,7 @@ pub(crate) mod report;
 pub(crate) mod tables;
 pub(crate) mod views;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Tensor};
@@ -335,6 +335,15 @@ fn order_and_check(
         .map(|p| (p, None))
         .chain((0..cfg.layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
         .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
+    // Layers the checkpoint has a tensor of: a layer it lacks whole is `num_hidden_layers`'
+    // doing, whatever else the config says of that layer.
+    let saved_layers: BTreeSet<u64> = (0..cfg.layers)
+        .filter(|&l| {
+            rest.iter()
+                .filter(layered)
+                .any(|p| by_target.contains_key(&tables::fill(p.name, &[('L', l)])))
+        })
+        .collect();
     let mut out = Vec::with_capacity(by_target.len());
     for (param, layer) in order {
         let present = cfg.has(param.when, layer);
@@ -361,7 +370,7 @@ fn order_and_check(
                 if param.when == When::MoeLayerIfSaved {
                     continue;
                 }
-                return Err(missing(cfg, rows, param.name, &name, &indices));
+                return Err(missing(cfg, rows, param, &name, &indices, &saved_layers));
             };
             check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
             out.push(p);
@@ -382,22 +391,38 @@ fn order_and_check(
 fn missing(
     cfg: &HfConfig,
     rows: &[Row],
-    pattern: &str,
+    param: &tables::Param,
     name: &str,
     indices: &[(char, u64)],
+    saved_layers: &BTreeSet<u64>,
 ) -> Error {
-    let layer = indices.iter().find(|(c, _)| *c == 'L');
+    let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
     let from = rows
         .iter()
-        .find(|r| r.target == pattern)
+        .find(|r| r.target == param.name)
         .map(|r| tables::fill(r.source, indices));
     let wanted = match &from {
         Some(source) if source != name => format!(" (from `{source}`)"),
         _ => String::new(),
     };
-    let why = match layer {
-        Some(_) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),
-        None => String::new(),
+    // The field that put the parameter there: a dense or MoE layer is first_k_dense_replace's
+    // doing, not num_hidden_layers'.
+    let dense = cfg.dense_layers();
+    let why = match (param.when, layer) {
+        (_, Some(l)) if !saved_layers.contains(&l) => format!(
+            "; config.json's `num_hidden_layers` is {}, but the checkpoint has no tensor of layer {l} (it has {})",
+            cfg.layers,
+            saved_layers.len()
+        ),
+        (When::DenseLayer, Some(l)) => format!(
+            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} dense, so the checkpoint's would be at most {l}"
+        ),
+        (When::MoeLayer, Some(l)) => format!(
+            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} a mixture of experts, so the checkpoint's would be more than {l}"
+        ),
+        (When::QLora, _) => "; config.json's `q_lora_rank` is set".to_string(),
+        (_, Some(_)) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),
+        (_, None) => String::new(),
     };
     Error::usage(format!(
         "{} needs `{name}`{wanted}, which the checkpoint does not have{why}",
@@ -436,8 +461,12 @@ fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> 
     for (d, (&n, &dim)) in shape.iter().zip(want).enumerate() {
         let (size, says) = cfg.size(dim)?;
         if n != size {
+            let implied = cfg
+                .implied(dim, n)
+                .map(|r| format!("; the tensor's {n} would be {r}"))
+                .unwrap_or_default();
             return Err(Error::usage(format!(
-                "{here} has {n} in dim {d} of its shape {shape:?}, but config.json's {says}"
+                "{here} has {n} in dim {d} of its shape {shape:?}, but config.json's {says}{implied}"
             ))
             .file(&cfg.path)
             .tensor(&t.name)
