@@ -4,7 +4,6 @@
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
@@ -40,7 +39,8 @@ pub struct Cli {
     #[arg(long, global = true, value_name = "REF")]
     shapes_from: Option<PathBuf>,
     /// Which saved tag to read where a checkpoint directory holds several (DeepSpeed's
-    /// `global_stepN`); by default the one its `latest` file names.
+    /// `global_stepN`, Megatron-LM's iteration `N` or `iter_NNNNNNN`); by default the one its
+    /// `latest` (`latest_checkpointed_iteration.txt`) file names.
     #[arg(long, global = true, value_name = "TAG")]
     tag: Option<String>,
 }
@@ -75,6 +75,10 @@ struct InspectArgs {
     /// PEFT's `adapter_config.json` (or its directory): show each LoRA adapter's alpha too.
     #[arg(long, value_name = "CONFIG")]
     lora_config: Option<PathBuf>,
+    /// A Hugging Face model directory or its config.json: show how `consolidate --hf-config`
+    /// would map each tensor, and what it would leave out, instead of the checkpoint.
+    #[arg(long, value_name = "HF", conflicts_with = "lora_config")]
+    hf_config: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -114,6 +118,11 @@ struct ConsolidateArgs {
     /// Split into files of at most this size (`5GB`, `500MB`, `2GiB`); implies a directory.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     max_shard_size: Option<u64>,
+    /// Write a Hugging Face model directory for this model: its directory (config.json,
+    /// tokenizer files, generation_config.json) or its config.json. Tensors are named and laid
+    /// out as `architectures[0]` has them; training state is left out.
+    #[arg(long, value_name = "HF", conflicts_with = "format")]
+    hf_config: Option<PathBuf>,
     #[command(flatten)]
     lora: LoraArgs,
     #[command(flatten)]
@@ -258,8 +267,9 @@ pub fn to_stderr(line: std::fmt::Arguments) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
-/// Exit codes: 0 success, 1 problems found or failure, 2 usage error, 130 interrupted.
-pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
+/// Exit codes: 0 success, 1 problems found or failure, 2 usage error; the binary exits 130
+/// (SIGINT) or 143 (SIGTERM) when interrupted (see [`crate::interrupt`]).
+pub fn run(cli: Cli, cancel: &AtomicBool) -> Result<i32> {
     let reading = Reading {
         shapes_from: cli.shapes_from.as_deref(),
         tag: cli.tag.as_deref(),
@@ -267,8 +277,8 @@ pub fn run(cli: Cli, cancel: Arc<AtomicBool>) -> Result<i32> {
     match cli.command {
         Command::Inspect(args) => inspect(args, reading),
         Command::Verify(args) => verify(args, reading),
-        Command::Consolidate(args) => consolidate(args, reading, &cancel),
-        Command::Reshard(args) => reshard(args, reading, &cancel),
+        Command::Consolidate(args) => consolidate(args, reading, cancel),
+        Command::Reshard(args) => reshard(args, reading, cancel),
         Command::GenerateShellCompletion(args) => completion(args),
     }
 }
@@ -286,6 +296,23 @@ fn completion(args: CompletionArgs) -> Result<i32> {
 /// `ckpt inspect`: the report as a table or as JSON.
 fn inspect(args: InspectArgs, reading: Reading) -> Result<i32> {
     let mut ckpt = read(&Source::new(args.path)?, reading, false)?;
+    if let Some(hf) = &args.hf_config {
+        let sel = Selection::new(&args.filters, &[], &[])?;
+        let ckpt = sel.apply(ckpt)?;
+        let cfg = crate::hf_export::HfConfig::read(hf)?;
+        let mapping = crate::hf_export::map(&ckpt, &cfg)?;
+        let report = crate::hf_export::report::report(&mapping);
+        to_stdout(|out| {
+            if args.json {
+                serde_json::to_writer_pretty(&mut *out, &report)?;
+                writeln!(out)
+            } else {
+                let text = crate::hf_export::report::render(&report);
+                write!(out, "{}", terminal_safe(&text))
+            }
+        })?;
+        return Ok(0);
+    }
     let lora = match &args.lora_config {
         Some(path) => Some(crate::lora::config::read(path)?.0),
         None => None,
@@ -406,6 +433,13 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
         .unwrap_or_default()
         .to_string();
     let (target, kind) = match (args.format, args.max_shard_size) {
+        // A model directory, split as `save_pretrained` splits it.
+        _ if args.hf_config.is_some() => (
+            Target::SafetensorsSplit {
+                max_shard_bytes: args.max_shard_size.unwrap_or(5_000_000_000),
+            },
+            OutputKind::Dir,
+        ),
         (Some(FullFormat::Torch), Some(_)) => {
             return Err(Error::usage(
                 "--max-shard-size applies to safetensors output only",
@@ -443,6 +477,7 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
         output: &args.output,
         kind,
         lora: &args.lora,
+        hf_config: args.hf_config.as_deref(),
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -501,6 +536,7 @@ fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i
         output: &args.output,
         kind: OutputKind::Dir,
         lora: &args.lora,
+        hf_config: None,
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -571,6 +607,8 @@ struct Conversion<'a> {
     kind: OutputKind,
     /// `--merge-lora`, `--adapter`.
     lora: &'a LoraArgs,
+    /// `--hf-config`.
+    hf_config: Option<&'a Path>,
     select: &'a SelectArgs,
     run: &'a RunArgs,
     write: &'a WriteArgs,
@@ -608,6 +646,7 @@ fn convert(job: &Conversion, target_of: impl FnOnce(&Checkpoint) -> Target) -> R
         exclude: &select.exclude,
         strip_prefix: &select.strip_prefix,
         cast,
+        hf_config: job.hf_config,
         part: write.part,
         force: write.force,
         command_line: write

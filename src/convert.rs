@@ -11,6 +11,8 @@ use crate::detect::Source;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions};
+use crate::hf_export::config::CONFIG_JSON;
+use crate::hf_export::{HfConfig, Mapping};
 use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
 use crate::output::part::{Finished, PartOutput};
@@ -37,6 +39,8 @@ pub(crate) struct Conversion<'a> {
     pub strip_prefix: &'a [String],
     /// `--dtype`.
     pub cast: Option<DType>,
+    /// `--hf-config`: export to this Hugging Face model's names, beside its config and tokenizer.
+    pub hf_config: Option<&'a Path>,
     /// `--part I/N`: one share of the output's bytes.
     pub part: Option<PartSpec>,
     /// Replace an existing output.
@@ -92,11 +96,16 @@ pub(crate) fn convert(
     let selection = Selection::new(job.include, job.exclude, job.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
+    let (ckpt, hf) = export_hf(ckpt, job.hf_config)?;
     let target = target_of(&ckpt);
     let opts = PlanOptions { cast: job.cast };
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, job.cast));
+    if let Some((cfg, mapping)) = &hf {
+        add_model_files(&mut plan, &ckpt, cfg, job.cast)?;
+        plan.notes.extend(left_out_note(mapping));
+    }
     if let Some(part) = job.part {
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
@@ -110,6 +119,10 @@ pub(crate) fn convert(
             job.cast,
             part.count,
             crate::fsdp_local::fingerprint("shapes-from", job.shapes_from)?,
+        );
+        let description = format!(
+            "{description}{}",
+            crate::fsdp_local::fingerprint("hf-config", job.hf_config)?
         );
         let description = match job.lora {
             Some((config, adapter)) => format!(
@@ -172,6 +185,72 @@ fn merge_lora(ckpt: Checkpoint, job: &Conversion, exec_opts: &ExecOptions) -> Re
         io: exec_opts.io,
     };
     crate::lora::apply(ckpt, &opts)
+}
+
+/// `--hf-config`: the checkpoint under the Hugging Face architecture's names and layouts, with
+/// the config and mapping that made it.
+fn export_hf(
+    ckpt: Checkpoint,
+    hf_config: Option<&Path>,
+) -> Result<(Checkpoint, Option<(HfConfig, Mapping)>)> {
+    let Some(path) = hf_config else {
+        return Ok((ckpt, None));
+    };
+    let cfg = HfConfig::read(path)?;
+    let mapping = crate::hf_export::map(&ckpt, &cfg)?;
+    let ckpt = crate::hf_export::apply(ckpt, &cfg, &mapping)?;
+    Ok((ckpt, Some((cfg, mapping))))
+}
+
+/// config.json naming the dtype written and the model directory's other files, into `plan`.
+fn add_model_files(
+    plan: &mut Plan,
+    ckpt: &Checkpoint,
+    cfg: &HfConfig,
+    cast: Option<DType>,
+) -> Result<()> {
+    let dtype = cast.unwrap_or_else(|| model_dtype(ckpt));
+    plan.add_literal_file(PathBuf::from(CONFIG_JSON), cfg.json_with_dtype(dtype))?;
+    for (name, bytes) in cfg.companion_files()? {
+        plan.add_literal_file(PathBuf::from(name), bytes)?;
+    }
+    Ok(())
+}
+
+/// The floating-point dtype holding most of the model's bytes (float32 if none).
+fn model_dtype(ckpt: &Checkpoint) -> DType {
+    let mut bytes: Vec<(DType, u64)> = Vec::new();
+    for t in ckpt.tensors.iter().filter(|t| t.dtype.is_float()) {
+        let n = t.nbytes().unwrap_or(u64::MAX);
+        match bytes.iter_mut().find(|(d, _)| *d == t.dtype) {
+            Some((_, sum)) => *sum = sum.saturating_add(n),
+            None => bytes.push((t.dtype, n)),
+        }
+    }
+    bytes
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map_or(DType::F32, |(d, _)| d)
+}
+
+/// What the export left out, counted by why, so that nobody wonders where the optimizer went.
+fn left_out_note(mapping: &Mapping) -> Option<String> {
+    if mapping.left_out.is_empty() {
+        return None;
+    }
+    let mut why: Vec<(&str, usize)> = Vec::new();
+    for l in &mapping.left_out {
+        match why.iter_mut().find(|(w, _)| *w == l.why) {
+            Some((_, n)) => *n += 1,
+            None => why.push((l.why, 1)),
+        }
+    }
+    let parts: Vec<String> = why.iter().map(|(w, n)| format!("{n} {w}")).collect();
+    Some(format!(
+        "--hf-config left out {} entries: {} (`ckpt inspect --hf-config` lists them)",
+        mapping.left_out.len(),
+        parts.join(", ")
+    ))
 }
 
 /// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind
@@ -266,7 +345,7 @@ fn convert_part(
     let staging = out.staging().to_path_buf();
     let final_path = out.final_path().to_path_buf();
     let finished = out.finish(share.len(), outcome, &dest, || {
-        exec::write_streamed_files(plan, &dest, true)
+        exec::write_streamed_files(plan, &dest, true, exec_opts.cancel)
     })?;
     Ok(Done::Part {
         part,

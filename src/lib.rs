@@ -34,7 +34,9 @@ pub mod exec;
 pub mod formats;
 pub(crate) mod fsdp_local;
 pub mod geometry;
+pub(crate) mod hf_export;
 pub(crate) mod inspect;
+pub mod interrupt;
 pub(crate) mod layout;
 pub(crate) mod lora;
 pub mod model;
@@ -48,6 +50,3 @@ pub mod verify;
 pub mod zip;
 
 pub use error::{Error, ErrorKind, Result};
-
-// The binary's (src/main.rs installs the Ctrl-C handler); named here so the check above sees it.
-use ctrlc as _;

@@ -261,3 +261,123 @@ fn an_unwritable_output_directory_is_a_clear_error() {
     );
     assert!(!out.exists());
 }
+
+/// A FULL safetensors file of `tensors` F32 tensors of `elems` elements each (zeros).
+fn many_small(path: &Path, tensors: usize, elems: u64) {
+    let entries: Vec<(String, DType, Vec<u64>)> = (0..tensors)
+        .map(|i| (format!("layers.{i}.weight"), DType::F32, vec![elems]))
+        .collect();
+    let (header, ranges) = ckpt::formats::safetensors::header_bytes(&entries, &[]);
+    let file = std::fs::File::create(path).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &header, 0).unwrap();
+    file.set_len(header.len() as u64 + ranges.last().unwrap().1)
+        .unwrap();
+}
+
+/// Send `sig` to `child`, then wait for it: its output, and how long it took to exit.
+fn interrupt(child: Child, sig: &str) -> (Output, Duration) {
+    let sent = Instant::now();
+    signal(&child, sig);
+    let result = finish(child);
+    (result, sent.elapsed())
+}
+
+/// What is left in `dir` besides `keep`: an interrupted run must leave nothing there.
+fn others(dir: &Path, keep: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p != keep)
+        .collect()
+}
+
+#[test]
+fn ctrl_c_while_the_metadata_of_a_reshard_to_1024_ranks_is_written_stops_within_3_s() {
+    // 256 tensors over 1,024 ranks: a `.metadata` of 262,144 pieces, which this (debug) build
+    // takes about 30 s to walk twice, on its own thread while the rank files are copied.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("many.safetensors");
+    many_small(&input, 256, 1024);
+    let out = tmp.path().join("sharded");
+    let args: Vec<&OsStr> = vec![
+        OsStr::new("reshard"),
+        input.as_os_str(),
+        OsStr::new("-o"),
+        out.as_os_str(),
+        OsStr::new("--world-size"),
+        OsStr::new("1024"),
+        OsStr::new("-q"),
+    ];
+    let mut child = ckpt_cmd(&args).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let metadata = loop {
+        if let Some(m) = leftovers(&out)
+            .first()
+            .map(|staging| staging.join(".metadata"))
+            .filter(|m| m.exists())
+        {
+            break m;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("ckpt ended ({status}) before it was interrupted");
+        }
+        assert!(Instant::now() < deadline, "no staged .metadata appeared");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    // Into the walk over the pieces.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        metadata.exists(),
+        "the .metadata was done already: make the input larger"
+    );
+    let (result, took) = interrupt(child, "INT");
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(
+        took < Duration::from_secs(3),
+        "exited {took:?} after SIGINT"
+    );
+    assert!(!out.exists(), "an interrupted run left its output");
+    assert_eq!(others(tmp.path(), &input), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn sigterm_during_the_copy_of_a_reshard_stops_within_3_s_and_removes_the_staging() {
+    let (tmp, input, out, args) = slow_run(&["reshard", "--world-size", "4"], "sharded");
+    let child = start_and_wait_for_temp(&args, &out);
+    let (result, took) = interrupt(child, "TERM");
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(143), "{err}");
+    assert!(
+        took < Duration::from_secs(3),
+        "exited {took:?} after SIGTERM"
+    );
+    assert!(!out.exists(), "an interrupted run left its output");
+    assert_eq!(others(tmp.path(), &input), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn ctrl_c_while_reading_ends_at_once() {
+    // Nothing is staged yet while the input is read, so the process ends without waiting for
+    // the reader: here `inspect` of a header of 200,000 tensors.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("many.safetensors");
+    many_small(&input, 200_000, 1);
+    let child = ckpt_cmd(&[OsStr::new("inspect"), input.as_os_str()])
+        .spawn()
+        .unwrap();
+    // Well inside the reading, which takes this build seconds.
+    std::thread::sleep(Duration::from_millis(300));
+    let (result, took) = interrupt(child, "INT");
+    assert_eq!(
+        result.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    assert!(
+        took < Duration::from_secs(1),
+        "exited {took:?} after SIGINT"
+    );
+}

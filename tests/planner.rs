@@ -326,7 +326,7 @@ proptest! {
                 crcs.extend(outcome.crcs);
                 slots.extend(outcome.open_slots);
             }
-            exec::write_streamed_files(&plan, &dest, false).unwrap();
+            exec::write_streamed_files(&plan, &dest, false, &Default::default()).unwrap();
             exec::patch_crcs(&dest, &crcs, &slots, false).unwrap();
             let (a, b) = (tree(&one), tree(&parts));
             prop_assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{:?}", target);

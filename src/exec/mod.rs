@@ -66,7 +66,7 @@ pub struct ExecOptions<'a> {
     pub threads: usize,
     pub io: IoMode,
     pub progress: &'a dyn Progress,
-    /// Set (e.g. by a Ctrl-C handler) to stop early with an error.
+    /// Set (by [`crate::interrupt`]'s handler, in the binary) to stop early with an error.
     pub cancel: &'a AtomicBool,
     /// Make outputs durable before returning: start each output's writeback every
     /// [`WRITEBACK_BYTES`] written (so the disk works while later blocks are copied) and fsync
@@ -165,13 +165,19 @@ pub fn execute_share(
     run(plan, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
 }
 
-/// Write the streamed files of `plan` (a DCP `.metadata`) at `dest`.
-pub fn write_streamed_files(plan: &Plan, dest: &[PathBuf], durable: bool) -> Result<()> {
+/// Write the streamed files of `plan` (a DCP `.metadata`) at `dest`; stopped early, with an
+/// error, once `cancel` is set.
+pub fn write_streamed_files(
+    plan: &Plan,
+    dest: &[PathBuf],
+    durable: bool,
+    cancel: &AtomicBool,
+) -> Result<()> {
     for i in (0..plan.file_count()).filter(|&i| plan.is_streamed(i)) {
         if let Some(path) = dest.get(i) {
             // Left by a commit that failed after writing it.
             let _ = std::fs::remove_file(path);
-            write_streamed(plan, i, path, durable)?;
+            write_streamed(plan, i, path, durable, cancel)?;
         }
     }
     Ok(())
@@ -308,7 +314,7 @@ fn run_on(
     std::thread::scope(|scope| -> Result<()> {
         let writer = scope.spawn(|| -> Result<()> {
             for &i in &streamed {
-                write_streamed(plan, i, &dest[i], opts.durable)?;
+                write_streamed(plan, i, &dest[i], opts.durable, opts.cancel)?;
             }
             Ok(())
         });
@@ -454,13 +460,23 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Write streamed file `i` of `plan` (a DCP `.metadata`) at `path`, synced when `durable`.
-fn write_streamed(plan: &Plan, i: usize, path: &Path, durable: bool) -> Result<()> {
+/// Write streamed file `i` of `plan` (a DCP `.metadata`) at `path`, synced when `durable`. A
+/// `.metadata` of millions of pieces takes seconds, so `cancel` is polled as it is written.
+fn write_streamed(
+    plan: &Plan,
+    i: usize,
+    path: &Path,
+    durable: bool,
+    cancel: &AtomicBool,
+) -> Result<()> {
     let file = create_output(path, 0)?;
     let mut sink = std::io::BufWriter::with_capacity(1 << 20, &file);
-    plan.write_streamed(i, &mut sink)
+    plan.write_streamed(i, &mut sink, cancel)
         .and_then(|_| std::io::Write::flush(&mut sink))
-        .map_err(|e| Error::io(path, e))?;
+        .map_err(|e| match cancel.load(Ordering::Relaxed) {
+            true => Error::new(ErrorKind::Io, "interrupted"),
+            false => Error::io(path, e),
+        })?;
     drop(sink);
     if durable {
         file.sync_all().map_err(|e| Error::io(path, e))?;

@@ -14,6 +14,11 @@
 //! only when the first cut axis is the first axis of size above one (TP on dim 0); with TP on a
 //! later dim the blocks interleave, which this mapping handles the same way.
 //!
+//! Megatron-LM's `save_checkpoint` writes each save into `iter_NNNNNNN/` (or `release/`) under
+//! a save root whose `latest_checkpointed_iteration.txt` names the last one: pointed at the
+//! root, ckpt reads the iteration that file names, or the one `--tag` names (`7` or
+//! `iter_0000007`), as it follows DeepSpeed's `latest`.
+//!
 //! `common.pt`'s values become non-tensor entries under their own names (`iteration`,
 //! `args.lr`). Its `argparse.Namespace` (`args`) is read as the dict of its fields: the data-only
 //! reader allows that one class for this file and keeps only the field values, so the entries
@@ -38,6 +43,8 @@ use crate::storage::{self, Stat};
 pub(crate) const CONFIG: &str = "metadata.json";
 /// The torch.save file of the state every rank shares.
 pub(crate) const COMMON: &str = "common.pt";
+/// The file at Megatron-LM's save root that names the last iteration saved.
+pub(crate) const TRACKER: &str = "latest_checkpointed_iteration.txt";
 /// `metadata.json` and `common.pt` are a few hundred bytes; anything this large is not one.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -46,10 +53,14 @@ pub(crate) struct Megatron;
 
 impl Layout for Megatron {
     fn describe(&self) -> &'static str {
-        "Megatron-core torch_dist directories (`metadata.json`)"
+        "Megatron-core torch_dist directories (`metadata.json`, or a save root's `latest_checkpointed_iteration.txt`)"
     }
 
     fn probe(&self, at: &Listing) -> Result<Option<Found>> {
+        if let (Listing::Dir { path, .. }, Some(_)) = (at, at.file_named(TRACKER)) {
+            // Which iteration is read depends on `--tag`: `read` resolves it.
+            return Ok(Some(Found::at(path.clone())));
+        }
         let dir = match at {
             Listing::Dir { path, .. } if at.file_named(CONFIG).is_some() => path.clone(),
             // Any of its own files stands for the directory, when the directory is one.
@@ -65,8 +76,77 @@ impl Layout for Megatron {
     }
 
     fn read(&self, found: &Found, opts: &ReadOptions) -> Result<Checkpoint> {
-        read(&found.path, opts)
+        let tracker = found.path.join(TRACKER);
+        if !storage::is_file(&tracker) {
+            return read(&found.path, opts);
+        }
+        let dir = found.path.join(iteration_dir(&tracker, opts.tag)?);
+        if backend(&dir)?.as_deref() != Some("torch_dist") {
+            return Err(Error::invalid(format!(
+                "`{}` is not a Megatron-core torch_dist checkpoint (no `{CONFIG}` naming torch_dist)",
+                dir.display()
+            ))
+            .file(&dir)
+            .hint("ckpt reads Megatron's torch_dist format, not its legacy `mp_rank_*/model_optim_rng.pt`"));
+        }
+        read(&dir, opts)
     }
+}
+
+/// The iteration directory of a Megatron-LM save root: `--tag` (`7` or `iter_0000007`), else
+/// the one `latest_checkpointed_iteration.txt` names (an iteration, or `release`).
+fn iteration_dir(tracker: &Path, tag: Option<&str>) -> Result<String> {
+    let name = match tag {
+        Some(tag) => tag.trim().to_string(),
+        None => {
+            if !matches!(storage::stat(tracker)?, Some(Stat::File(len)) if len <= MAX_CONFIG_BYTES)
+            {
+                return Err(Error::invalid(format!(
+                    "`{TRACKER}` is too large to name an iteration"
+                ))
+                .file(tracker));
+            }
+            String::from_utf8_lossy(&storage::read(tracker)?)
+                .trim()
+                .to_string()
+        }
+    };
+    let dir = match name.parse::<u64>() {
+        Ok(n) => format!("iter_{n:07}"),
+        Err(_) if name == "release" || name.starts_with("iter_") => name.clone(),
+        Err(_) => {
+            return Err(
+                Error::invalid(format!("`{TRACKER}` names no iteration: {name:?}"))
+                    .file(tracker)
+                    .hint("pass --tag ITERATION, or point ckpt at an `iter_NNNNNNN` directory"),
+            )
+        }
+    };
+    if dir.contains('/') || dir.contains('\\') || dir == ".." {
+        return Err(Error::usage(format!(
+            "--tag {name:?} is not an iteration directory's name"
+        )));
+    }
+    let parent = tracker.parent().unwrap_or(Path::new("."));
+    if !storage::is_file(&parent.join(&dir).join(CONFIG)) {
+        let (error, said) = match tag {
+            Some(_) => (
+                Error::usage as fn(String) -> Error,
+                "--tag names".to_string(),
+            ),
+            None => (
+                Error::invalid as fn(String) -> Error,
+                format!("`{TRACKER}` names"),
+            ),
+        };
+        return Err(error(format!(
+            "{said} iteration `{dir}`, which is not in `{}`",
+            parent.display()
+        ))
+        .file(parent)
+        .hint("pass --tag with one of the `iter_NNNNNNN` directories there"));
+    }
+    Ok(dir)
 }
 
 /// The `sharded_backend` that `metadata.json` names, `None` when it names none or is not
@@ -108,20 +188,25 @@ pub(crate) fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     }
     let common = dir.join(COMMON);
     if storage::is_file(&common) {
-        let values = common_values(&common)?;
+        let (tensors, values) = common_values(&common)?;
         let taken: std::collections::HashSet<&str> = ckpt
             .tensors
             .iter()
             .map(|t| t.name.as_str())
             .chain(ckpt.values.iter().map(|v| v.name.as_str()))
             .collect();
-        if let Some(v) = values.iter().find(|v| taken.contains(v.name.as_str())) {
+        let names = tensors
+            .iter()
+            .map(|t| &t.name)
+            .chain(values.iter().map(|v| &v.name));
+        if let Some(name) = names.into_iter().find(|n| taken.contains(n.as_str())) {
             return Err(Error::invalid(
                 "`common.pt` has an entry of the same name as one in `.metadata`",
             )
             .file(&common)
-            .tensor(&v.name));
+            .tensor(name));
         }
+        ckpt.tensors.extend(tensors);
         ckpt.values.extend(values);
     }
     Ok(ckpt)
@@ -321,7 +406,7 @@ fn namespace_fields(object: &Object) -> Option<Value> {
 }
 
 /// `common.pt`'s entries: plain values (and any tensor, as torch.save files have them).
-fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
+fn common_values(path: &Path) -> Result<(Vec<Tensor>, Vec<NonTensor>)> {
     let len = match storage::stat(path)? {
         Some(Stat::File(len)) => len,
         _ => return Err(Error::invalid("`common.pt` is missing").file(path)),
@@ -337,9 +422,11 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
         globals: &NamespaceGlobal,
         plain: &namespace_fields,
     };
-    let archive = torch_save::read_with_extra(&bytes, &extra).map_err(|e| e.file(path))?;
+    let mut archive = torch_save::read_with_extra(&bytes, &extra).map_err(|e| e.file(path))?;
     let mut out = Vec::new();
-    for (key_path, leaf) in archive.leaves {
+    let mut tensors = Vec::new();
+    let leaves = std::mem::take(&mut archive.leaves);
+    for (key_path, leaf) in leaves {
         // A `common.pt` of `{}` (nothing but sharded state saved) is one empty leaf: no entry.
         if key_path.is_empty() && matches!(&leaf, Leaf::Value(Value::Dict(d)) if d.is_empty()) {
             continue;
@@ -363,11 +450,16 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
                 value: Some(v),
                 raw: None,
             }),
-            // Megatron keeps tensors in the sharded part; a tensor here would need its own
-            // piece of `common.pt`, which nothing writes in practice.
-            Leaf::Tensor(_) | Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
+            // Megatron keeps most tensors in the sharded part, but every non-distributed
+            // optimizer puts its step here (`optimizer.state.common_step`): a tensor like any
+            // other, one piece of `common.pt`.
+            Leaf::Tensor(t) => tensors.push(
+                torch_save::saved_tensor(&archive, &t, name, &key_path, Path::new(COMMON))
+                    .map_err(|e| e.file(path))?,
+            ),
+            Leaf::Sharded(_) | Leaf::Unsupported { .. } => {
                 return Err(Error::invalid(
-                    "`common.pt` holds a tensor; ckpt reads only plain values there",
+                    "`common.pt` holds a sharded tensor or one of a dtype ckpt does not support",
                 )
                 .file(path)
                 .tensor(&name)
@@ -375,7 +467,7 @@ fn common_values(path: &Path) -> Result<Vec<NonTensor>> {
             }
         }
     }
-    Ok(out)
+    Ok((tensors, out))
 }
 
 #[cfg(test)]

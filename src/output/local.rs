@@ -25,6 +25,9 @@ pub struct Staging {
     /// Directories this run created for the output, outermost first: removed again (when
     /// empty) if the run does not commit.
     created: Vec<PathBuf>,
+    /// A signal stops the run, so that dropping this removes the temporary, instead of ending
+    /// the process (dropped after [`Staging`]'s own `drop`, as fields are).
+    _armed: crate::interrupt::Armed,
 }
 
 impl Staging {
@@ -42,6 +45,7 @@ impl Staging {
             force,
             committed: false,
             created: Vec::new(),
+            _armed: crate::interrupt::Armed::new(),
         };
         for dir in missing {
             match std::fs::create_dir(&dir) {

@@ -117,6 +117,9 @@ pub struct PartOutput {
     part: PartSpec,
     fingerprint: String,
     force: bool,
+    /// A signal stops the part, so that a commit it had begun gives up its lock, instead of
+    /// ending the process.
+    _armed: crate::interrupt::Armed,
 }
 
 /// How a part ended.
@@ -177,6 +180,7 @@ impl PartOutput {
             part,
             fingerprint: fingerprint.to_string(),
             force,
+            _armed: crate::interrupt::Armed::new(),
         };
         let record = RunRecord {
             fingerprint: fingerprint.to_string(),

@@ -114,31 +114,41 @@ pub(super) struct Started {
 /// into the same place.
 pub(super) fn abort(at: &Remote, uploads: &[Started]) -> bool {
     let mut closed = true;
+    let mut open = Vec::with_capacity(uploads.len());
     for s in uploads {
-        if at
-            .with_key(&s.key)
-            .and_then(|r| r.abort_upload(&s.id))
-            .is_err()
-        {
-            closed = false;
+        match at.with_key(&s.key) {
+            Ok(r) => open.push((r, s.id.clone())),
+            Err(_) => closed = false,
         }
     }
-    closed
+    crate::storage::abort_uploads(open) && closed
 }
 
-/// The run's uploads: aborted (and the journal removed once they are) unless committed.
+/// The run's uploads: aborted (and the journal removed once they are) unless committed, and
+/// the objects it completed before it failed deleted again.
 struct Uploads {
     journal: Remote,
     started: Vec<Started>,
+    completed: Vec<Remote>,
     committed: bool,
 }
 
 impl Drop for Uploads {
     fn drop(&mut self) {
-        if !self.committed && abort(&self.journal, &self.started) {
+        if self.committed {
+            return;
+        }
+        for done in &self.completed {
+            let _ = done.delete();
+        }
+        if abort(&self.journal, &self.started) {
             let _ = self.journal.delete();
         }
     }
+}
+
+fn interrupted() -> Error {
+    Error::new(ErrorKind::Io, "interrupted")
 }
 
 /// Forwards the executor's per-part progress to the run's, which spans every part.
@@ -298,6 +308,9 @@ pub fn write(
     let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
     // Where a store whose upload parts are objects (GCS) stages them: beside the output too.
     let parts_dir = remote.parent().join(&format!(".{name}.ckpt-parts"))?;
+    // From here until the uploads are aborted or complete (it is dropped last), a signal stops
+    // the run rather than the process.
+    let _armed = crate::interrupt::Armed::new();
 
     // Uploads of runs that were killed before they could abort them. The run's first request:
     // a missing bucket or refused credentials show here, and are named as the output, not as
@@ -332,11 +345,16 @@ pub fn write(
     let mut uploads = Uploads {
         journal: journal_dir.join(&format!("{}.json", std::process::id()))?,
         started: Vec::new(),
+        completed: Vec::new(),
         committed: false,
     };
     let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
     let mut ids: Vec<Option<String>> = vec![None; n];
     for i in 0..n {
+        // One request per file: seconds for a reshard to a thousand ranks.
+        if opts.cancel.load(Ordering::Relaxed) {
+            return Err(interrupted());
+        }
         if !plan.role(i).is_streamed() && lens[i] > 0 {
             let id = dests[i].create_upload(&parts_dir)?;
             uploads.started.push(Started {
@@ -385,7 +403,7 @@ pub fn write(
         parts[i] = vec![None; cuts.len() - 1];
         for (k, w) in cuts.windows(2).enumerate() {
             if opts.cancel.load(Ordering::Relaxed) {
-                return Err(Error::new(ErrorKind::Io, "interrupted"));
+                return Err(interrupted());
             }
             let (at, len) = (w[0], w[1] - w[0]);
             let share = Share {
@@ -425,18 +443,21 @@ pub fn write(
     while let Some(oldest) = in_flight.pop_front() {
         wait(oldest, &mut parts)?;
     }
-    if opts.cancel.load(Ordering::Relaxed) {
-        return Err(Error::new(ErrorKind::Io, "interrupted"));
-    }
+    // The streamed files (a DCP `.metadata`: seconds at millions of pieces) go to the spool
+    // before any object is completed, so that an interrupt while they are written leaves no
+    // object under the output's name.
+    exec::write_streamed_files(plan, &dest, false, opts.cancel)?;
     // Data objects first, the commit markers last.
     let mut order: Vec<usize> = (0..n)
         .filter(|&i| !plan.role(i).is_commit_marker())
         .collect();
     order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
     for i in order {
+        if opts.cancel.load(Ordering::Relaxed) {
+            return Err(interrupted());
+        }
         let to = &dests[i];
         if plan.role(i).is_streamed() {
-            exec::write_streamed_files(plan, &dest, false)?;
             let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
             to.put(bytes)?;
         } else if let Some(id) = &ids[i] {
@@ -444,6 +465,7 @@ pub fn write(
         } else {
             to.put(Vec::new())?;
         }
+        uploads.completed.push(to.clone());
     }
     uploads.committed = true;
     let _ = uploads.journal.delete();

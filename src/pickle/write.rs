@@ -18,6 +18,7 @@
 //! every opcode whatever `PROTO` says. A `GLOBAL` whose module or name holds a newline cannot be
 //! spelled as text either and is written as `STACK_GLOBAL`.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::{Object, Value};
 
@@ -43,8 +44,8 @@ pub fn write(value: &Value, protocol: Protocol) -> Vec<u8> {
 /// same value both times.
 pub fn write_with<'v>(protocol: Protocol, describe: impl Fn(&mut Stream<'v, '_>)) -> Vec<u8> {
     let mut out = std::io::Cursor::new(Vec::new());
-    // Writing to memory cannot fail.
-    let _ = write_to(&mut out, protocol, describe);
+    // Writing to memory cannot fail, and nothing stops it.
+    let _ = write_to(&mut out, protocol, &AtomicBool::new(false), describe);
     out.into_inner()
 }
 
@@ -55,9 +56,13 @@ const FLUSH_BYTES: usize = 1 << 20;
 /// about a megabyte, so that a pickle of hundreds of megabytes (a `.metadata` of millions of
 /// pieces) is never in memory. Protocol 4's one `FRAME` length is written last, by seeking back.
 /// Returns the pickle's length.
+///
+/// Once `stop` is set (Ctrl-C), both passes stop within a batch of items and this returns an
+/// error: walking millions of pieces twice takes seconds, too long to wait for an interrupt.
 pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
     sink: &mut W,
     protocol: Protocol,
+    stop: &AtomicBool,
     describe: impl Fn(&mut Stream<'v, '_>),
 ) -> std::io::Result<u64> {
     let mut counter = Stream {
@@ -65,10 +70,14 @@ pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
         sink: None,
         written: 0,
         error: None,
+        stop,
         protocol,
         memo: Memo::Counting(HashMap::new()),
     };
     describe(&mut counter);
+    if let Some(e) = counter.error {
+        return Err(e);
+    }
     let repeated = match counter.memo {
         Memo::Counting(counts) => counts
             .into_iter()
@@ -89,6 +98,7 @@ pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
         sink: Some(sink as &mut dyn std::io::Write),
         written: 0,
         error: None,
+        stop,
         protocol,
         memo: Memo::Writing {
             memo: repeated,
@@ -143,8 +153,10 @@ pub struct Stream<'v, 's> {
     sink: Option<&'s mut dyn std::io::Write>,
     /// Bytes written so far, `out` included.
     written: u64,
-    /// The sink's first error; later writes are skipped.
+    /// The sink's first error, or the stop; later writes are skipped, and containers end early.
     error: Option<std::io::Error>,
+    /// Set from outside to end the writing with an error.
+    stop: &'s AtomicBool,
     protocol: Protocol,
     memo: Memo<'v>,
 }
@@ -467,6 +479,9 @@ impl<'v> Stream<'v, '_> {
         let mut in_batch = 0;
         for item in items {
             if in_batch == 0 {
+                if self.stopped() {
+                    break;
+                }
                 self.op(b'(');
             }
             each(self, item);
@@ -479,6 +494,15 @@ impl<'v> Stream<'v, '_> {
         if in_batch > 0 {
             self.op(close);
         }
+    }
+
+    /// Whether the writing is over: the sink failed or `stop` was set. What is written after
+    /// that is never read, so the rest of a container need not be walked.
+    fn stopped(&mut self) -> bool {
+        if self.error.is_none() && self.stop.load(Ordering::Relaxed) {
+            self.error = Some(std::io::Error::other("interrupted"));
+        }
+        self.error.is_some()
     }
 
     /// The state `state` writes, given to the object on top of the stack (`BUILD`).
@@ -588,12 +612,36 @@ mod tests {
             assert!(whole.len() > 2 * FLUSH_BYTES);
             let mut sink = std::io::Cursor::new(b"head:".to_vec());
             sink.set_position(5);
-            let len = write_to(&mut sink, protocol, |w| w.value(&big)).unwrap();
+            let len = write_to(&mut sink, protocol, &AtomicBool::new(false), |w| {
+                w.value(&big)
+            })
+            .unwrap();
             assert_eq!(len, whole.len() as u64);
             assert_eq!(sink.position(), 5 + len);
             assert_eq!(&sink.get_ref()[..5], b"head:");
             assert!(sink.get_ref()[5..] == whole[..], "{protocol:?}");
         }
+    }
+
+    #[test]
+    fn a_stop_ends_the_walk_within_a_batch() {
+        // Set while the first pass walks a list of ten million items: the rest is never walked.
+        let stop = AtomicBool::new(false);
+        let pulled = std::sync::atomic::AtomicUsize::new(0);
+        let mut sink = std::io::Cursor::new(Vec::new());
+        let result = write_to(&mut sink, Protocol::V4, &stop, |w| {
+            let items = (0..10_000_000u64).inspect(|&i| {
+                pulled.fetch_add(1, Ordering::Relaxed);
+                if i == 5_000 {
+                    stop.store(true, Ordering::Relaxed);
+                }
+            });
+            w.list(items, |w, i| w.int(i as i64));
+        });
+        let e = result.unwrap_err();
+        assert_eq!(e.to_string(), "interrupted");
+        assert!(pulled.load(Ordering::Relaxed) <= 5_000 + BATCH + 1);
+        assert!(sink.get_ref().is_empty(), "the first pass wrote");
     }
 
     #[test]

@@ -282,14 +282,18 @@ impl Plan<'_> {
         self.role(i).is_streamed()
     }
 
-    /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length.
+    /// Write streamed file `i` (a DCP `.metadata`) to `sink`; returns its length. Setting `stop`
+    /// ends it early with an error.
     pub fn write_streamed<W: std::io::Write + std::io::Seek>(
         &self,
         i: usize,
         sink: &mut W,
+        stop: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<u64> {
         match &self.files {
-            PlannedFiles::Dcp(dcp) if self.is_streamed(i) => dcp_metadata::write_to(sink, &&**dcp),
+            PlannedFiles::Dcp(dcp) if self.is_streamed(i) => {
+                dcp_metadata::write_to(sink, &&**dcp, stop)
+            }
             _ => Ok(0),
         }
     }
@@ -332,6 +336,33 @@ impl Plan<'_> {
         t.pieces
             .computed()
             .map(|c| (c, t.dtype, b.offsets.as_slice()))
+    }
+
+    /// Add a file of known bytes to a plan of whole files: what an export writes beside the
+    /// weights (config.json, the tokenizer's files), staged and committed with them.
+    pub fn add_literal_file(&mut self, path: PathBuf, bytes: Vec<u8>) -> Result<()> {
+        let PlannedFiles::Whole { files, .. } = &mut self.files else {
+            return Err(Error::bug("a literal file added to a DCP plan"));
+        };
+        if files.iter().any(|f| f.path == path) {
+            return Err(Error::usage(format!(
+                "`{}` would be written twice in the output",
+                path.display()
+            )));
+        }
+        let len = bytes.len() as u64;
+        let literals = if bytes.is_empty() {
+            Vec::new()
+        } else {
+            vec![(0, bytes)]
+        };
+        files.push(FilePlan {
+            path,
+            len,
+            literals,
+            ..FilePlan::default()
+        });
+        Ok(())
     }
 
     /// Bytes of tensor data the plan copies.

@@ -26,7 +26,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-pub(crate) use multipart::{PendingPart, UploadedPart};
+pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
 pub(crate) use remote::{fetch_window, Remote, BLOCK_BYTES};
 
 /// URL schemes ckpt reads and writes, served by the same object_store code.

@@ -159,15 +159,11 @@ impl Remote {
     }
 
     /// Abort upload `id`; one already aborted or completed (not found) is no error.
-    pub(crate) fn abort_upload(&self, id: &str) -> Result<()> {
-        match block_on(
-            self.store
-                .multipart
-                .abort_multipart(&self.key, &id.to_string()),
-        )? {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(store_error(&self.path, e)),
-        }
+    async fn abort(&self, id: String) -> bool {
+        matches!(
+            self.store.multipart.abort_multipart(&self.key, &id).await,
+            Ok(()) | Err(object_store::Error::NotFound { .. })
+        )
     }
 }
 
@@ -277,4 +273,19 @@ impl Remote {
             Err(e) => Err(store_error(&self.path, e)),
         }
     }
+}
+
+/// Uploads aborted at once: a run into a thousand rank files has a thousand open when it is
+/// interrupted, and aborting them one after another would take seconds.
+const ABORTS_IN_FLIGHT: usize = 32;
+
+/// Abort every upload of `uploads` (where, upload id). False if one may still be open (its abort
+/// failed, e.g. throttled past its retries).
+pub(crate) fn abort_uploads(uploads: Vec<(Remote, String)>) -> bool {
+    use futures::stream::StreamExt;
+    let aborts = futures::stream::iter(uploads)
+        .map(|(at, id)| async move { at.abort(id).await })
+        .buffer_unordered(ABORTS_IN_FLIGHT)
+        .collect::<Vec<bool>>();
+    block_on(aborts).is_ok_and(|closed| closed.into_iter().all(|c| c))
 }

@@ -67,43 +67,9 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
                 .tensor(&name));
         }
         match leaf {
-            Leaf::Tensor(t) => {
-                let entry = archive.storage(&t.storage_key).ok_or_else(|| {
-                    Error::invalid(format!("no storage record `{}`", t.storage_key))
-                        .file(path)
-                        .tensor(&name)
-                })?;
-                let within = t.storage_offset * t.dtype.size() as u64;
-                // A deflated record cannot be mapped: its piece is read through an inflater.
-                let (offset, encoding) = match entry.deflated {
-                    None => (entry.data_offset + within, Encoding::Raw),
-                    Some(item_length) => (
-                        within,
-                        Encoding::Deflate {
-                            item_offset: entry.data_offset,
-                            item_length,
-                        },
-                    ),
-                };
-                let pieces = Pieces::single(Piece {
-                    offsets: vec![0; t.shape.len()],
-                    sizes: t.shape.clone(),
-                    data: DataRef {
-                        file: file_name.as_path().into(),
-                        offset,
-                        strides: t.strides.clone(),
-                        encoding,
-                    },
-                })
-                .map_err(|e| e.file(path).tensor(&name))?;
-                tensors.push(Tensor {
-                    name,
-                    key_path: key_path.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    pieces,
-                });
-            }
+            Leaf::Tensor(t) => tensors.push(
+                saved_tensor(&archive, t, name, key_path, &file_name).map_err(|e| e.file(path))?,
+            ),
             Leaf::Value(v) => values.push(NonTensor {
                 name,
                 key_path: key_path.clone(),
@@ -126,6 +92,50 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
         values,
         unsupported,
         details: Vec::new(),
+    })
+}
+
+/// A tensor of a torch.save archive as one piece of `file_name` (the archive's file, relative to
+/// the checkpoint's root): what the torch.save layout reads, and Megatron's `common.pt`.
+pub(crate) fn saved_tensor(
+    archive: &super::Archive,
+    t: &super::SavedTensor,
+    name: String,
+    key_path: &[KeyPart],
+    file_name: &Path,
+) -> Result<Tensor> {
+    let entry = archive.storage(&t.storage_key).ok_or_else(|| {
+        Error::invalid(format!("no storage record `{}`", t.storage_key)).tensor(&name)
+    })?;
+    let within = t.storage_offset * t.dtype.size() as u64;
+    // A deflated record cannot be mapped: its piece is read through an inflater.
+    let (offset, encoding) = match entry.deflated {
+        None => (entry.data_offset + within, Encoding::Raw),
+        Some(item_length) => (
+            within,
+            Encoding::Deflate {
+                item_offset: entry.data_offset,
+                item_length,
+            },
+        ),
+    };
+    let pieces = Pieces::single(Piece {
+        offsets: vec![0; t.shape.len()],
+        sizes: t.shape.clone(),
+        data: DataRef {
+            file: file_name.into(),
+            offset,
+            strides: t.strides.clone(),
+            encoding,
+        },
+    })
+    .map_err(|e| e.tensor(&name))?;
+    Ok(Tensor {
+        name,
+        key_path: key_path.to_vec(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        pieces,
     })
 }
 

@@ -31,6 +31,7 @@ mod legacy;
 mod weights_only;
 mod write;
 
+pub(crate) use checkpoint::saved_tensor;
 pub use checkpoint::{read_checkpoint, TorchSave};
 pub use distributed::{LocalPiece, ShardedLeaf, Sharding};
 

@@ -222,7 +222,7 @@ impl Commit<'_> {
         let finish = |&i: &usize| -> Result<()> {
             let to = &self.dests[i];
             if plan.role(i).is_streamed() {
-                exec::write_streamed_files(plan, &dest, false)?;
+                exec::write_streamed_files(plan, &dest, false, self.opts.cancel)?;
                 let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
                 return to.put(bytes);
             }

@@ -102,12 +102,14 @@ pub fn write(meta: &DcpMetadata) -> Vec<u8> {
     pickle::write_with(Protocol::V4, |w| metadata(w, &meta))
 }
 
-/// [`write`] of what `meta` describes, streamed to `sink`; returns the length written.
+/// [`write`] of what `meta` describes, streamed to `sink`; returns the length written. Setting
+/// `stop` ends it early with an error (see [`pickle::write_to`]).
 pub fn write_to<'m, W: std::io::Write + std::io::Seek>(
     sink: &mut W,
     meta: &impl Describe<'m>,
+    stop: &std::sync::atomic::AtomicBool,
 ) -> std::io::Result<u64> {
-    pickle::write_to(sink, Protocol::V4, |w| metadata(w, meta))
+    pickle::write_to(sink, Protocol::V4, stop, |w| metadata(w, meta))
 }
 
 /// `Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)`.

@@ -1,0 +1,516 @@
+//! Export to a Hugging Face model (`--hf-config`): a step between reading and planning, like
+//! [`crate::lora`] and [`crate::fsdp_local`], that turns a checkpoint into one holding exactly
+//! the tensors `architectures[0]` of a Hugging Face config.json names, in its layouts.
+//!
+//! Trainers that do not use transformers' names (torchtitan; Megatron-core next) save
+//! checkpoints no inference engine loads, and their own converters build the whole model in
+//! memory, need torch, and skip what their map lacks without a word. Here the source's naming
+//! is recognised from its tensor names (under any app-state prefix), the maps are data
+//! ([`tables`]), and every change of layout is a view of bytes where they already are
+//! ([`views`]): the export is a copy, in bounded memory, like any consolidate.
+//!
+//! Training state (optimizer, scheduler, dataloader, train state, rotary buffers, non-tensor
+//! values) is left out without being asked, and so is `lm_head` when the config ties it to the
+//! embedding. Everything else under the model's names must be placed: a tensor the map does
+//! not know, a config that disagrees with a tensor's shape, and a parameter the config wants
+//! but no tensor gives are usage errors, found before anything is written.
+
+mod archs;
+pub(crate) mod config;
+pub(crate) mod report;
+pub(crate) mod tables;
+pub(crate) mod views;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, Tensor};
+pub(crate) use config::HfConfig;
+use tables::{Arch, Dim, Naming, Row, When};
+use views::ViewKind;
+
+/// One tensor of the export: the source tensor it is a view of.
+#[derive(Clone, Debug)]
+pub(crate) struct Placed {
+    /// Index of the source tensor in the checkpoint.
+    source: usize,
+    pub source_name: String,
+    pub target: String,
+    pub view: ViewKind,
+    /// The index of the leading axis an unstacking view takes.
+    pub index: Option<u64>,
+}
+
+/// An entry of the checkpoint the export leaves out, and why.
+#[derive(Clone, Debug)]
+pub(crate) struct LeftOut {
+    pub name: String,
+    pub why: &'static str,
+}
+
+/// How a checkpoint maps onto a Hugging Face architecture.
+#[derive(Clone, Debug)]
+pub(crate) struct Mapping {
+    pub architecture: &'static str,
+    pub naming: Naming,
+    /// The app-state prefix the model's names sit under (`model.`, or empty).
+    pub prefix: String,
+    /// The exported tensors, in the Hugging Face model's `state_dict` order.
+    pub placed: Vec<Placed>,
+    pub left_out: Vec<LeftOut>,
+}
+
+/// Top-level names of training state beside a model saved without a prefix (torchtitan's
+/// `optimizer`, `lr_scheduler`, `dataloader`, `train_state`; other trainers' alike).
+const TRAINING_STATE: [&str; 11] = [
+    "opt_param_scheduler",
+    "rerun_state_machine",
+    "optimizer",
+    "optim",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "rng_state",
+    "extra_state",
+];
+
+/// Buffers a model may save that are not parameters of a Hugging Face model: rotary
+/// frequencies (old transformers' `rotary_emb.inv_freq`, torchtitan's `freqs_cis`) and
+/// Transformer Engine's `_extra_state`.
+const BUFFERS: [&str; 3] = ["rotary_emb.inv_freq", "freqs_cis", "_extra_state"];
+
+/// The embedding's name under each naming: what recognises a naming and its prefix.
+const ANCHORS: [(&str, Naming); 3] = [
+    ("model.embed_tokens.weight", Naming::HuggingFace),
+    ("tok_embeddings.weight", Naming::Torchtitan),
+    ("embedding.word_embeddings.weight", Naming::Megatron),
+];
+
+/// The naming and prefix of `ckpt`'s model: from the embedding with the shortest prefix that is
+/// not training state (an optimizer's states repeat the model's names after theirs).
+fn recognise(ckpt: &Checkpoint, arch: &Arch) -> Result<(Naming, String)> {
+    let mut best: Option<(Naming, &str)> = None;
+    for t in &ckpt.tensors {
+        for (anchor, naming) in ANCHORS {
+            let Some(prefix) = t.name.strip_suffix(anchor) else {
+                continue;
+            };
+            if !(prefix.is_empty() || prefix.ends_with('.')) || is_training_state(prefix) {
+                continue;
+            }
+            if best.is_none_or(|(_, p)| prefix.len() < p.len()) {
+                best = Some((naming, prefix));
+            }
+        }
+    }
+    let Some((naming, prefix)) = best else {
+        return Err(Error::usage(
+            "no embedding tensor found (`model.embed_tokens.weight` of Hugging Face names, `tok_embeddings.weight` of torchtitan's or `embedding.word_embeddings.weight` of Megatron-core's, under any prefix), so the checkpoint's model naming is unknown",
+        )
+        .hint("`ckpt inspect` lists the checkpoint's tensors"));
+    };
+    // torchtitan's two generations share most names (0.3's DeepSeek-V3 keeps 0.2's
+    // `attention.wq`): the one whose table places more of the tensors is the checkpoint's.
+    let naming = match naming {
+        Naming::Torchtitan => {
+            let placed = |naming: Naming| {
+                let rows = arch.rows(naming).unwrap_or_default();
+                ckpt.tensors
+                    .iter()
+                    .filter_map(|t| t.name.strip_prefix(prefix))
+                    .filter(|rest| {
+                        rows.iter()
+                            .any(|r| tables::match_pattern(r.source, rest).is_some())
+                    })
+                    .count()
+            };
+            if placed(Naming::Torchtitan02) > placed(Naming::Torchtitan) {
+                Naming::Torchtitan02
+            } else {
+                Naming::Torchtitan
+            }
+        }
+        other => other,
+    };
+    Ok((naming, prefix.to_string()))
+}
+
+fn is_training_state(name: &str) -> bool {
+    let first = name.split('.').next().unwrap_or_default();
+    TRAINING_STATE.contains(&first)
+}
+
+/// Why an entry under the model's prefix is not a parameter to export, if it is not.
+fn not_a_parameter(rest: &str, arch: &Arch) -> Option<&'static str> {
+    if is_training_state(rest) {
+        return Some("training state");
+    }
+    let first = rest.split('.').next().unwrap_or_default();
+    if arch.extra_modules.contains(&first) {
+        return Some("a module transformers' model does not have");
+    }
+    BUFFERS
+        .iter()
+        .any(|b| rest == *b || rest.ends_with(&format!(".{b}")))
+        .then_some("buffer (not a parameter)")
+}
+
+/// Map `ckpt` onto `cfg`'s architecture, checking every shape against the config.
+pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
+    let arch = cfg.arch;
+    let (naming, prefix) = recognise(ckpt, arch)?;
+    let rows = arch.rows(naming).ok_or_else(|| {
+        Error::usage(format!(
+            "the checkpoint has {} names, which ckpt has no map of to {}",
+            naming.describe(),
+            arch.name
+        ))
+        .file(&cfg.path)
+    })?;
+    let mut left_out = Vec::new();
+    let mut placed = Vec::new();
+    let mut unplaced = Vec::new();
+    for (i, t) in ckpt.tensors.iter().enumerate() {
+        let Some(rest) = t.name.strip_prefix(prefix.as_str()) else {
+            left_out.push(left(&t.name, "not under the model's prefix"));
+            continue;
+        };
+        if let Some(why) = not_a_parameter(rest, arch) {
+            left_out.push(left(&t.name, why));
+            continue;
+        }
+        // Several rows take parts of one tensor (`gate_up_proj`'s gate and up rows).
+        let matches: Vec<(&Row, Vec<(char, u64)>)> = rows
+            .iter()
+            .filter_map(|r| Some((r, tables::match_pattern(r.source, rest)?)))
+            .collect();
+        if matches.is_empty() {
+            unplaced.push(t.name.as_str());
+        }
+        for (row, indices) in matches {
+            place(i, t, row, &indices, cfg, &mut placed, &mut left_out)?;
+        }
+    }
+    if let Some(first) = unplaced.first() {
+        let more = match unplaced.len() {
+            1 => String::new(),
+            n => format!(" (and {} more)", n - 1),
+        };
+        return Err(Error::usage(format!(
+            "tensor `{first}`{more} of the model ({} names) has no place in {}",
+            naming.describe(),
+            arch.name
+        ))
+        .tensor(*first)
+        .hint(format!(
+            "leave it out with --exclude '{first}' if it is not part of the model, or check that config.json's architecture is the trained model's"
+        )));
+    }
+    for v in &ckpt.values {
+        left_out.push(left(&v.name, "not a tensor"));
+    }
+    let placed = order_and_check(ckpt, cfg, placed, &rows)?;
+    Ok(Mapping {
+        architecture: arch.name,
+        naming,
+        prefix,
+        placed,
+        left_out,
+    })
+}
+
+/// Place tensor `i` by `row` (whose source it matched with `indices`): one tensor, or one per
+/// expert of its leading axis, or none for a tied head.
+fn place(
+    i: usize,
+    t: &Tensor,
+    row: &Row,
+    indices: &[(char, u64)],
+    cfg: &HfConfig,
+    placed: &mut Vec<Placed>,
+    left_out: &mut Vec<LeftOut>,
+) -> Result<()> {
+    if let Some(&(_, layer)) = indices.iter().find(|(c, _)| *c == 'L') {
+        if layer >= cfg.layers {
+            return Err(Error::usage(format!(
+                "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}",
+                t.name, cfg.layers
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+    }
+    let target = tables::fill(row.target, indices);
+    if cfg.tied && target == "lm_head.weight" {
+        left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
+        return Ok(());
+    }
+    let Some(axis) = tables::unstacked(row) else {
+        placed.push(Placed {
+            source: i,
+            source_name: t.name.clone(),
+            target,
+            view: row.view,
+            index: None,
+        });
+        return Ok(());
+    };
+    // One tensor per index of the leading axis: per layer, or per expert.
+    let (count, says) = match axis {
+        'L' => (cfg.layers, format!("`num_hidden_layers` = {}", cfg.layers)),
+        _ => cfg.size(Dim::Experts)?,
+    };
+    let leading = t.shape.first().copied().unwrap_or(0);
+    if t.shape.len() < 2 || leading != count {
+        return Err(Error::usage(format!(
+            "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
+            t.name, t.shape
+        ))
+        .file(&cfg.path)
+        .tensor(&t.name)
+        .hint(CONFIG_HINT));
+    }
+    for k in 0..count {
+        placed.push(Placed {
+            source: i,
+            source_name: t.name.clone(),
+            target: tables::fill(&target, &[(axis, k)]),
+            view: row.view,
+            index: Some(k),
+        });
+    }
+    Ok(())
+}
+
+const CONFIG_HINT: &str = "pass the config.json of the model this checkpoint was trained as";
+
+fn left(name: &str, why: &'static str) -> LeftOut {
+    LeftOut {
+        name: name.to_string(),
+        why,
+    }
+}
+
+/// `placed` in the architecture's parameter order, each parameter the config asks for given
+/// exactly once, by a tensor of the shape the config gives it.
+fn order_and_check(
+    ckpt: &Checkpoint,
+    cfg: &HfConfig,
+    placed: Vec<Placed>,
+    rows: &[Row],
+) -> Result<Vec<Placed>> {
+    let mut by_target: BTreeMap<String, Placed> = BTreeMap::new();
+    for p in placed {
+        if let Some(other) = by_target.get(&p.target) {
+            return Err(Error::usage(format!(
+                "tensors `{}` and `{}` both map to `{}`",
+                other.source_name, p.source_name, p.target
+            ))
+            .tensor(&p.source_name)
+            .hint("leave one out with --exclude"));
+        }
+        by_target.insert(p.target.clone(), p);
+    }
+    // The model's `state_dict` order: what comes before the layers (the embedding), each
+    // layer's parameters, then what comes after (the final norm, the head).
+    let params = cfg.arch.params;
+    let layered = |p: &&tables::Param| p.name.contains("{L}");
+    let first = params
+        .iter()
+        .position(|p| layered(&p))
+        .unwrap_or(params.len());
+    let (head, rest) = params.split_at(first);
+    // Each parameter once per layer it is in, and a routed expert's once per expert.
+    let experts = |p: &tables::Param| -> Result<Vec<Option<u64>>> {
+        if !p.name.contains("{E}") {
+            return Ok(vec![None]);
+        }
+        Ok((0..cfg.size(Dim::Experts)?.0).map(Some).collect())
+    };
+    let order = head
+        .iter()
+        .map(|p| (p, None))
+        .chain((0..cfg.layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
+        .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
+    // Layers the checkpoint has a tensor of: a layer it lacks whole is `num_hidden_layers`'
+    // doing, whatever else the config says of that layer.
+    let saved_layers: BTreeSet<u64> = (0..cfg.layers)
+        .filter(|&l| {
+            rest.iter()
+                .filter(layered)
+                .any(|p| by_target.contains_key(&tables::fill(p.name, &[('L', l)])))
+        })
+        .collect();
+    let mut out = Vec::with_capacity(by_target.len());
+    for (param, layer) in order {
+        let present = cfg.has(param.when, layer);
+        for expert in experts(param)? {
+            let mut indices = Vec::new();
+            indices.extend(layer.map(|l| ('L', l)));
+            indices.extend(expert.map(|e| ('E', e)));
+            let name = tables::fill(param.name, &indices);
+            if !present {
+                if let Some(p) = by_target.get(&name) {
+                    return Err(Error::usage(format!(
+                        "tensor `{}` maps to `{name}`, which {} does not have: config.json's {}",
+                        p.source_name,
+                        cfg.arch.name,
+                        param.when.absent_because()
+                    ))
+                    .file(&cfg.path)
+                    .tensor(&p.source_name)
+                    .hint(CONFIG_HINT));
+                }
+                continue;
+            }
+            let Some(p) = by_target.remove(&name) else {
+                if param.when == When::MoeLayerIfSaved {
+                    continue;
+                }
+                return Err(missing(cfg, rows, param, &name, &indices, &saved_layers));
+            };
+            check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
+            out.push(p);
+        }
+    }
+    if let Some(p) = by_target.values().next() {
+        // Every row's target is a parameter of its architecture (a unit test checks the tables).
+        return Err(Error::bug(format!(
+            "`{}` is not a parameter of {}",
+            p.target, cfg.arch.name
+        ))
+        .tensor(&p.source_name));
+    }
+    Ok(out)
+}
+
+/// The error for a parameter the config asks for and no tensor gives.
+fn missing(
+    cfg: &HfConfig,
+    rows: &[Row],
+    param: &tables::Param,
+    name: &str,
+    indices: &[(char, u64)],
+    saved_layers: &BTreeSet<u64>,
+) -> Error {
+    let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
+    let from = rows
+        .iter()
+        .find(|r| r.target == param.name)
+        .map(|r| tables::fill(r.source, indices));
+    let wanted = match &from {
+        Some(source) if source != name => format!(" (from `{source}`)"),
+        _ => String::new(),
+    };
+    // The field that put the parameter there: a dense or MoE layer is first_k_dense_replace's
+    // doing, not num_hidden_layers'.
+    let dense = cfg.dense_layers();
+    let why = match (param.when, layer) {
+        (_, Some(l)) if !saved_layers.contains(&l) => format!(
+            "; config.json's `num_hidden_layers` is {}, but the checkpoint has no tensor of layer {l} (it has {})",
+            cfg.layers,
+            saved_layers.len()
+        ),
+        (When::DenseLayer, Some(l)) => format!(
+            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} dense, so the checkpoint's would be at most {l}"
+        ),
+        (When::MoeLayer, Some(l)) => format!(
+            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} a mixture of experts, so the checkpoint's would be more than {l}"
+        ),
+        (When::QLora, _) => "; config.json's `q_lora_rank` is set".to_string(),
+        (_, Some(_)) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),
+        (_, None) => String::new(),
+    };
+    Error::usage(format!(
+        "{} needs `{name}`{wanted}, which the checkpoint does not have{why}",
+        cfg.arch.name
+    ))
+    .file(&cfg.path)
+    .hint(CONFIG_HINT)
+}
+
+/// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
+fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
+    let here = format!("tensor `{}` (`{}`)", t.name, p.target);
+    let stacked = if p.index.is_some() {
+        t.shape.get(1..).unwrap_or_default()
+    } else {
+        &t.shape[..]
+    };
+    let shape = p.view.shape(stacked, &cfg.sizes()).map_err(|why| {
+        Error::usage(format!(
+            "{here} cannot be viewed as {}: {why}",
+            p.view.describe()
+        ))
+        .file(&cfg.path)
+        .tensor(&t.name)
+        .hint(CONFIG_HINT)
+    })?;
+    let shape = &shape[..];
+    if shape.len() != want.len() {
+        return Err(Error::usage(format!(
+            "{here} has shape {shape:?}, but {} has {} dims there",
+            cfg.arch.name,
+            want.len()
+        ))
+        .tensor(&t.name));
+    }
+    for (d, (&n, &dim)) in shape.iter().zip(want).enumerate() {
+        let (size, says) = cfg.size(dim)?;
+        if n != size {
+            let implied = cfg
+                .implied(dim, n)
+                .map(|r| format!("; the tensor's {n} would be {r}"))
+                .unwrap_or_default();
+            return Err(Error::usage(format!(
+                "{here} has {n} in dim {d} of its shape {shape:?}, but config.json's {says}{implied}"
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint the export writes: `mapping`'s tensors under their Hugging Face names, each
+/// a view of its source's pieces; nothing else.
+pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Result<Checkpoint> {
+    let mut tensors = Vec::with_capacity(mapping.placed.len());
+    let sizes = cfg.sizes();
+    for p in &mapping.placed {
+        let t = &ckpt.tensors[p.source];
+        let (pieces, stacked) = match p.index {
+            Some(k) => (views::unstack(t, k)?, t.shape.get(1..).unwrap_or_default()),
+            None => {
+                if p.view != ViewKind::Rename {
+                    views::check_copied(t)?;
+                }
+                (t.pieces.clone(), &t.shape[..])
+            }
+        };
+        // `map` checked every view's shape against the config.
+        let shape = p.view.shape(stacked, &sizes).map_err(Error::usage)?;
+        let elem = t.dtype.size() as u64;
+        let pieces = p.view.apply(&pieces, stacked, elem, &sizes)?;
+        tensors.push(Tensor {
+            name: p.target.clone(),
+            key_path: Vec::new(),
+            dtype: t.dtype,
+            shape,
+            pieces,
+        });
+    }
+    Ok(Checkpoint {
+        tensors,
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        ..ckpt
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,101 @@
+//! What `ckpt inspect --hf-config` shows of an export before it is run: each source tensor's
+//! Hugging Face name and view, and what is left out and why, as a table or as JSON.
+
+use serde::Serialize;
+
+use super::views::ViewKind;
+use super::Mapping;
+
+/// The stable JSON document of a mapping.
+#[derive(Serialize)]
+pub(crate) struct Report<'a> {
+    pub architecture: &'a str,
+    /// `hugging-face`, `torchtitan`, `torchtitan-0.2`.
+    pub naming: &'a str,
+    /// The app-state prefix of the model's names (empty at the top level).
+    pub prefix: &'a str,
+    pub mapping: Vec<Row<'a>>,
+    pub left_out: Vec<LeftOutRow<'a>>,
+}
+
+#[derive(Serialize)]
+pub(crate) struct Row<'a> {
+    pub source: &'a str,
+    pub target: &'a str,
+    /// The view, after `unstack N, ` when the target is index N of the source's leading axis.
+    pub view: String,
+    /// The index of the leading axis an `unstack` takes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u64>,
+}
+
+#[derive(Serialize)]
+pub(crate) struct LeftOutRow<'a> {
+    pub name: &'a str,
+    pub why: &'a str,
+}
+
+pub(crate) fn report(m: &Mapping) -> Report<'_> {
+    Report {
+        architecture: m.architecture,
+        naming: m.naming.describe(),
+        prefix: &m.prefix,
+        mapping: m
+            .placed
+            .iter()
+            .map(|p| Row {
+                source: &p.source_name,
+                target: &p.target,
+                view: match p.index {
+                    Some(i) if p.view == ViewKind::Rename => format!("unstack {i}"),
+                    Some(i) => format!("unstack {i}, {}", p.view.describe()),
+                    None => p.view.describe().to_string(),
+                },
+                index: p.index,
+            })
+            .collect(),
+        left_out: m
+            .left_out
+            .iter()
+            .map(|l| LeftOutRow {
+                name: &l.name,
+                why: l.why,
+            })
+            .collect(),
+    }
+}
+
+/// The report as a table for a terminal.
+pub(crate) fn render(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let under = if r.prefix.is_empty() {
+        "at the top level".to_string()
+    } else {
+        format!("under `{}`", r.prefix)
+    };
+    let _ = writeln!(
+        s,
+        "{} names {under} -> {}: {} tensors, {} left out",
+        r.naming,
+        r.architecture,
+        r.mapping.len(),
+        r.left_out.len()
+    );
+    let width = r.mapping.iter().map(|m| m.source.len()).max().unwrap_or(0);
+    for m in &r.mapping {
+        let view = match m.view.as_str() {
+            "rename" => String::new(),
+            view => format!("  [{view}]"),
+        };
+        let _ = writeln!(s, "  {:width$}  ->  {}{view}", m.source, m.target);
+    }
+    if !r.left_out.is_empty() {
+        let _ = writeln!(s, "left out:");
+        let width = r.left_out.iter().map(|l| l.name.len()).max().unwrap_or(0);
+        for l in &r.left_out {
+            let _ = writeln!(s, "  {:width$}  {}", l.name, l.why);
+        }
+    }
+    s
+}

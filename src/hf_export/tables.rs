@@ -1,0 +1,315 @@
+//! The name maps, as data: for each Hugging Face architecture the parameters its model holds
+//! (in `state_dict` order, with the shape the config gives each), and for each source naming a
+//! table of rows (source pattern, Hugging Face pattern, view). Adding an architecture is a
+//! parameter list, a table per naming and a test; the code in `mod.rs` knows no model.
+//!
+//! Patterns are names with `{L}` for a layer index and `{E}` for an expert index. The tables
+//! themselves are in `archs.rs`.
+
+pub(crate) use super::archs::ARCHS;
+use super::views::ViewKind;
+
+/// One row of a name map.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row {
+    pub source: &'static str,
+    pub target: &'static str,
+    pub view: ViewKind,
+}
+
+pub(super) const fn row(source: &'static str, target: &'static str, view: ViewKind) -> Row {
+    Row {
+        source,
+        target,
+        view,
+    }
+}
+
+/// How a checkpoint names its model's tensors, as recognised from the names themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Naming {
+    /// transformers' own names (accelerate, TRL, veRL's FSDP), under any app-state prefix.
+    HuggingFace,
+    /// torchtitan 0.3: `attention.qkv_linear.wq`, `lm_head`.
+    Torchtitan,
+    /// torchtitan 0.2: `attention.wq`, `output`.
+    Torchtitan02,
+    /// Megatron-core's `GPTModel` (Megatron-LM, NeMo): decoder weights stacked over layers,
+    /// fused QKV and `[gate; up]`, norms named after the linears they precede.
+    Megatron,
+}
+
+impl Naming {
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Naming::HuggingFace => "hugging-face",
+            Naming::Torchtitan => "torchtitan",
+            Naming::Torchtitan02 => "torchtitan-0.2",
+            Naming::Megatron => "megatron-core",
+        }
+    }
+}
+
+/// A dimension of a Hugging Face parameter, as the config gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dim {
+    /// `vocab_size`
+    Vocab,
+    /// `hidden_size`
+    Hidden,
+    /// `num_attention_heads × head_dim`
+    QueryRows,
+    /// `num_key_value_heads × head_dim`
+    KvRows,
+    /// `head_dim`
+    HeadSize,
+    /// `intermediate_size`
+    Inter,
+    /// `n_routed_experts`
+    Experts,
+    /// `moe_intermediate_size`
+    MoeInter,
+    /// `moe_intermediate_size × n_shared_experts`
+    SharedInter,
+    /// `num_attention_heads × (qk_nope_head_dim + qk_rope_head_dim)`
+    QkRows,
+    /// `q_lora_rank`
+    QLoraRank,
+    /// `kv_lora_rank + qk_rope_head_dim`
+    KvARows,
+    /// `kv_lora_rank`
+    KvLoraRank,
+    /// `num_attention_heads × (qk_nope_head_dim + v_head_dim)`
+    KvBRows,
+    /// `num_attention_heads × v_head_dim`
+    VRows,
+}
+
+/// When the config has a parameter in the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum When {
+    Always,
+    /// `attention_bias` is true.
+    AttentionBias,
+    /// `mlp_bias` is true.
+    MlpBias,
+    /// `tie_word_embeddings` is false.
+    Untied,
+    /// The layer is dense: its index is below `first_k_dense_replace`.
+    DenseLayer,
+    /// The layer is a mixture of experts: its index is `first_k_dense_replace` or above.
+    MoeLayer,
+    /// As [`When::MoeLayer`], but the model starts from zeros where the checkpoint has none
+    /// (torchtitan saves no expert bias without load balancing).
+    MoeLayerIfSaved,
+    /// `q_lora_rank` is set: queries through a low-rank projection.
+    QLora,
+    /// `q_lora_rank` is null.
+    NoQLora,
+}
+
+impl When {
+    /// What in config.json leaves such a parameter out, for messages.
+    pub(crate) fn absent_because(self) -> &'static str {
+        match self {
+            When::Always => "",
+            When::AttentionBias => "`attention_bias` is false",
+            When::MlpBias => "`mlp_bias` is false",
+            When::Untied => "`tie_word_embeddings` is true",
+            When::DenseLayer => "the layer is at or past `first_k_dense_replace`",
+            When::MoeLayer | When::MoeLayerIfSaved => "the layer is before `first_k_dense_replace`",
+            When::QLora => "`q_lora_rank` is null",
+            When::NoQLora => "`q_lora_rank` is set",
+        }
+    }
+}
+
+/// A parameter of a Hugging Face model: its name pattern, shape and presence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Param {
+    pub name: &'static str,
+    pub shape: &'static [Dim],
+    pub when: When,
+}
+
+pub(super) const fn param(name: &'static str, shape: &'static [Dim], when: When) -> Param {
+    Param { name, shape, when }
+}
+
+/// A Hugging Face architecture (`architectures[0]` of config.json) and its name maps.
+#[derive(Debug)]
+pub(crate) struct Arch {
+    pub name: &'static str,
+    /// config.json's `model_type` of the architecture, which names it where `architectures`
+    /// is missing (a config saved on its own, not with a model).
+    pub model_type: &'static str,
+    /// `tie_word_embeddings` when config.json does not say.
+    pub tied_by_default: bool,
+    /// Parameters in the model's `state_dict` order; `{L}` once per layer.
+    pub params: &'static [Param],
+    /// Rows for names transformers holds in memory but saves otherwise (so that an app state
+    /// saved by accelerate differs from `save_pretrained`'s), beside the identity rows.
+    pub hf_in_memory: &'static [Row],
+    /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
+    pub torchtitan: Option<&'static [Row]>,
+    pub torchtitan02: Option<&'static [Row]>,
+    /// The rows for Megatron-core's names.
+    pub megatron: Option<&'static [Row]>,
+    /// Top-level names of the source's that the architecture has no place for and that are
+    /// left out (torchtitan's multi-token prediction layers, which transformers does not load).
+    pub extra_modules: &'static [&'static str],
+}
+
+impl Arch {
+    /// The rows mapping `naming` to this architecture, or `None` where there is no such map.
+    pub(crate) fn rows(&self, naming: Naming) -> Option<Vec<Row>> {
+        match naming {
+            // Every parameter under its own name: a table of identity rows.
+            Naming::HuggingFace => Some(
+                self.params
+                    .iter()
+                    .map(|p| row(p.name, p.name, ViewKind::Rename))
+                    .chain(self.hf_in_memory.iter().copied())
+                    .collect(),
+            ),
+            Naming::Torchtitan => self.torchtitan.map(<[Row]>::to_vec),
+            Naming::Torchtitan02 => self.torchtitan02.map(<[Row]>::to_vec),
+            Naming::Megatron => self.megatron.map(<[Row]>::to_vec),
+        }
+    }
+}
+
+/// The architecture called `name`.
+pub(crate) fn arch(name: &str) -> Option<&'static Arch> {
+    ARCHS.iter().find(|a| a.name == name)
+}
+
+/// The placeholder of `row`'s target that its source lacks (`L` of a layer-stacked source, `E`
+/// of an expert-stacked one): the source's leading axis, one target per index.
+pub(crate) fn unstacked(row: &Row) -> Option<char> {
+    ['L', 'E'].into_iter().find(|c| {
+        let hole = format!("{{{c}}}");
+        row.target.contains(&hole) && !row.source.contains(&hole)
+    })
+}
+
+/// `name` matched against `pattern`: the `{L}`/`{E}` indices it holds, in order, or `None`.
+pub(crate) fn match_pattern(pattern: &str, name: &str) -> Option<Vec<(char, u64)>> {
+    let mut found = Vec::new();
+    let mut rest = name;
+    let mut pat = pattern;
+    loop {
+        match pat.find('{') {
+            None => return (rest == pat).then_some(found),
+            Some(at) => {
+                let literal = &pat[..at];
+                rest = rest.strip_prefix(literal)?;
+                let close = pat[at..].find('}')? + at;
+                let which = pat[at + 1..close].chars().next()?;
+                let digits =
+                    rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+                if digits == 0 || (digits > 1 && rest.starts_with('0')) {
+                    return None;
+                }
+                found.push((which, rest[..digits].parse().ok()?));
+                rest = &rest[digits..];
+                pat = &pat[close + 1..];
+            }
+        }
+    }
+}
+
+/// `pattern` with its `{L}`/`{E}` filled from `indices` (a placeholder with no index stays).
+pub(crate) fn fill(pattern: &str, indices: &[(char, u64)]) -> String {
+    let mut out = pattern.to_string();
+    for (which, i) in indices {
+        out = out.replacen(&format!("{{{which}}}"), &i.to_string(), 1);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::When::*;
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn patterns_match_and_fill() {
+        let p = "layers.{L}.attention.wq.weight";
+        assert_eq!(
+            match_pattern(p, "layers.12.attention.wq.weight"),
+            Some(vec![('L', 12)])
+        );
+        assert_eq!(match_pattern(p, "layers.x.attention.wq.weight"), None);
+        assert_eq!(match_pattern(p, "layers.01.attention.wq.weight"), None);
+        assert_eq!(match_pattern(p, "layers.1.attention.wq.weight.x"), None);
+        assert_eq!(match_pattern("norm.weight", "norm.weight"), Some(vec![]));
+        assert_eq!(match_pattern("norm.weight", "model.norm.weight"), None);
+        assert_eq!(fill("a.{L}.b.{E}", &[('L', 3), ('E', 7)]), "a.3.b.7");
+    }
+
+    /// Each source table maps onto its architecture's parameters one to one: no two rows give
+    /// one name (but a saved and an in-memory Hugging Face name), every parameter comes from a
+    /// row, and every row's patterns have the same placeholders.
+    #[test]
+    fn tables_place_every_parameter_once() {
+        for arch in ARCHS {
+            let params: BTreeSet<&str> = arch.params.iter().map(|p| p.name).collect();
+            assert_eq!(params.len(), arch.params.len(), "{}", arch.name);
+            for naming in [
+                Naming::HuggingFace,
+                Naming::Torchtitan,
+                Naming::Torchtitan02,
+                Naming::Megatron,
+            ] {
+                let Some(rows) = arch.rows(naming) else {
+                    continue;
+                };
+                let targets: Vec<&str> = rows.iter().map(|r| r.target).collect();
+                let unique: BTreeSet<&str> = targets.iter().copied().collect();
+                // transformers' in-memory names; Megatron's norms under their own names or the
+                // linears'.
+                let alternatives = match naming {
+                    Naming::HuggingFace => arch.hf_in_memory.len(),
+                    // Each decoder row twice (stacked, per layer), two norms under two names.
+                    Naming::Megatron => (rows.len() - 3) / 2 + 2,
+                    _ => 0,
+                };
+                assert_eq!(
+                    unique.len() + alternatives,
+                    targets.len(),
+                    "{} {naming:?}",
+                    arch.name
+                );
+                for t in &targets {
+                    assert!(params.contains(t), "{} {naming:?}: {t}", arch.name);
+                }
+                // A source in several rows only for parts of it.
+                let sources: BTreeSet<(&str, String)> = rows
+                    .iter()
+                    .map(|r| (r.source, format!("{:?}", r.view)))
+                    .collect();
+                assert_eq!(sources.len(), rows.len(), "{} {naming:?}", arch.name);
+                for r in &rows {
+                    // The target has the source's placeholders and at most one more, which
+                    // unstacks the source's leading axis.
+                    let holes = |s: &str| ['L', 'E'].map(|c| s.contains(&format!("{{{c}}}")));
+                    let (src, dst) = (holes(r.source), holes(r.target));
+                    assert!(src.iter().zip(&dst).all(|(s, d)| !s || *d), "{r:?}");
+                }
+                // torchtitan has no biases: every parameter but those needs a row.
+                for p in arch.params {
+                    if !matches!(p.when, AttentionBias | MlpBias) {
+                        assert!(
+                            unique.contains(p.name),
+                            "{} {naming:?}: {}",
+                            arch.name,
+                            p.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
