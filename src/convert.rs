@@ -106,13 +106,6 @@ pub(crate) fn convert(
         add_model_files(&mut plan, &ckpt, cfg, job.cast)?;
         plan.notes.extend(left_out_note(mapping));
     }
-    if let Some(part) = job.part.filter(|_| crate::storage::is_remote(job.output)) {
-        return Err(Error::usage(format!(
-            "--part {part} writes into a shared filesystem; `{}` is in an object store",
-            job.output.display()
-        ))
-        .hint("run once without --part: the upload's parts already go in parallel"));
-    }
     if let Some(part) = job.part {
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
@@ -308,8 +301,32 @@ fn convert_part(
             len
         })
         .collect();
-    let fingerprint =
-        crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?;
+    let fingerprint = match crate::storage::is_remote(job.input.path()) {
+        true => crate::output::remote_part::fingerprint(&description, job.input.path())?,
+        false => crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?,
+    };
+    if crate::storage::is_remote(job.output) {
+        let (staging, bytes, files, finished) = crate::output::remote_part::write_part(
+            plan,
+            job.input.path(),
+            job.output,
+            job.kind,
+            job.force,
+            part,
+            &fingerprint,
+            &job.command_line,
+            exec_opts,
+        )?;
+        return Ok(Done::Part {
+            part,
+            bytes,
+            total: lens.iter().sum(),
+            files,
+            staging,
+            final_path: job.output.to_path_buf(),
+            finished,
+        });
+    }
     let out = PartOutput::prepare(
         job.output,
         job.input.path(),

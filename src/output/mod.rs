@@ -4,12 +4,14 @@
 //! [`local`] stages a local output under a temporary name and renames it into place; [`part`]
 //! shares one staged output between the `--part I/N` runs of a partitioned job, the last to
 //! finish committing it; [`remote`] uploads into an object store with multipart uploads, the
-//! plan's commit markers completed last. The plan says which file is which
+//! plan's commit markers completed last; [`remote_part`] shares those uploads between the parts
+//! of a partitioned run, the last to finish completing them. The plan says which file is which
 //! ([`crate::plan::FileRole`]); no backend knows a format's file names.
 
 pub mod local;
 pub mod part;
 pub mod remote;
+pub mod remote_part;
 
 pub use local::{leftovers, Staging};
 

@@ -429,6 +429,9 @@ pub struct Unfinished {
 /// The unfinished partitioned run that `path` names: the staging area itself, a path inside it,
 /// or an output with a staging area beside it.
 pub fn unfinished(path: &Path) -> Option<Unfinished> {
+    if crate::storage::is_remote(path) {
+        return super::remote_part::unfinished(path);
+    }
     let abs = std::path::absolute(path).ok()?;
     let is_staging = |p: &Path| {
         p.file_name()
@@ -528,7 +531,7 @@ fn sync_tree(dir: &Path) -> Result<()> {
     output::sync_dir(dir)
 }
 
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .ok()
@@ -537,7 +540,7 @@ fn hostname() -> String {
 }
 
 /// True when a lock's holder (`part I/N on HOST (pid P)`) ran on this host and is gone.
-fn holder_is_gone(by: &str) -> bool {
+pub(super) fn holder_is_gone(by: &str) -> bool {
     let Some((_, rest)) = by.split_once(" on ") else {
         return false;
     };

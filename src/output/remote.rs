@@ -48,7 +48,7 @@ pub fn part_size(len: u64) -> u64 {
 /// can be sent as soon as it is computed. A cut that cannot move so far (a record larger than a
 /// part, or a torch.save file whose central directory at the end names every record's CRC)
 /// stays, and the part holding the slot waits for the other parts' CRCs.
-fn part_cuts(plan: &Plan, i: usize, len: u64) -> Result<Vec<u64>> {
+pub(super) fn part_cuts(plan: &Plan, i: usize, len: u64) -> Result<Vec<u64>> {
     let size = part_size(len);
     let file = plan.file(i)?;
     let mut spans: Vec<(u64, u64)> = file
@@ -103,16 +103,16 @@ pub fn in_flight(threads: usize) -> usize {
 }
 
 /// One upload this run started, as the journal records it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Started {
-    key: String,
-    id: String,
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct Started {
+    pub(super) key: String,
+    pub(super) id: String,
 }
 
 /// Abort `uploads` (keys in `at`'s store). False if one may still be open (its abort failed,
 /// e.g. throttled past its retries): the journal that lists them is then kept, for the next run
 /// into the same place.
-fn abort(at: &Remote, uploads: &[Started]) -> bool {
+pub(super) fn abort(at: &Remote, uploads: &[Started]) -> bool {
     let mut closed = true;
     let mut open = Vec::with_capacity(uploads.len());
     for s in uploads {
@@ -152,7 +152,7 @@ fn interrupted() -> Error {
 }
 
 /// Forwards the executor's per-part progress to the run's, which spans every part.
-struct Forward<'a>(&'a dyn Progress);
+pub(super) struct Forward<'a>(pub(super) &'a dyn Progress);
 impl Progress for Forward<'_> {
     fn advance(&self, bytes: u64) {
         self.0.advance(bytes);
@@ -160,8 +160,30 @@ impl Progress for Forward<'_> {
 }
 
 /// A sparse file per output file in the temporary directory, removed when dropped.
-struct Spool {
+pub(super) struct Spool {
     dir: PathBuf,
+}
+
+impl Spool {
+    /// A new empty spool directory, named by process and time.
+    pub(super) fn new() -> Result<Spool> {
+        let spool = Spool {
+            dir: std::env::temp_dir().join(format!(
+                "ckpt-spool-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos())
+            )),
+        };
+        std::fs::create_dir(&spool.dir).map_err(|e| Error::io(&spool.dir, e))?;
+        Ok(spool)
+    }
+
+    /// Where output file `i` is spooled.
+    pub(super) fn path(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("{i}"))
+    }
 }
 
 impl Drop for Spool {
@@ -185,16 +207,25 @@ fn punch(file: &File, offset: u64, len: u64) {
     }
 }
 
-/// Write `plan`'s output to the remote location `out` (a single object for `OutputKind::File`,
-/// objects under `out/` for `OutputKind::Dir`), reading from `input` (refused if they overlap).
-pub fn write(
-    plan: &Plan,
-    input: &Path,
-    out: &Path,
-    kind: OutputKind,
-    force: bool,
-    opts: &ExecOptions,
-) -> Result<()> {
+/// Send bytes `range` of the spool file at `path` as part `k` of upload `id` to `to`, releasing
+/// their pages.
+pub(super) fn send_part(
+    path: &Path,
+    to: &Remote,
+    id: &str,
+    k: usize,
+    range: std::ops::Range<u64>,
+) -> Result<PendingPart> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut buf = vec![0u8; (range.end - range.start) as usize];
+    file.read_exact_at(&mut buf, range.start)
+        .map_err(|e| Error::io(path, e).at(range.start))?;
+    punch(&file, range.start, range.end - range.start);
+    to.upload_part(id, k, buf)
+}
+
+/// The remote location of output `out` and its name, refused when it overlaps `input`.
+pub(super) fn output_of(out: &Path, input: &Path) -> Result<(Remote, String)> {
     let remote = crate::storage::remote(out)
         .ok_or_else(|| Error::usage("internal: not a remote output"))??;
     let out_s = out.to_string_lossy();
@@ -212,6 +243,68 @@ pub fn write(
         .file_name()
         .ok_or_else(|| Error::usage(format!("`{out_s}` is not a usable output name")))?
         .to_string();
+    Ok((remote, name))
+}
+
+/// The objects of the output at `remote` that exist already (refused without `force`).
+pub(super) fn existing(remote: &Remote, kind: OutputKind, force: bool) -> Result<Vec<Remote>> {
+    let existing: Vec<Remote> = match kind {
+        OutputKind::File => match remote.exists()? {
+            true => vec![remote.clone()],
+            false => Vec::new(),
+        },
+        OutputKind::Dir => remote.objects_below()?,
+    };
+    if !existing.is_empty() && !force {
+        return Err(
+            Error::usage(format!("`{}` already exists", remote.path.display()))
+                .hint("pass --force to replace it"),
+        );
+    }
+    Ok(existing)
+}
+
+/// Where each of `plan`'s files goes: `remote` itself, or objects below it.
+pub(super) fn destinations(plan: &Plan, remote: &Remote, kind: OutputKind) -> Result<Vec<Remote>> {
+    (0..plan.file_count())
+        .map(|i| match kind {
+            OutputKind::File => Ok(remote.clone()),
+            OutputKind::Dir => {
+                let rel = plan.path(i);
+                let rel = rel
+                    .to_str()
+                    .ok_or_else(|| Error::invalid("output name is not UTF-8"))?;
+                remote
+                    .join(rel)
+                    .map_err(|e| Error::invalid(format!("output name `{rel}`: {e}")))
+            }
+        })
+        .collect()
+}
+
+/// Delete the commit markers among `existing` (an output being replaced): it stops being a
+/// checkpoint before any of it is.
+pub(super) fn unmark(existing: &[Remote]) -> Result<()> {
+    for old in existing.iter().filter(|r| {
+        r.file_name()
+            .is_some_and(|f| plan::COMMIT_MARKERS.contains(&f))
+    }) {
+        old.delete()?;
+    }
+    Ok(())
+}
+
+/// Write `plan`'s output to the remote location `out` (a single object for `OutputKind::File`,
+/// objects under `out/` for `OutputKind::Dir`), reading from `input` (refused if they overlap).
+pub fn write(
+    plan: &Plan,
+    input: &Path,
+    out: &Path,
+    kind: OutputKind,
+    force: bool,
+    opts: &ExecOptions,
+) -> Result<()> {
+    let (remote, name) = output_of(out, input)?;
     let journal_dir = remote.parent().join(&format!(".{name}.ckpt-uploads"))?;
     // Where a store whose upload parts are objects (GCS) stages them: beside the output too.
     let parts_dir = remote.parent().join(&format!(".{name}.ckpt-parts"))?;
@@ -239,55 +332,15 @@ pub fn write(
         }
     }
 
-    let existing: Vec<Remote> = match kind {
-        OutputKind::File => match remote.exists()? {
-            true => vec![remote.clone()],
-            false => Vec::new(),
-        },
-        OutputKind::Dir => remote.objects_below()?,
-    };
-    if !existing.is_empty() && !force {
-        return Err(
-            Error::usage(format!("`{out_s}` already exists")).hint("pass --force to replace it")
-        );
-    }
-
+    let existing = existing(&remote, kind, force)?;
     let n = plan.file_count();
-    let dests: Vec<Remote> = (0..n)
-        .map(|i| match kind {
-            OutputKind::File => Ok(remote.clone()),
-            OutputKind::Dir => {
-                let rel = plan.path(i);
-                let rel = rel
-                    .to_str()
-                    .ok_or_else(|| Error::invalid("output name is not UTF-8"))?;
-                remote
-                    .join(rel)
-                    .map_err(|e| Error::invalid(format!("output name `{rel}`: {e}")))
-            }
-        })
-        .collect::<Result<_>>()?;
+    let dests = destinations(plan, &remote, kind)?;
     if force {
-        // The old output stops being a checkpoint before any of it is replaced.
-        for old in existing.iter().filter(|r| {
-            r.file_name()
-                .is_some_and(|f| plan::COMMIT_MARKERS.contains(&f))
-        }) {
-            old.delete()?;
-        }
+        unmark(&existing)?;
     }
 
-    let spool = Spool {
-        dir: std::env::temp_dir().join(format!(
-            "ckpt-spool-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
-        )),
-    };
-    std::fs::create_dir(&spool.dir).map_err(|e| Error::io(&spool.dir, e))?;
-    let dest: Vec<PathBuf> = (0..n).map(|i| spool.dir.join(format!("{i}"))).collect();
+    let spool = Spool::new()?;
+    let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
 
     let mut uploads = Uploads {
         journal: journal_dir.join(&format!("{}.json", std::process::id()))?,
@@ -337,13 +390,13 @@ pub fn write(
         Ok(())
     };
     let send = |i: usize, k: usize, at: u64, len: u64| -> Result<PendingPart> {
-        let path = &dest[i];
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, at)
-            .map_err(|e| Error::io(path, e).at(at))?;
-        punch(&file, at, len);
-        dests[i].upload_part(ids[i].as_deref().unwrap_or_default(), k, buf)
+        send_part(
+            &dest[i],
+            &dests[i],
+            ids[i].as_deref().unwrap_or_default(),
+            k,
+            at..at + len,
+        )
     };
     for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
         let cuts = part_cuts(plan, i, lens[i])?;

@@ -167,6 +167,114 @@ impl Remote {
     }
 }
 
+impl UploadedPart {
+    /// What the store calls the part (an S3 ETag, an Azure block id): what another process
+    /// needs to complete an upload with it.
+    pub(crate) fn id(&self) -> &str {
+        &self.0.content_id
+    }
+
+    /// A part that another process sent, by the id it reported.
+    pub(crate) fn from_id(id: String) -> UploadedPart {
+        UploadedPart(PartId { content_id: id })
+    }
+}
+
+/// An object's version as a listing or a HEAD tells it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Version {
+    pub(crate) key: String,
+    pub(crate) size: u64,
+    /// The ETag, or the time of the last change where the store gives no ETag.
+    pub(crate) tag: String,
+}
+
+impl Version {
+    fn of(meta: object_store::ObjectMeta) -> Version {
+        Version {
+            key: meta.location.to_string(),
+            size: meta.size,
+            tag: meta
+                .e_tag
+                .unwrap_or_else(|| meta.last_modified.to_rfc3339()),
+        }
+    }
+}
+
+impl Remote {
+    /// Store `bytes` as the object unless there is one (a conditional PUT, S3's and Azure's
+    /// `If-None-Match: *`): true when this call created it. Of many callers at once, one does.
+    pub(crate) fn put_new(&self, bytes: Vec<u8>) -> Result<bool> {
+        let opts = object_store::PutOptions {
+            mode: object_store::PutMode::Create,
+            ..Default::default()
+        };
+        match block_on(
+            self.store
+                .objects
+                .put_opts(&self.key, PutPayload::from(bytes), opts),
+        )? {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(store_error(&self.path, e)),
+        }
+    }
+
+    /// The whole object, or `None` when there is none.
+    pub(crate) fn read_if_any(&self) -> Result<Option<Vec<u8>>> {
+        let got = block_on(async {
+            let r = self.store.objects.get(&self.key).await?;
+            r.bytes().await
+        })?;
+        match got {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(store_error(&self.path, e)),
+        }
+    }
+
+    /// The version of every object under this location taken as a directory, or of the object
+    /// itself when there are none below: one listing, however many objects.
+    pub(crate) fn versions(&self) -> Result<Vec<Version>> {
+        use futures::stream::TryStreamExt;
+        let prefix = Some(&self.key).filter(|k| !k.as_ref().is_empty());
+        let mut below: Vec<Version> = block_on(
+            self.store
+                .objects
+                .list(prefix)
+                .map_ok(Version::of)
+                .try_collect(),
+        )?
+        .map_err(|e| store_error(&self.path, e))?;
+        if below.is_empty() {
+            match block_on(self.store.objects.head(&self.key))? {
+                Ok(meta) => below.push(Version::of(meta)),
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(store_error(&self.path, e)),
+            }
+        }
+        below.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(below)
+    }
+}
+
+impl Remote {
+    /// Complete upload `id` as [`Remote::complete_upload`] does; false when the store knows no
+    /// such upload (completed or aborted before).
+    pub(crate) fn complete_open_upload(&self, id: &str, parts: Vec<UploadedPart>) -> Result<bool> {
+        let parts = parts.into_iter().map(|p| p.0).collect();
+        match block_on(
+            self.store
+                .multipart
+                .complete_multipart(&self.key, &id.to_string(), parts),
+        )? {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(store_error(&self.path, e)),
+        }
+    }
+}
+
 /// Uploads aborted at once: a run into a thousand rank files has a thousand open when it is
 /// interrupted, and aborting them one after another would take seconds.
 const ABORTS_IN_FLIGHT: usize = 32;
