@@ -1,0 +1,879 @@
+//! `reshard --format deepspeed`: a ZeRO checkpoint written again as DeepSpeed's own
+//! `engine.save_checkpoint` would have written it on another number of data-parallel ranks, so
+//! that a plain `engine.load_checkpoint(dir)` resumes it (DeepSpeed itself refuses a ZeRO
+//! checkpoint saved at another data-parallel size, short of its offline universal conversion).
+//!
+//! Stages 1 and 2 keep each parameter group as one flat fp32 buffer whose order of elements does
+//! not depend on the world size: the trainable parameters in `param_shapes` order (tied ones once,
+//! frozen ones out), each followed by its `param_alignment_paddings`. Only the zero padding at the
+//! end does: DeepSpeed pads the group to a multiple of `2 * world` (`nccl_start_alignment_factor`
+//! times the data-parallel size) and cuts it into `world` equal partitions. So each rank file at
+//! the new size is a few runs of the old rank files' bytes plus zeros, copied through a small
+//! buffer ([`super::reshard_write`]); no buffer is ever gathered whole.
+//!
+//! The pickles are read as data ([`pickle::read`], nothing run) and written back with the same
+//! classes (`DynamicLossScaler`, `ZeroStageEnum`, `fragment_address`, `OrderedDict`, torch's
+//! tensor rebuilds), changed only where the world size shows: `dp_world_size`, the partitions,
+//! `group_paddings`, `partition_count` and `param_slice_mappings`. Everything else (module and
+//! buffers, frozen parameters, lr scheduler, client state, loss scaler, `step`, param groups) is
+//! carried as saved.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::files::{Set, Tag, LATEST};
+use super::DeepSpeedGlobals;
+use crate::error::{Error, Result};
+use crate::formats::torch_save::{self, TorchGlobals};
+use crate::pickle::{self, Globals, Limits, Protocol, Value};
+use crate::storage::{self, Access};
+use crate::zip::{self, ZipRecord};
+
+/// The script DeepSpeed leaves beside the tags.
+const ZERO_TO_FP32: &str = "zero_to_fp32.py";
+/// What DeepSpeed pads a group to, per rank: `nccl_start_alignment_factor` in stage_1_and_2.py.
+const ALIGNMENT_PER_RANK: u64 = 2;
+const OPTIMIZER: &str = "optimizer_state_dict";
+
+/// Where the bytes of part of a destination record come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Run {
+    /// `len` bytes of input `input` at byte `offset`.
+    Copy { input: usize, offset: u64, len: u64 },
+    /// `len` zero bytes (a partition's padding).
+    Zeros(u64),
+}
+
+/// What a destination file holds.
+#[derive(Debug)]
+pub(crate) enum Body {
+    /// Small literal bytes (`latest`).
+    Bytes(Vec<u8>),
+    /// An input copied whole (`zero_to_fp32.py`).
+    Copy(usize),
+    /// A torch.save archive: its records, the storage records (`{prefix}/data/{key}`) without
+    /// content, each filled from runs keyed by storage key.
+    Archive {
+        records: Vec<ZipRecord>,
+        runs: HashMap<String, Vec<Run>>,
+    },
+}
+
+/// One destination file, relative to the output directory.
+#[derive(Debug)]
+pub(crate) struct OutFile {
+    pub path: PathBuf,
+    pub body: Body,
+}
+
+/// A DeepSpeed checkpoint planned at a new world size.
+#[derive(Debug)]
+pub(crate) struct Resharded {
+    /// Files that runs and copies read; [`Run::Copy::input`] indexes this.
+    pub inputs: Vec<PathBuf>,
+    pub files: Vec<OutFile>,
+    pub stage: i64,
+    pub from_world: usize,
+}
+
+/// The pickle policy of DeepSpeed's files: torch.save's data-only classes and DeepSpeed's own.
+struct SaveGlobals;
+
+impl Globals for SaveGlobals {
+    fn allows(&self, module: &str, name: &str) -> bool {
+        TorchGlobals.allows(module, name) || DeepSpeedGlobals.allows(module, name)
+    }
+}
+
+/// One torch.save file of the source: its pickled object and where each storage record is.
+struct Source {
+    input: usize,
+    path: PathBuf,
+    root: Value,
+    /// Storage key -> (byte offset, length) in the file.
+    storages: HashMap<String, (u64, u64)>,
+}
+
+impl Source {
+    fn open(path: &Path, input: usize) -> Result<Source> {
+        let file = storage::Input::open(path, Access::Map)?;
+        let bytes = file.zip_view(0, file.len())?;
+        let entries = zip::read_entries(&bytes).map_err(|e| e.file(path))?;
+        let pkl = entries
+            .iter()
+            .find(|e| e.name.ends_with("/data.pkl") && e.name.matches('/').count() == 1)
+            .ok_or_else(|| {
+                Error::invalid("no `data.pkl` record: not a torch.save archive").file(path)
+            })?;
+        let prefix = pkl.name.trim_end_matches("data.pkl").to_string() + "data/";
+        let mut storages = HashMap::new();
+        for e in &entries {
+            if let Some(key) = e.name.strip_prefix(&prefix) {
+                if e.deflated.is_some() {
+                    return Err(Error::invalid(format!(
+                        "record `{}` is compressed: DeepSpeed stores records plain",
+                        e.name
+                    ))
+                    .file(path));
+                }
+                storages.insert(key.to_string(), (e.data_offset, e.len));
+            }
+        }
+        let data = usize::try_from(pkl.data_offset)
+            .ok()
+            .zip(usize::try_from(pkl.len).ok())
+            .and_then(|(at, len)| bytes.get(at..at.checked_add(len)?))
+            .filter(|_| pkl.deflated.is_none())
+            .ok_or_else(|| Error::invalid("`data.pkl` is compressed or cut short").file(path))?;
+        let root = pickle::read(data, &SaveGlobals, Limits::default()).map_err(|e| {
+            Error::invalid(format!("cannot read `data.pkl` as data: {e}"))
+                .file(path)
+                .hint("ckpt rewrites DeepSpeed's own files; a class it does not know is refused")
+        })?;
+        Ok(Source {
+            input,
+            path: path.to_path_buf(),
+            root,
+            storages,
+        })
+    }
+
+    /// The value at a path of string keys.
+    fn at(&self, keys: &[&str]) -> Option<&Value> {
+        keys.iter().try_fold(&self.root, |v, k| dict_get(v, k))
+    }
+
+    fn missing(&self, what: &str) -> Error {
+        Error::invalid(format!(
+            "`{}` holds no {what}",
+            self.path.file_name().unwrap_or_default().to_string_lossy()
+        ))
+        .file(&self.path)
+        .hint("the file is not a DeepSpeed ZeRO save, or one of a DeepSpeed version ckpt does not know")
+    }
+
+    /// The byte offset and element count of a 1-D tensor's data, checked against its record.
+    fn flat(&self, tensor: &Value, what: &str) -> Result<(u64, u64)> {
+        let t = TensorRef::of(tensor).ok_or_else(|| self.missing(what))?;
+        let (offset, len) = self
+            .storages
+            .get(&t.key)
+            .copied()
+            .ok_or_else(|| self.missing(&format!("storage record `{}` for {what}", t.key)))?;
+        let [numel] = t.sizes[..] else {
+            return Err(self.missing(&format!("flat (1-D) {what}")));
+        };
+        let start = t.offset.checked_mul(4);
+        let end = t.offset.checked_add(numel).and_then(|e| e.checked_mul(4));
+        match (start, end) {
+            (Some(start), Some(end)) if t.stride_one && end <= len => Ok((offset + start, numel)),
+            _ => Err(Error::invalid(format!(
+                "{what} reaches past its storage record `{}` ({len} bytes)",
+                t.key
+            ))
+            .file(&self.path)),
+        }
+    }
+}
+
+/// The parts of a pickled `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`
+/// this module reads or changes.
+struct TensorRef {
+    key: String,
+    offset: u64,
+    sizes: Vec<u64>,
+    stride_one: bool,
+}
+
+impl TensorRef {
+    fn of(value: &Value) -> Option<TensorRef> {
+        let Value::Object(o) = value else { return None };
+        if o.callable.as_global() != Some(("torch._utils", "_rebuild_tensor_v2")) {
+            return None;
+        }
+        let Value::PersistentId(id) = o.args.first()? else {
+            return None;
+        };
+        let Value::Tuple(id) = id.as_ref() else {
+            return None;
+        };
+        // Only fp32 storages are resharded (masters and moments): `torch.FloatStorage`.
+        if id.get(1)?.as_global() != Some(("torch", "FloatStorage")) {
+            return None;
+        }
+        let ints = |v: &Value| -> Option<Vec<u64>> {
+            v.as_seq()?
+                .iter()
+                .map(|i| u64::try_from(i.as_int()?).ok())
+                .collect()
+        };
+        let sizes = ints(o.args.get(2)?)?;
+        let strides = ints(o.args.get(3)?)?;
+        Some(TensorRef {
+            key: id.get(2)?.as_str()?.to_string(),
+            offset: u64::try_from(o.args.get(1)?.as_int()?).ok()?,
+            stride_one: sizes.len() == 1 && strides == [1],
+            sizes,
+        })
+    }
+}
+
+/// `template` (an fp32 tensor) as a 1-D tensor of `numel` elements over storage `key` of
+/// `storage_numel` elements.
+fn flat_tensor(template: &Value, key: &str, numel: u64, storage_numel: u64) -> Value {
+    let mut value = template.clone();
+    if let Value::Object(o) = &mut value {
+        if let Some(Value::PersistentId(id)) = o.args.get_mut(0) {
+            if let Value::Tuple(items) = id.as_mut() {
+                if let Some(k) = items.get_mut(2) {
+                    *k = Value::Str(key.to_string());
+                }
+                if let Some(n) = items.get_mut(4) {
+                    *n = Value::Int(storage_numel as i64);
+                }
+            }
+        }
+        if let Some(v) = o.args.get_mut(1) {
+            *v = Value::Int(0);
+        }
+        if let Some(v) = o.args.get_mut(2) {
+            *v = Value::Tuple(vec![Value::Int(numel as i64)]);
+        }
+        if let Some(v) = o.args.get_mut(3) {
+            *v = Value::Tuple(vec![Value::Int(1)]);
+        }
+    }
+    value
+}
+
+/// A dict's (or `OrderedDict`'s) entries.
+fn entries(value: &Value) -> Option<&[(Value, Value)]> {
+    super::dict_items(value)
+}
+
+fn dict_get<'v>(value: &'v Value, key: &str) -> Option<&'v Value> {
+    entries(value)?
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+fn dict_get_mut<'v>(value: &'v mut Value, key: &str) -> Option<&'v mut Value> {
+    let items = match value {
+        Value::Dict(items) => items,
+        Value::Object(o) if o.callable.as_global() == Some(("collections", "OrderedDict")) => {
+            &mut o.dict_items
+        }
+        _ => return None,
+    };
+    items
+        .iter_mut()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+/// Set `keys` of `root` to `value`; the path must exist.
+fn set(root: &mut Value, keys: &[&str], value: Value) -> Result<()> {
+    let mut at = root;
+    for k in keys {
+        at = dict_get_mut(at, k)
+            .ok_or_else(|| Error::bug(format!("`{}` vanished", keys.join(".")).to_string()))?;
+    }
+    *at = value;
+    Ok(())
+}
+
+/// Plan rewriting the DeepSpeed checkpoint at `path` (a directory with `latest`, or a tag's
+/// directory; `tag` as `--tag`) for `world` data-parallel ranks.
+pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resharded> {
+    if world == 0 {
+        return Err(Error::usage("--world-size must be at least 1"));
+    }
+    let tag = Tag::find(path, tag)?;
+    if storage::is_dir(&tag.dir.join(super::files::UNIVERSAL_DIR)) {
+        return Err(Error::usage(
+            "not yet: a Universal Checkpoint input cannot be written as ZeRO rank files",
+        )
+        .file(&tag.dir)
+        .hint("DeepSpeed loads a Universal Checkpoint at any size with `checkpoint.load_universal`; or reshard the ZeRO tag it was made from"));
+    }
+    let set = Set::list(&tag.dir)?;
+    let mut inputs: Vec<PathBuf> = Vec::new();
+    let mut open = |p: &Path| -> Result<Source> {
+        inputs.push(p.to_path_buf());
+        Source::open(p, inputs.len() - 1)
+    };
+    let model = set
+        .model
+        .iter()
+        .map(|p| open(p))
+        .collect::<Result<Vec<_>>>()?;
+    let optim = set
+        .optim
+        .iter()
+        .map(|p| open(p))
+        .collect::<Result<Vec<_>>>()?;
+    let tag_dir = PathBuf::from(&tag.name);
+    let mut files = Vec::new();
+    let (stage, from_world) = match optim.first() {
+        None => (0, 1),
+        Some(first) => {
+            let stage = zero_stage(first)?;
+            if stage == 3 {
+                return Err(Error::usage(
+                    "not yet: ckpt writes ZeRO stages 0, 1 and 2 for DeepSpeed; this is a ZeRO-3 checkpoint",
+                )
+                .file(&tag.dir)
+                .hint("reshard it to DCP (`--format dcp`), or use DeepSpeed's `ds_to_universal` and `load_universal`"));
+            }
+            (stage, optim.len())
+        }
+    };
+    let [model_states] = &model[..] else {
+        return Err(Error::invalid(format!(
+            "ZeRO stage {stage} saves one `mp_rank_00_model_states.pt`, the tag holds {}",
+            model.len()
+        ))
+        .file(&tag.dir));
+    };
+    files.push(model_file(model_states, &tag_dir, world)?);
+    if !optim.is_empty() {
+        let groups = Groups::of(model_states, &optim)?;
+        let bf16 = set.optim.first().is_some_and(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("bf16_"))
+        });
+        for r in 0..world {
+            let name = format!(
+                "{}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                if bf16 { "bf16_" } else { "" }
+            );
+            files.push(optim_file(&optim, &groups, &tag_dir.join(name), r, world)?);
+        }
+    }
+    files.push(OutFile {
+        path: PathBuf::from(LATEST),
+        body: Body::Bytes(tag.name.clone().into_bytes()),
+    });
+    let root = if tag.dir == path {
+        tag.dir.parent()
+    } else {
+        Some(path)
+    };
+    if let Some(script) = root.map(|r| r.join(ZERO_TO_FP32)).filter(|p| p.is_file()) {
+        inputs.push(script);
+        files.push(OutFile {
+            path: PathBuf::from(ZERO_TO_FP32),
+            body: Body::Copy(inputs.len() - 1),
+        });
+    }
+    Ok(Resharded {
+        inputs,
+        files,
+        stage,
+        from_world,
+    })
+}
+
+/// The ZeRO stage a rank's optimizer states record.
+fn zero_stage(first: &Source) -> Result<i64> {
+    let Some(stage) = first.at(&[OPTIMIZER, "zero_stage"]) else {
+        // BF16_Optimizer (bf16, stage 1, fp32 gradient accumulation) records no stage and keeps
+        // its partitions differently.
+        return Err(Error::usage(
+            "not yet: this optimizer state has no `zero_stage` (DeepSpeed's BF16_Optimizer); ckpt writes ZeRO-1/2 saves of its ZeRO optimizer",
+        )
+        .file(&first.path)
+        .hint("reshard it to DCP (`--format dcp`) instead"));
+    };
+    match stage {
+        Value::Object(o)
+            if o.callable.as_global() == Some((super::ZERO_CONFIG, "ZeroStageEnum")) =>
+        {
+            o.args.first().and_then(Value::as_int)
+        }
+        other => other.as_int(),
+    }
+    .ok_or_else(|| first.missing("ZeRO stage at `optimizer_state_dict.zero_stage`"))
+}
+
+/// `mp_rank_00_model_states.pt` as saved, with `dp_world_size` the new size.
+fn model_file(model: &Source, tag_dir: &Path, world: usize) -> Result<OutFile> {
+    let mut root = model.root.clone();
+    if dict_get(&root, "dp_world_size").is_none() {
+        return Err(model.missing("`dp_world_size`"));
+    }
+    set(&mut root, &["dp_world_size"], Value::Int(world as i64))?;
+    let name = tag_dir.join("mp_rank_00_model_states.pt");
+    archive(&name, root, model, HashMap::new())
+}
+
+/// A torch.save archive of `root` at `path`: tensors over storages of `template` are copied from
+/// its records; those over a key in `fresh` are filled from those runs. Storages are renamed
+/// `0`, `1`, ... in order of first use, as torch.save names them.
+fn archive(
+    path: &Path,
+    mut root: Value,
+    template: &Source,
+    mut fresh: HashMap<String, (u64, Vec<Run>)>,
+) -> Result<OutFile> {
+    let mut renamed: HashMap<String, String> = HashMap::new();
+    let mut storages: Vec<(String, u64)> = Vec::new();
+    let mut runs: HashMap<String, Vec<Run>> = HashMap::new();
+    let mut error = None;
+    rename_storages(&mut root, &mut |old: &str| {
+        if let Some(new) = renamed.get(old) {
+            return new.clone();
+        }
+        let new = storages.len().to_string();
+        let (len, filled) = match fresh.remove(old) {
+            Some(fill) => fill,
+            None => match template.storages.get(old) {
+                Some(&(offset, len)) => (
+                    len,
+                    vec![Run::Copy {
+                        input: template.input,
+                        offset,
+                        len,
+                    }],
+                ),
+                None => {
+                    error.get_or_insert_with(|| {
+                        template.missing(&format!("storage record `{old}` its pickle names"))
+                    });
+                    (0, Vec::new())
+                }
+            },
+        };
+        storages.push((new.clone(), len));
+        runs.insert(new.clone(), filled);
+        renamed.insert(old.to_string(), new.clone());
+        new
+    });
+    if let Some(e) = error {
+        return Err(e);
+    }
+    let prefix = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("archive")
+        .to_string();
+    let records = torch_save::records(&prefix, pickle::write(&root, Protocol::V2), &storages);
+    Ok(OutFile {
+        path: path.to_path_buf(),
+        body: Body::Archive { records, runs },
+    })
+}
+
+/// Rename every storage key a persistent id of `value` names, in the order pickle writes them.
+fn rename_storages(value: &mut Value, rename: &mut dyn FnMut(&str) -> String) {
+    match value {
+        Value::PersistentId(id) => {
+            if let Value::Tuple(items) = id.as_mut() {
+                if items.first().and_then(Value::as_str) == Some("storage") {
+                    if let Some(Value::Str(key)) = items.get_mut(2) {
+                        *key = rename(key);
+                    }
+                }
+            }
+        }
+        Value::Tuple(items) | Value::List(items) | Value::Set(items) => {
+            items.iter_mut().for_each(|v| rename_storages(v, rename))
+        }
+        Value::Dict(items) => items.iter_mut().for_each(|(k, v)| {
+            rename_storages(k, rename);
+            rename_storages(v, rename);
+        }),
+        Value::Object(o) => {
+            o.args.iter_mut().for_each(|v| rename_storages(v, rename));
+            o.list_items
+                .iter_mut()
+                .for_each(|v| rename_storages(v, rename));
+            o.dict_items.iter_mut().for_each(|(k, v)| {
+                rename_storages(k, rename);
+                rename_storages(v, rename);
+            });
+            if let Some(state) = &mut o.state {
+                rename_storages(state, rename);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Each parameter group's layout: its parameters (name, numel, padding after it) in order.
+struct Groups {
+    groups: Vec<Vec<(String, u64, u64)>>,
+}
+
+impl Groups {
+    fn of(model: &Source, optim: &[Source]) -> Result<Groups> {
+        let first = &optim[0];
+        let shapes = model
+            .at(&["param_shapes"])
+            .and_then(Value::as_seq)
+            .ok_or_else(|| model.missing("`param_shapes`"))?;
+        let paddings = first.at(&[OPTIMIZER, "param_alignment_paddings"]);
+        let mut groups = Vec::new();
+        for (g, shapes) in shapes.iter().enumerate() {
+            let shapes = super::shapes_of(shapes)
+                .ok_or_else(|| model.missing(&format!("shapes at `param_shapes[{g}]`")))?;
+            let pads: Vec<u64> = match paddings {
+                None => vec![0; shapes.len()],
+                Some(p) => p
+                    .as_seq()
+                    .and_then(|p| p.get(g))
+                    .and_then(Value::as_sizes)
+                    .filter(|p| p.len() == shapes.len())
+                    .ok_or_else(|| {
+                        first.missing(&format!("`param_alignment_paddings[{g}]` per parameter"))
+                    })?,
+            };
+            let group = shapes
+                .into_iter()
+                .zip(pads)
+                .map(|((name, shape), pad)| (name, shape.iter().product::<u64>(), pad))
+                .collect();
+            groups.push(group);
+        }
+        if ds_config_flag(model, "round_robin_gradients") {
+            return Err(Error::usage(
+                "not yet: `round_robin_gradients` orders a group's parameters by world size",
+            )
+            .file(&model.path));
+        }
+        Ok(Groups { groups })
+    }
+
+    /// Elements of group `g` before DeepSpeed's end padding.
+    fn numel(&self, g: usize) -> u64 {
+        self.groups[g].iter().map(|(_, n, p)| n + p).sum()
+    }
+}
+
+/// Whether the saved `ds_config.zero_optimization` sets `key` true.
+fn ds_config_flag(model: &Source, key: &str) -> bool {
+    model
+        .at(&["ds_config", "zero_optimization", key])
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// Partition size and each rank's end padding of a group of `numel` elements over `world` ranks,
+/// as stage_1_and_2.py computes them.
+pub(crate) fn partitions(numel: u64, world: u64) -> (u64, Vec<u64>) {
+    let align = ALIGNMENT_PER_RANK * world;
+    let total = numel.div_ceil(align) * align;
+    let size = total / world;
+    let pads = (0..world)
+        .map(|r| {
+            // All padding when the group ends before the partition, some when inside it.
+            let left = r * size;
+            if numel <= left {
+                size
+            } else {
+                (left + size).saturating_sub(numel)
+            }
+        })
+        .collect();
+    (size, pads)
+}
+
+/// Rank `r` of `world`'s optimizer states, from rank 0's as the template.
+fn optim_file(
+    optim: &[Source],
+    groups: &Groups,
+    path: &Path,
+    r: usize,
+    world: usize,
+) -> Result<OutFile> {
+    let first = &optim[0];
+    let from = optim.len() as u64;
+    for (s, source) in optim.iter().enumerate() {
+        let counts = source
+            .at(&[OPTIMIZER, "partition_count"])
+            .and_then(Value::as_sizes)
+            .ok_or_else(|| source.missing("`partition_count`"))?;
+        if counts.len() != groups.groups.len() || counts.iter().any(|&c| c != from) {
+            return Err(Error::invalid(format!(
+                "`partition_count` is {counts:?}, but the tag holds {from} rank files for {} groups (rank {s})",
+                groups.groups.len()
+            ))
+            .file(&source.path)
+            .hint("a save over another world size was written into the same tag, or rank files are missing"));
+        }
+    }
+    let base = first
+        .at(&[OPTIMIZER, "base_optimizer_state"])
+        .ok_or_else(|| first.missing("`base_optimizer_state`"))?;
+    if dict_get(base, "state").is_none() {
+        return Err(Error::usage(
+            "not yet: an elastic ZeRO checkpoint (moments saved per group without padding)",
+        )
+        .file(&first.path)
+        .hint("save with `zero_optimization.elastic_checkpoint` off, or reshard to DCP"));
+    }
+    let mut root = first.root.clone();
+    let mut fresh = HashMap::new();
+    let mut fp32 = Vec::new();
+    let mut paddings = Vec::new();
+    let mut mappings = Vec::new();
+    let fragment = fragment_template(first)?;
+    let ordered = first
+        .at(&[OPTIMIZER, "param_slice_mappings"])
+        .and_then(Value::as_seq)
+        .and_then(|m| m.first())
+        .cloned()
+        .ok_or_else(|| first.missing("`param_slice_mappings`"))?;
+    let mut state = dict_get(base, "state").cloned().unwrap_or(Value::None);
+    for g in 0..groups.groups.len() {
+        let numel = groups.numel(g);
+        let (src_size, src_pads) = partitions(numel, from);
+        let (size, pads) = partitions(numel, world as u64);
+        let pad = pads[r];
+        let lean = size - pad;
+        let index = [g.to_string()];
+        // The master partition: saved without the padding, over a storage holding it.
+        let key = |what: &str| format!("new/{g}/{what}");
+        let masters = |s: &Source| {
+            s.at(&[OPTIMIZER, "single_partition_of_fp32_groups"])
+                .and_then(Value::as_seq)
+                .and_then(|l| l.get(g))
+                .cloned()
+        };
+        let template = masters(first).ok_or_else(|| {
+            first.missing(&format!("`single_partition_of_fp32_groups[{}]`", index[0]))
+        })?;
+        let sources = optim
+            .iter()
+            .zip(&src_pads)
+            .map(|(s, &p)| {
+                let t = masters(s)
+                    .ok_or_else(|| s.missing(&format!("`single_partition_of_fp32_groups[{g}]`")))?;
+                let (offset, len) = s.flat(&t, "an fp32 partition")?;
+                check_len(s, len, src_size - p, &format!("group {g}'s fp32 partition"))?;
+                Ok((s.input, offset))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let runs = runs_of(&sources, src_size, &src_pads, r as u64 * size, lean, size);
+        fresh.insert(key("fp32"), (size * 4, runs));
+        fp32.push(flat_tensor(&template, &key("fp32"), lean, size));
+        paddings.push(Value::Int(pad as i64));
+        // Adam's moments (and any other flat state): saved with the padding.
+        let group_state = state_of_group(&mut state, g)
+            .ok_or_else(|| first.missing(&format!("`base_optimizer_state.state[{g}]`")))?;
+        for (name, value) in group_state.iter_mut() {
+            let Some(t) = TensorRef::of(value) else {
+                continue;
+            };
+            if t.sizes.is_empty() {
+                continue; // `step`: the same on every rank, carried as saved.
+            }
+            let name = name.as_str().unwrap_or_default().to_string();
+            let sources = optim
+                .iter()
+                .map(|s| {
+                    let t = s
+                        .at(&[OPTIMIZER, "base_optimizer_state", "state"])
+                        .and_then(|st| int_key(st, g))
+                        .and_then(|gs| dict_get(gs, &name))
+                        .ok_or_else(|| s.missing(&format!("`{name}` of group {g}")))?;
+                    let (offset, len) = s.flat(t, &format!("`{name}` of group {g}"))?;
+                    check_len(s, len, src_size, &format!("group {g}'s `{name}`"))?;
+                    Ok((s.input, offset))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let runs = runs_of(&sources, src_size, &src_pads, r as u64 * size, lean, size);
+            fresh.insert(key(&name), (size * 4, runs));
+            *value = flat_tensor(value, &key(&name), size, size);
+        }
+        mappings.push(slice_mapping(
+            &ordered,
+            &fragment,
+            &groups.groups[g],
+            r as u64 * size,
+            size,
+        ));
+    }
+    let osd = |k: &'static str| [OPTIMIZER, k];
+    set(
+        &mut root,
+        &osd("single_partition_of_fp32_groups"),
+        Value::List(fp32),
+    )?;
+    set(
+        &mut root,
+        &[OPTIMIZER, "base_optimizer_state", "state"],
+        state,
+    )?;
+    set(&mut root, &osd("group_paddings"), Value::List(paddings))?;
+    let counts = vec![Value::Int(world as i64); groups.groups.len()];
+    set(&mut root, &osd("partition_count"), Value::List(counts))?;
+    set(
+        &mut root,
+        &osd("param_slice_mappings"),
+        Value::List(mappings),
+    )?;
+    archive(path, root, first, fresh)
+}
+
+/// A source tensor's length must be what the partitioning says.
+fn check_len(s: &Source, len: u64, expected: u64, what: &str) -> Result<()> {
+    if len == expected {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "{what} holds {len} elements, but the group's partitioning gives {expected}"
+    ))
+    .file(&s.path)
+    .hint("the partitions do not add up: the files are of different saves, or cut short"))
+}
+
+/// The entries of group `g`'s state in a `base_optimizer_state.state` dict keyed by int.
+fn state_of_group(state: &mut Value, g: usize) -> Option<&mut Vec<(Value, Value)>> {
+    let Value::Dict(items) = state else {
+        return None;
+    };
+    match items
+        .iter_mut()
+        .find(|(k, _)| k.as_int() == Some(g as i64))
+        .map(|(_, v)| v)?
+    {
+        Value::Dict(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn int_key(dict: &Value, g: usize) -> Option<&Value> {
+    entries(dict)?
+        .iter()
+        .find(|(k, _)| k.as_int() == Some(g as i64))
+        .map(|(_, v)| v)
+}
+
+/// Runs filling a destination storage of `storage` elements whose first `len` elements are the
+/// group's flat elements from `start` on, the rest zeros. Source rank `s` holds the flat range
+/// `[s * size, (s + 1) * size - pads[s])` from byte `sources[s].1` of input `sources[s].0`.
+fn runs_of(
+    sources: &[(usize, u64)],
+    size: u64,
+    pads: &[u64],
+    start: u64,
+    len: u64,
+    storage: u64,
+) -> Vec<Run> {
+    let mut runs = Vec::new();
+    let end = start + len;
+    for (s, (&(input, offset), pad)) in sources.iter().zip(pads).enumerate() {
+        let lo = (s as u64 * size).max(start);
+        let hi = ((s as u64 + 1) * size - pad).min(end);
+        if lo < hi {
+            runs.push(Run::Copy {
+                input,
+                offset: offset + (lo - s as u64 * size) * 4,
+                len: (hi - lo) * 4,
+            });
+        }
+    }
+    let copied: u64 = runs
+        .iter()
+        .map(|r| match r {
+            Run::Copy { len, .. } | Run::Zeros(len) => len,
+        })
+        .sum();
+    if storage * 4 > copied {
+        runs.push(Run::Zeros(storage * 4 - copied));
+    }
+    runs
+}
+
+/// A `fragment_address` object of the source, to copy the class and layout of.
+fn fragment_template(first: &Source) -> Result<Value> {
+    first
+        .at(&[OPTIMIZER, "param_slice_mappings"])
+        .and_then(Value::as_seq)
+        .into_iter()
+        .flatten()
+        .filter_map(entries)
+        .flat_map(|e| e.iter().map(|(_, v)| v))
+        .next()
+        .cloned()
+        .ok_or_else(|| first.missing("a `fragment_address` in `param_slice_mappings`"))
+}
+
+/// A rank's `param_slice_mappings` for one group: name -> `fragment_address(numel, start)` of
+/// each parameter that starts in, or reaches into, the partition `[left, left + size)`, as
+/// `get_partition_info` picks them.
+fn slice_mapping(
+    ordered: &Value,
+    fragment: &Value,
+    group: &[(String, u64, u64)],
+    left: u64,
+    size: u64,
+) -> Value {
+    let right = left + size;
+    let mut items = Vec::new();
+    let mut at = 0;
+    for (name, numel, pad) in group {
+        let inside = (left <= at && at < right) || (at < left && left < at + numel);
+        if inside {
+            let lo = at.max(left);
+            let hi = (at + numel).min(right);
+            let mut address = fragment.clone();
+            if let Value::Object(o) = &mut address {
+                o.state = Some(Value::Dict(vec![
+                    (Value::Str("numel".into()), Value::Int((hi - lo) as i64)),
+                    (Value::Str("start".into()), Value::Int((lo - left) as i64)),
+                ]));
+            }
+            items.push((Value::Str(name.clone()), address));
+        }
+        at += numel + pad;
+    }
+    let mut mapping = ordered.clone();
+    match &mut mapping {
+        Value::Object(o) => o.dict_items = items,
+        other => *other = Value::Dict(items),
+    }
+    mapping
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_match_deepspeed() {
+        // zero2_fp16's fixture: 123 elements over 3 ranks pad to 126, partitions of 42, the last
+        // 3 short; 11 over 3 pad to 12.
+        assert_eq!(partitions(123, 3), (42, vec![0, 0, 3]));
+        assert_eq!(partitions(11, 3), (4, vec![0, 0, 1]));
+        assert_eq!(partitions(11, 1), (12, vec![1]));
+        // A group smaller than the ranks: whole partitions of padding.
+        assert_eq!(partitions(3, 4), (2, vec![0, 1, 2, 2]));
+    }
+
+    #[test]
+    fn runs_cover_a_partition_once() {
+        let (size, pads) = partitions(123, 3);
+        let sources = [(0, 100), (1, 200), (2, 300)];
+        let (new, new_pads) = partitions(123, 2);
+        let runs = runs_of(&sources, size, &pads, new, new - new_pads[1], new);
+        assert_eq!(
+            runs,
+            vec![
+                Run::Copy {
+                    input: 1,
+                    offset: 200 + 20 * 4,
+                    len: 22 * 4
+                },
+                Run::Copy {
+                    input: 2,
+                    offset: 300,
+                    len: 39 * 4
+                },
+                Run::Zeros(4),
+            ]
+        );
+    }
+}
