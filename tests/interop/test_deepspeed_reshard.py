@@ -1,0 +1,209 @@
+"""`ckpt reshard DSCKPT -o OUT --world-size M --format deepspeed` against DeepSpeed 0.19.8 itself,
+for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks, at M = 3
+and M = 1:
+
+- `get_fp32_state_dict_from_zero_checkpoint(OUT)` is bitwise the original's;
+- OUT's files are DeepSpeed's own at M: the reference is DeepSpeed's universal route
+  (`ds_to_universal`, an engine at M with `load_universal`, `save_checkpoint`), its losses on
+  0.19.8 (buffers, frozen parameters) repaired from the source; every file, key, type, shape,
+  dtype, storage size and value agree (the reference's `ds_config` also holds the
+  `load_universal` switch it was loaded with);
+- a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
+  holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
+  loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
+- a missing rank file is an error naming it, with nothing written; an existing OUT is refused
+  without --force; ZeRO-3 is refused as not yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import run_torchrun
+
+HERE = Path(__file__).resolve().parent
+DS = HERE.parents[1] / "fixtures" / "deepspeed"
+TAG = "global_step2"
+CASES = ["zero1_bf16", "zero2_fp16"]
+
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def reshard(run_ckpt, src: Path, out: Path, world: int, *flags) -> subprocess.CompletedProcess:
+    return run_ckpt("reshard", src, "-o", out, "--world-size", world, "--format", "deepspeed", *flags)
+
+
+def fp32_of(path: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path))
+
+
+def same(want, got, where: str = "") -> None:
+    """Equal as DeepSpeed pickled them: types, keys in order, tensors bitwise with their dtype,
+    shape and storage size, objects by their attributes."""
+    if torch.is_tensor(want):
+        assert torch.is_tensor(got), where
+        assert (want.dtype, want.shape) == (got.dtype, got.shape), where
+        assert want.untyped_storage().nbytes() == got.untyped_storage().nbytes(), where
+        assert torch.equal(want, got), where
+        return
+    assert type(want) is type(got), (where, type(want), type(got))
+    if isinstance(want, dict):
+        assert list(want) == list(got), (where, list(want), list(got))
+        for k in want:
+            same(want[k], got[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(want) == len(got), where
+        for i, (w, g) in enumerate(zip(want, got)):
+            same(w, g, f"{where}[{i}]")
+    elif hasattr(want, "__dict__") and not isinstance(want, type):
+        same(vars(want), vars(got), where)
+    else:
+        assert want == got, (where, want, got)
+
+
+def load(path: Path):
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def without_universal_switch(saved: dict) -> dict:
+    """The reference's `ds_config` as the engine's before `load_universal` was set."""
+    config = dict(saved["ds_config"])
+    config.pop("checkpoint", None)
+    return {**saved, "ds_config": config}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, run_ckpt):
+    """Per (case, M): ckpt's OUT, DeepSpeed's reference REF, and what an engine at M holds after
+    loading each (torchrun_deepspeed_reshard.py)."""
+    done = {}
+
+    def get(case: str, world: int):
+        if (case, world) in done:
+            return done[(case, world)]
+        tmp = tmp_path_factory.mktemp(f"{case}_{world}")
+        out = tmp / "out"
+        proc = reshard(run_ckpt, DS / case, out, world)
+        assert proc.returncode == 0, proc.stderr
+        universal = tmp / "universal"
+        subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+             "--input_folder", str(DS / case / TAG),
+             "--output_folder", str(universal / f"{TAG}_universal"),
+             "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            check=True, capture_output=True,
+        )
+        held = tmp / "held.pt"
+        proc = run_torchrun(HERE / "torchrun_deepspeed_reshard.py", world, case, DS / case,
+                            universal, tmp / "ref", out, held)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        done[(case, world)] = (out, tmp / "ref", load(held))
+        return done[(case, world)]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.parametrize("case", CASES)
+def test_zero_to_fp32_of_the_reshard_is_the_original(run_ckpt, tmp_path, case, world):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / case, out, world)
+    assert proc.returncode == 0, proc.stderr
+    want, got = fp32_of(DS / case), fp32_of(out)
+    assert list(want) == list(got)
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, DS / case, out, 3).returncode == 0
+    assert (out / "latest").read_text() == (DS / case / "latest").read_text().strip()
+    names = sorted(p.name for p in (DS / case / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    for name in names:
+        same(load(DS / case / TAG / name), load(out / TAG / name), name)
+
+
+@pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.parametrize("case", CASES)
+def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
+    out, ref, _ = resumed(case, world)
+    assert (out / "latest").read_text() == TAG
+    names = sorted(p.name for p in (ref / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    assert len([n for n in names if "optim_states" in n]) == world
+    for name in names:
+        want = without_universal_switch(load(ref / TAG / name))
+        got = load(out / TAG / name)
+        if name == "mp_rank_00_model_states.pt":
+            assert got["dp_world_size"] == world
+        same(want, got, name)
+
+
+@pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.parametrize("case", CASES)
+def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
+    _, _, held = resumed(case, world)
+    ref, ours = held["ref"], held["ours"]
+    assert len(ours) == world
+    for rank, (want, got) in enumerate(zip(ref, ours)):
+        losses = (want.pop("loss"), got.pop("loss"))
+        same(want, got, f"rank {rank}")
+        assert torch.allclose(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
+        assert got["counters"] == [3, 3 * 3, 0] and int(got["state"][0]["step"]) == 3
+
+
+def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero2_fp16", src)
+    (src / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode in (1, 2), proc.stderr
+    assert "rank 1's file" in proc.stderr and "missing" in proc.stderr, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
+
+
+def test_an_existing_output_needs_force(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    proc = reshard(run_ckpt, DS / "zero2_fp16", out, 2)
+    assert proc.returncode == 2 and "already exists" in proc.stderr, proc.stderr
+    assert (out / "keep").exists()
+    proc = reshard(run_ckpt, DS / "zero2_fp16", out, 2, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "keep").exists() and (out / TAG / "mp_rank_00_model_states.pt").exists()
+
+
+def test_zero3_is_refused_as_not_yet(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / "zero3_bf16", out, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert "not yet" in proc.stderr and "ZeRO-3" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_stage0_is_the_same_checkpoint_at_any_size(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / "zero0_fp32", out, 5)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in (DS / "zero0_fp32" / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    for name in names:
+        want, got = load(DS / "zero0_fp32" / TAG / name), load(out / TAG / name)
+        if "dp_world_size" in want:
+            assert got["dp_world_size"] == 5
+            want["dp_world_size"] = 5
+        same(want, got, name)
