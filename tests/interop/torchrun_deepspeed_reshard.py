@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's CPU backend loads its shared-memory op through torch's extension loader, which
+# wants the venv's ninja on PATH even when the op is already built.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
@@ -94,7 +97,7 @@ def held(engine) -> dict:
         "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
         "frozen": {n: p.detach().clone() for n, p in engine.module.named_parameters()
                    if not p.requires_grad},
-        "loss": [float(before), float(after)],
+        "loss": [float(before.detach()), float(after.detach())],
     }
 
 

@@ -25,7 +25,6 @@
 
 mod files;
 mod reshard;
-mod reshard_write;
 mod universal;
 mod zero;
 
@@ -123,7 +122,7 @@ pub(crate) fn reshard(
         force,
     )?;
     let root = staging.paths(&[PathBuf::new()]).remove(0);
-    let bytes = reshard_write::write(&plan, &root)?;
+    let bytes = reshard::write(&plan, &root)?;
     let path = staging.final_path().to_path_buf();
     staging.commit()?;
     Ok(Resharded {

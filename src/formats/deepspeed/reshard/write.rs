@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::reshard::{Body, Resharded, Run};
+use super::{Body, Resharded, Run};
 use crate::error::{Error, Result};
 use crate::storage::{self, Access};
 use crate::zip;

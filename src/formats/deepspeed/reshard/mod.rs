@@ -18,16 +18,23 @@
 //! buffers, frozen parameters, lr scheduler, client state, loss scaler, `step`, param groups) is
 //! carried as saved.
 
+mod source;
+#[cfg(test)]
+mod tests;
+mod write;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::files::{Set, Tag, LATEST};
-use super::DeepSpeedGlobals;
 use crate::error::{Error, Result};
-use crate::formats::torch_save::{self, TorchGlobals};
-use crate::pickle::{self, Globals, Limits, Protocol, Value};
-use crate::storage::{self, Access};
-use crate::zip::{self, ZipRecord};
+use crate::formats::torch_save;
+use crate::pickle::{self, Protocol, Value};
+use crate::storage;
+use crate::zip::ZipRecord;
+use source::{dict_get, entries, flat_tensor, set, Source, TensorRef};
+
+pub(crate) use write::write;
 
 /// The script DeepSpeed leaves beside the tags.
 const ZERO_TO_FP32: &str = "zero_to_fp32.py";
@@ -75,214 +82,6 @@ pub(crate) struct Resharded {
     pub stage: i64,
     pub from_world: usize,
 }
-
-/// The pickle policy of DeepSpeed's files: torch.save's data-only classes and DeepSpeed's own.
-struct SaveGlobals;
-
-impl Globals for SaveGlobals {
-    fn allows(&self, module: &str, name: &str) -> bool {
-        TorchGlobals.allows(module, name) || DeepSpeedGlobals.allows(module, name)
-    }
-}
-
-/// One torch.save file of the source: its pickled object and where each storage record is.
-struct Source {
-    input: usize,
-    path: PathBuf,
-    root: Value,
-    /// Storage key -> (byte offset, length) in the file.
-    storages: HashMap<String, (u64, u64)>,
-}
-
-impl Source {
-    fn open(path: &Path, input: usize) -> Result<Source> {
-        let file = storage::Input::open(path, Access::Map)?;
-        let bytes = file.zip_view(0, file.len())?;
-        let entries = zip::read_entries(&bytes).map_err(|e| e.file(path))?;
-        let pkl = entries
-            .iter()
-            .find(|e| e.name.ends_with("/data.pkl") && e.name.matches('/').count() == 1)
-            .ok_or_else(|| {
-                Error::invalid("no `data.pkl` record: not a torch.save archive").file(path)
-            })?;
-        let prefix = pkl.name.trim_end_matches("data.pkl").to_string() + "data/";
-        let mut storages = HashMap::new();
-        for e in &entries {
-            if let Some(key) = e.name.strip_prefix(&prefix) {
-                if e.deflated.is_some() {
-                    return Err(Error::invalid(format!(
-                        "record `{}` is compressed: DeepSpeed stores records plain",
-                        e.name
-                    ))
-                    .file(path));
-                }
-                storages.insert(key.to_string(), (e.data_offset, e.len));
-            }
-        }
-        let data = usize::try_from(pkl.data_offset)
-            .ok()
-            .zip(usize::try_from(pkl.len).ok())
-            .and_then(|(at, len)| bytes.get(at..at.checked_add(len)?))
-            .filter(|_| pkl.deflated.is_none())
-            .ok_or_else(|| Error::invalid("`data.pkl` is compressed or cut short").file(path))?;
-        let root = pickle::read(data, &SaveGlobals, Limits::default()).map_err(|e| {
-            Error::invalid(format!("cannot read `data.pkl` as data: {e}"))
-                .file(path)
-                .hint("ckpt rewrites DeepSpeed's own files; a class it does not know is refused")
-        })?;
-        Ok(Source {
-            input,
-            path: path.to_path_buf(),
-            root,
-            storages,
-        })
-    }
-
-    /// The value at a path of string keys.
-    fn at(&self, keys: &[&str]) -> Option<&Value> {
-        keys.iter().try_fold(&self.root, |v, k| dict_get(v, k))
-    }
-
-    fn missing(&self, what: &str) -> Error {
-        Error::invalid(format!(
-            "`{}` holds no {what}",
-            self.path.file_name().unwrap_or_default().to_string_lossy()
-        ))
-        .file(&self.path)
-        .hint("the file is not a DeepSpeed ZeRO save, or one of a DeepSpeed version ckpt does not know")
-    }
-
-    /// The byte offset and element count of a 1-D tensor's data, checked against its record.
-    fn flat(&self, tensor: &Value, what: &str) -> Result<(u64, u64)> {
-        let t = TensorRef::of(tensor).ok_or_else(|| self.missing(what))?;
-        let (offset, len) = self
-            .storages
-            .get(&t.key)
-            .copied()
-            .ok_or_else(|| self.missing(&format!("storage record `{}` for {what}", t.key)))?;
-        let [numel] = t.sizes[..] else {
-            return Err(self.missing(&format!("flat (1-D) {what}")));
-        };
-        let start = t.offset.checked_mul(4);
-        let end = t.offset.checked_add(numel).and_then(|e| e.checked_mul(4));
-        match (start, end) {
-            (Some(start), Some(end)) if t.stride_one && end <= len => Ok((offset + start, numel)),
-            _ => Err(Error::invalid(format!(
-                "{what} reaches past its storage record `{}` ({len} bytes)",
-                t.key
-            ))
-            .file(&self.path)),
-        }
-    }
-}
-
-/// The parts of a pickled `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`
-/// this module reads or changes.
-struct TensorRef {
-    key: String,
-    offset: u64,
-    sizes: Vec<u64>,
-    stride_one: bool,
-}
-
-impl TensorRef {
-    fn of(value: &Value) -> Option<TensorRef> {
-        let Value::Object(o) = value else { return None };
-        if o.callable.as_global() != Some(("torch._utils", "_rebuild_tensor_v2")) {
-            return None;
-        }
-        let Value::PersistentId(id) = o.args.first()? else {
-            return None;
-        };
-        let Value::Tuple(id) = id.as_ref() else {
-            return None;
-        };
-        // Only fp32 storages are resharded (masters and moments): `torch.FloatStorage`.
-        if id.get(1)?.as_global() != Some(("torch", "FloatStorage")) {
-            return None;
-        }
-        let ints = |v: &Value| -> Option<Vec<u64>> {
-            v.as_seq()?
-                .iter()
-                .map(|i| u64::try_from(i.as_int()?).ok())
-                .collect()
-        };
-        let sizes = ints(o.args.get(2)?)?;
-        let strides = ints(o.args.get(3)?)?;
-        Some(TensorRef {
-            key: id.get(2)?.as_str()?.to_string(),
-            offset: u64::try_from(o.args.get(1)?.as_int()?).ok()?,
-            stride_one: sizes.len() == 1 && strides == [1],
-            sizes,
-        })
-    }
-}
-
-/// `template` (an fp32 tensor) as a 1-D tensor of `numel` elements over storage `key` of
-/// `storage_numel` elements.
-fn flat_tensor(template: &Value, key: &str, numel: u64, storage_numel: u64) -> Value {
-    let mut value = template.clone();
-    if let Value::Object(o) = &mut value {
-        if let Some(Value::PersistentId(id)) = o.args.get_mut(0) {
-            if let Value::Tuple(items) = id.as_mut() {
-                if let Some(k) = items.get_mut(2) {
-                    *k = Value::Str(key.to_string());
-                }
-                if let Some(n) = items.get_mut(4) {
-                    *n = Value::Int(storage_numel as i64);
-                }
-            }
-        }
-        if let Some(v) = o.args.get_mut(1) {
-            *v = Value::Int(0);
-        }
-        if let Some(v) = o.args.get_mut(2) {
-            *v = Value::Tuple(vec![Value::Int(numel as i64)]);
-        }
-        if let Some(v) = o.args.get_mut(3) {
-            *v = Value::Tuple(vec![Value::Int(1)]);
-        }
-    }
-    value
-}
-
-/// A dict's (or `OrderedDict`'s) entries.
-fn entries(value: &Value) -> Option<&[(Value, Value)]> {
-    super::dict_items(value)
-}
-
-fn dict_get<'v>(value: &'v Value, key: &str) -> Option<&'v Value> {
-    entries(value)?
-        .iter()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
-}
-
-fn dict_get_mut<'v>(value: &'v mut Value, key: &str) -> Option<&'v mut Value> {
-    let items = match value {
-        Value::Dict(items) => items,
-        Value::Object(o) if o.callable.as_global() == Some(("collections", "OrderedDict")) => {
-            &mut o.dict_items
-        }
-        _ => return None,
-    };
-    items
-        .iter_mut()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
-}
-
-/// Set `keys` of `root` to `value`; the path must exist.
-fn set(root: &mut Value, keys: &[&str], value: Value) -> Result<()> {
-    let mut at = root;
-    for k in keys {
-        at = dict_get_mut(at, k)
-            .ok_or_else(|| Error::bug(format!("`{}` vanished", keys.join(".")).to_string()))?;
-    }
-    *at = value;
-    Ok(())
-}
-
 /// Plan rewriting the DeepSpeed checkpoint at `path` (a directory with `latest`, or a tag's
 /// directory; `tag` as `--tag`) for `world` data-parallel ranks.
 pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resharded> {
@@ -336,9 +135,12 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
         ))
         .file(&tag.dir));
     };
-    files.push(model_file(model_states, &tag_dir, world)?);
-    if !optim.is_empty() {
-        let groups = Groups::of(model_states, &optim)?;
+    let groups = match optim.is_empty() {
+        true => None,
+        false => Some(Groups::of(model_states, &optim)?),
+    };
+    files.push(model_file(model_states, groups.as_ref(), &tag_dir, world)?);
+    if let Some(groups) = &groups {
         let bf16 = set.optim.first().is_some_and(|p| {
             p.file_name()
                 .is_some_and(|n| n.to_string_lossy().starts_with("bf16_"))
@@ -348,7 +150,7 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
                 "{}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
                 if bf16 { "bf16_" } else { "" }
             );
-            files.push(optim_file(&optim, &groups, &tag_dir.join(name), r, world)?);
+            files.push(optim_file(&optim, groups, &tag_dir.join(name), r, world)?);
         }
     }
     files.push(OutFile {
@@ -398,14 +200,58 @@ fn zero_stage(first: &Source) -> Result<i64> {
 }
 
 /// `mp_rank_00_model_states.pt` as saved, with `dp_world_size` the new size.
-fn model_file(model: &Source, tag_dir: &Path, world: usize) -> Result<OutFile> {
+fn model_file(
+    model: &Source,
+    groups: Option<&Groups>,
+    tag_dir: &Path,
+    world: usize,
+) -> Result<OutFile> {
     let mut root = model.root.clone();
     if dict_get(&root, "dp_world_size").is_none() {
         return Err(model.missing("`dp_world_size`"));
     }
     set(&mut root, &["dp_world_size"], Value::Int(world as i64))?;
+    // Stages 1 and 2 save each trained parameter as a view of its group's flat 16-bit buffer,
+    // and torch.save keeps the whole buffer: at the new size it is padded to 2 * world instead.
+    let mut resized: HashMap<String, u64> = HashMap::new();
+    let mut fresh = HashMap::new();
+    if let Some(groups) = groups {
+        for (g, group) in groups.groups.iter().enumerate() {
+            let Some((name, _, _)) = group.first() else {
+                continue;
+            };
+            let Some(t) = model.at(&["module", name]).and_then(TensorRef::of) else {
+                continue;
+            };
+            let Some(&(offset, len)) = model.storages.get(&t.key) else {
+                continue;
+            };
+            let (size, _) = partitions(groups.numel(g), world as u64);
+            let elements = size * world as u64;
+            let bytes = elements * t.elem;
+            let mut runs = vec![Run::Copy {
+                input: model.input,
+                offset,
+                len: len.min(bytes),
+            }];
+            if bytes > len {
+                runs.push(Run::Zeros(bytes - len));
+            }
+            fresh.insert(t.key.clone(), (bytes, runs));
+            resized.insert(t.key, elements);
+        }
+    }
+    rename_storages(&mut root, &mut |items: &mut Vec<Value>| {
+        let elements = items
+            .get(2)
+            .and_then(Value::as_str)
+            .and_then(|k| resized.get(k));
+        if let (Some(&elements), Some(numel)) = (elements, items.get_mut(4)) {
+            *numel = Value::Int(elements as i64);
+        }
+    });
     let name = tag_dir.join("mp_rank_00_model_states.pt");
-    archive(&name, root, model, HashMap::new())
+    archive(&name, root, model, fresh)
 }
 
 /// A torch.save archive of `root` at `path`: tensors over storages of `template` are copied from
@@ -421,14 +267,18 @@ fn archive(
     let mut storages: Vec<(String, u64)> = Vec::new();
     let mut runs: HashMap<String, Vec<Run>> = HashMap::new();
     let mut error = None;
-    rename_storages(&mut root, &mut |old: &str| {
-        if let Some(new) = renamed.get(old) {
-            return new.clone();
+    rename_storages(&mut root, &mut |items: &mut Vec<Value>| {
+        let Some(Value::Str(old)) = items.get_mut(2) else {
+            return;
+        };
+        if let Some(new) = renamed.get(old.as_str()) {
+            *old = new.clone();
+            return;
         }
         let new = storages.len().to_string();
-        let (len, filled) = match fresh.remove(old) {
+        let (len, filled) = match fresh.remove(old.as_str()) {
             Some(fill) => fill,
-            None => match template.storages.get(old) {
+            None => match template.storages.get(old.as_str()) {
                 Some(&(offset, len)) => (
                     len,
                     vec![Run::Copy {
@@ -448,7 +298,7 @@ fn archive(
         storages.push((new.clone(), len));
         runs.insert(new.clone(), filled);
         renamed.insert(old.to_string(), new.clone());
-        new
+        *old = new;
     });
     if let Some(e) = error {
         return Err(e);
@@ -465,15 +315,14 @@ fn archive(
     })
 }
 
-/// Rename every storage key a persistent id of `value` names, in the order pickle writes them.
-fn rename_storages(value: &mut Value, rename: &mut dyn FnMut(&str) -> String) {
+/// Call `visit` with the items of every storage's persistent id in `value`
+/// (`('storage', class, key, location, numel)`), in the order pickle writes them.
+fn rename_storages(value: &mut Value, rename: &mut dyn FnMut(&mut Vec<Value>)) {
     match value {
         Value::PersistentId(id) => {
             if let Value::Tuple(items) = id.as_mut() {
                 if items.first().and_then(Value::as_str) == Some("storage") {
-                    if let Some(Value::Str(key)) = items.get_mut(2) {
-                        *key = rename(key);
-                    }
+                    rename(items);
                 }
             }
         }
@@ -836,44 +685,4 @@ fn slice_mapping(
         other => *other = Value::Dict(items),
     }
     mapping
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn partitions_match_deepspeed() {
-        // zero2_fp16's fixture: 123 elements over 3 ranks pad to 126, partitions of 42, the last
-        // 3 short; 11 over 3 pad to 12.
-        assert_eq!(partitions(123, 3), (42, vec![0, 0, 3]));
-        assert_eq!(partitions(11, 3), (4, vec![0, 0, 1]));
-        assert_eq!(partitions(11, 1), (12, vec![1]));
-        // A group smaller than the ranks: whole partitions of padding.
-        assert_eq!(partitions(3, 4), (2, vec![0, 1, 2, 2]));
-    }
-
-    #[test]
-    fn runs_cover_a_partition_once() {
-        let (size, pads) = partitions(123, 3);
-        let sources = [(0, 100), (1, 200), (2, 300)];
-        let (new, new_pads) = partitions(123, 2);
-        let runs = runs_of(&sources, size, &pads, new, new - new_pads[1], new);
-        assert_eq!(
-            runs,
-            vec![
-                Run::Copy {
-                    input: 1,
-                    offset: 200 + 20 * 4,
-                    len: 22 * 4
-                },
-                Run::Copy {
-                    input: 2,
-                    offset: 300,
-                    len: 39 * 4
-                },
-                Run::Zeros(4),
-            ]
-        );
-    }
 }
