@@ -167,15 +167,30 @@ def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
         assert got["counters"] == [3, 3 * 3, 0] and int(got["state"][0]["step"]) == 3
 
 
-def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path):
+@pytest.mark.parametrize("rank,needles", [
+    (1, ["rank 1's file", "missing"]),
+    # The last rank's absence shows only in the others' `partition_count`.
+    (2, ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count", "3"]),
+])
+def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path, rank, needles):
     src = tmp_path / "src"
     shutil.copytree(DS / "zero2_fp16", src)
-    (src / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    (src / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
     out = tmp_path / "out"
     proc = reshard(run_ckpt, src, out, 2)
     assert proc.returncode in (1, 2), proc.stderr
-    assert "rank 1's file" in proc.stderr and "missing" in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
+
+
+def test_the_zero_to_fp32_script_beside_the_tags_is_carried(run_ckpt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero1_bf16", src)
+    (src / "zero_to_fp32.py").write_text("# DeepSpeed's script\n")
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, src, out, 2).returncode == 0
+    assert (out / "zero_to_fp32.py").read_text() == "# DeepSpeed's script\n"
 
 
 def test_an_existing_output_needs_force(run_ckpt, tmp_path):
