@@ -11,8 +11,11 @@ and M = 1:
 - a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
   holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
   loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
+- the checks that need no engine (zero_to_fp32, the same size giving the same files, also M = 2)
+  on every ZeRO-1/2 fixture;
 - a missing rank file is an error naming it, with nothing written; an existing OUT is refused
-  without --force; ZeRO-3 is refused as not yet.
+  without --force; ZeRO-3, BF16_Optimizer and Universal inputs are refused as not yet; stage 0
+  is the same checkpoint at any size.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 DS = HERE.parents[1] / "fixtures" / "deepspeed"
 TAG = "global_step2"
 CASES = ["zero1_bf16", "zero2_fp16"]
+# Every ZeRO-1/2 fixture, for the checks that need no DeepSpeed engine.
+ALL_CASES = [f"zero{s}_{d}" for s in (1, 2) for d in ("bf16", "fp16", "fp32")]
 
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
@@ -115,8 +120,8 @@ def resumed(tmp_path_factory, run_ckpt):
     return get
 
 
-@pytest.mark.parametrize("world", [3, 1])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world", [3, 2, 1])
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_zero_to_fp32_of_the_reshard_is_the_original(run_ckpt, tmp_path, case, world):
     out = tmp_path / "out"
     proc = reshard(run_ckpt, DS / case, out, world)
@@ -127,7 +132,7 @@ def test_zero_to_fp32_of_the_reshard_is_the_original(run_ckpt, tmp_path, case, w
         assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
     out = tmp_path / "out"
     assert reshard(run_ckpt, DS / case, out, 3).returncode == 0
@@ -210,6 +215,17 @@ def test_zero3_is_refused_as_not_yet(run_ckpt, tmp_path):
     proc = reshard(run_ckpt, DS / "zero3_bf16", out, 2)
     assert proc.returncode == 2, proc.stderr
     assert "not yet" in proc.stderr and "ZeRO-3" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("zero1_bf16_optimizer", "BF16_Optimizer"),
+    ("universal", "Universal Checkpoint"),
+])
+def test_layouts_not_written_yet_are_refused(run_ckpt, tmp_path, case, needle):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / case, out, 2)
+    assert proc.returncode == 2 and "not yet" in proc.stderr and needle in proc.stderr, proc.stderr
     assert not out.exists()
 
 
