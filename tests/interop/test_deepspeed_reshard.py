@@ -143,6 +143,20 @@ def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
         same(load(DS / case / TAG / name), load(out / TAG / name), name)
 
 
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_going_through_another_size_gives_the_same_files(run_ckpt, tmp_path, case):
+    """3 -> 4 -> 2 equals 3 -> 2: a resharded checkpoint is as good an input as DeepSpeed's."""
+    direct, four, two = tmp_path / "direct", tmp_path / "four", tmp_path / "two"
+    assert reshard(run_ckpt, DS / case, direct, 2).returncode == 0
+    assert reshard(run_ckpt, DS / case, four, 4).returncode == 0
+    assert len(list((four / TAG).glob("*optim_states.pt"))) == 4
+    assert reshard(run_ckpt, four, two, 2).returncode == 0
+    names = sorted(p.name for p in (direct / TAG).iterdir())
+    assert sorted(p.name for p in (two / TAG).iterdir()) == names
+    for name in names:
+        same(load(direct / TAG / name), load(two / TAG / name), name)
+
+
 @pytest.mark.parametrize("world", [3, 1])
 @pytest.mark.parametrize("case", CASES)
 def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
