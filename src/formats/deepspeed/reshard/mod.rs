@@ -82,6 +82,7 @@ pub(crate) struct Resharded {
     pub stage: i64,
     pub from_world: usize,
 }
+
 /// Plan rewriting the DeepSpeed checkpoint at `path` (a directory with `latest`, or a tag's
 /// directory; `tag` as `--tag`) for `world` data-parallel ranks.
 pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resharded> {
@@ -141,6 +142,7 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
     };
     files.push(model_file(model_states, groups.as_ref(), &tag_dir, world)?);
     if let Some(groups) = &groups {
+        check_partitions(&optim, groups)?;
         let bf16 = set.optim.first().is_some_and(|p| {
             p.file_name()
                 .is_some_and(|n| n.to_string_lossy().starts_with("bf16_"))
@@ -428,15 +430,9 @@ pub(crate) fn partitions(numel: u64, world: u64) -> (u64, Vec<u64>) {
     (size, pads)
 }
 
-/// Rank `r` of `world`'s optimizer states, from rank 0's as the template.
-fn optim_file(
-    optim: &[Source],
-    groups: &Groups,
-    path: &Path,
-    r: usize,
-    world: usize,
-) -> Result<OutFile> {
-    let first = &optim[0];
+/// Check, once, what every rank file must agree on: `partition_count` is the number of rank
+/// files for each group, and the moments are saved with their padding (not elastic).
+fn check_partitions(optim: &[Source], groups: &Groups) -> Result<()> {
     let from = optim.len() as u64;
     for (s, source) in optim.iter().enumerate() {
         let counts = source
@@ -451,17 +447,32 @@ fn optim_file(
             .file(&source.path)
             .hint("a save over another world size was written into the same tag, or rank files are missing"));
         }
+        let base = source
+            .at(&[OPTIMIZER, "base_optimizer_state"])
+            .ok_or_else(|| source.missing("`base_optimizer_state`"))?;
+        if dict_get(base, "state").is_none() {
+            return Err(Error::usage(
+                "not yet: an elastic ZeRO checkpoint (moments saved per group without padding)",
+            )
+            .file(&source.path)
+            .hint("save with `zero_optimization.elastic_checkpoint` off, or reshard to DCP"));
+        }
     }
+    Ok(())
+}
+
+/// Rank `r` of `world`'s optimizer states, from rank 0's as the template.
+fn optim_file(
+    optim: &[Source],
+    groups: &Groups,
+    path: &Path,
+    r: usize,
+    world: usize,
+) -> Result<OutFile> {
+    let first = &optim[0];
     let base = first
         .at(&[OPTIMIZER, "base_optimizer_state"])
         .ok_or_else(|| first.missing("`base_optimizer_state`"))?;
-    if dict_get(base, "state").is_none() {
-        return Err(Error::usage(
-            "not yet: an elastic ZeRO checkpoint (moments saved per group without padding)",
-        )
-        .file(&first.path)
-        .hint("save with `zero_optimization.elastic_checkpoint` off, or reshard to DCP"));
-    }
     let mut root = first.root.clone();
     let mut fresh = HashMap::new();
     let mut fp32 = Vec::new();
@@ -477,7 +488,7 @@ fn optim_file(
     let mut state = dict_get(base, "state").cloned().unwrap_or(Value::None);
     for g in 0..groups.groups.len() {
         let numel = groups.numel(g);
-        let (src_size, src_pads) = partitions(numel, from);
+        let (src_size, src_pads) = partitions(numel, optim.len() as u64);
         let (size, pads) = partitions(numel, world as u64);
         let pad = pads[r];
         let lean = size - pad;
