@@ -249,6 +249,17 @@ def test_layouts_not_written_yet_are_refused(run_ckpt, tmp_path, case, needle):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("src,needle", [
+    (DS.parent / "dtypes.safetensors", "not a directory"),
+    (DS.parent / "dcp_zstd", "no `latest` file"),
+])
+def test_an_input_that_is_not_deepspeed_is_refused(run_ckpt, tmp_path, src, needle):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode in (1, 2) and needle in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
 def test_stage0_is_the_same_checkpoint_at_any_size(run_ckpt, tmp_path):
     out = tmp_path / "out"
     proc = reshard(run_ckpt, DS / "zero0_fp32", out, 5)

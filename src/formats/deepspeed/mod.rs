@@ -114,6 +114,13 @@ pub(crate) fn reshard(
         )
         .hint("copy the checkpoint to a local disk first"));
     }
+    if !input.is_dir() {
+        return Err(Error::usage(
+            "`--format deepspeed` rewrites a DeepSpeed checkpoint directory, and this is not a directory",
+        )
+        .file(input)
+        .hint("point ckpt at the directory `engine.save_checkpoint` wrote, or at one tag's directory"));
+    }
     let plan = reshard::plan(input, tag, world)?;
     let staging = crate::output::local::Staging::prepare(
         output,
