@@ -11,8 +11,9 @@ and M = 1:
 - a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
   holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
   loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
-- the checks that need no engine (zero_to_fp32, the same size giving the same files, also M = 2)
-  on every ZeRO-1/2 fixture;
+- the checks that need no engine on every ZeRO-1/2 fixture: zero_to_fp32 (also at M = 2), the
+  same size giving the same files, 3 -> 4 -> 2 giving the files of 3 -> 2, ckpt's own reader
+  (`consolidate`, `verify --deep`) finding in OUT what it finds in the input;
 - a missing rank file is an error naming it, with nothing written; an existing OUT is refused
   without --force; ZeRO-3, BF16_Optimizer and Universal inputs are refused as not yet; stage 0
   is the same checkpoint at any size.
@@ -141,6 +142,24 @@ def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
     assert sorted(p.name for p in (out / TAG).iterdir()) == names
     for name in names:
         same(load(DS / case / TAG / name), load(out / TAG / name), name)
+
+
+@pytest.mark.parametrize("world", [4, 1])
+@pytest.mark.parametrize("case", ALL_CASES + ["zero0_fp32"])
+def test_ckpt_reads_the_reshard_as_the_original(run_ckpt, tmp_path, case, world):
+    """ckpt's own reader gives the same weights, moments, steps and settings from OUT as from the
+    input, and `verify --deep` finds OUT sound."""
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, DS / case, out, world).returncode == 0
+    proc = run_ckpt("verify", "--deep", out)
+    assert proc.returncode == 0 and "sound" in proc.stdout, proc.stdout + proc.stderr
+    flat = {}
+    for name, src in (("want", DS / case), ("got", out)):
+        pt = tmp_path / f"{name}.pt"
+        proc = run_ckpt("consolidate", src, "-o", pt, "--format", "torch")
+        assert proc.returncode == 0, proc.stderr
+        flat[name] = torch.load(pt, weights_only=True)
+    same(flat["want"], flat["got"])
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
