@@ -1,8 +1,7 @@
 """`ckpt reshard DSCKPT -o OUT --world-size M --format deepspeed` against DeepSpeed 0.19.8 itself,
-for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks, at M = 3
-and M = 1:
+for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks at M = 3
+and M = 1, zero2_fp32 and zero2_bf16 at M = 2:
 
-- `get_fp32_state_dict_from_zero_checkpoint(OUT)` is bitwise the original's;
 - OUT's files are DeepSpeed's own at M: the reference is DeepSpeed's universal route
   (`ds_to_universal`, an engine at M with `load_universal`, `save_checkpoint`), its losses on
   0.19.8 (buffers, frozen parameters) repaired from the source; every file, key, type, shape,
@@ -11,9 +10,13 @@ and M = 1:
 - a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
   holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
   loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
-- the checks that need no engine on every ZeRO-1/2 fixture: zero_to_fp32 (also at M = 2), the
-  same size giving the same files, 3 -> 4 -> 2 giving the files of 3 -> 2, ckpt's own reader
-  (`consolidate`, `verify --deep`) finding in OUT what it finds in the input;
+- at M = 4, where DeepSpeed's own route fails (its universal load breaks on a rank that holds
+  none of a group: the bias group of 11 elements pads to 16, rank 3's 4 are all padding), an
+  engine loads OUT and holds the original's fp32 masters and Adam moments, and trains on;
+- the checks that need no engine, on every ZeRO-1/2 fixture: `get_fp32_state_dict_from_zero_
+  checkpoint(OUT)` is bitwise the original's (M = 3, 2, 1), the same size gives the same files,
+  3 -> 4 -> 2 gives the files of 3 -> 2, ckpt's own reader (`consolidate`, `verify --deep`)
+  finds in OUT what it finds in the input;
 - a missing rank file is an error naming it, with nothing written; an existing OUT is refused
   without --force; ZeRO-3, BF16_Optimizer and Universal inputs are refused as not yet; stage 0
   is the same checkpoint at any size.
@@ -36,6 +39,9 @@ HERE = Path(__file__).resolve().parent
 DS = HERE.parents[1] / "fixtures" / "deepspeed"
 TAG = "global_step2"
 CASES = ["zero1_bf16", "zero2_fp16"]
+# Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, and fp32 and a larger
+# world once each.
+ENGINE = [(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
 # Every ZeRO-1/2 fixture, for the checks that need no DeepSpeed engine.
 ALL_CASES = [f"zero{s}_{d}" for s in (1, 2) for d in ("bf16", "fp16", "fp32")]
 
@@ -96,21 +102,23 @@ def resumed(tmp_path_factory, run_ckpt):
     loading each (torchrun_deepspeed_reshard.py)."""
     done = {}
 
-    def get(case: str, world: int):
+    def get(case: str, world: int, reference: bool = True):
         if (case, world) in done:
             return done[(case, world)]
         tmp = tmp_path_factory.mktemp(f"{case}_{world}")
         out = tmp / "out"
         proc = reshard(run_ckpt, DS / case, out, world)
         assert proc.returncode == 0, proc.stderr
-        universal = tmp / "universal"
-        subprocess.run(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-             "--input_folder", str(DS / case / TAG),
-             "--output_folder", str(universal / f"{TAG}_universal"),
-             "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-            check=True, capture_output=True,
-        )
+        universal = tmp / "universal" if reference else "-"
+        if reference:
+            subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                 "--input_folder", str(DS / case / TAG),
+                 "--output_folder", str(universal / f"{TAG}_universal"),
+                 "--inject_missing_state", "--num_extract_workers", "1",
+                 "--num_merge_workers", "1"],
+                check=True, capture_output=True,
+            )
         held = tmp / "held.pt"
         proc = run_torchrun(HERE / "torchrun_deepspeed_reshard.py", world, case, DS / case,
                             universal, tmp / "ref", out, held)
@@ -176,8 +184,7 @@ def test_going_through_another_size_gives_the_same_files(run_ckpt, tmp_path, cas
         same(load(direct / TAG / name), load(two / TAG / name), name)
 
 
-@pytest.mark.parametrize("world", [3, 1])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,world", ENGINE)
 def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
     out, ref, _ = resumed(case, world)
     assert (out / "latest").read_text() == TAG
@@ -192,8 +199,7 @@ def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
         same(want, got, name)
 
 
-@pytest.mark.parametrize("world", [3, 1])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,world", ENGINE)
 def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
     _, _, held = resumed(case, world)
     ref, ours = held["ref"], held["ours"]
@@ -209,6 +215,29 @@ def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
         # Adam's step as loaded (saved after 2 steps); the counters after one more step of M ranks.
         assert int(got["state"][0]["step"]) == 2
         assert got["counters"] == [3, 2 * 3 + world, 0]
+
+
+def test_deepspeed_resumes_where_its_own_route_fails(resumed):
+    case, world = "zero2_bf16", 4
+    _, _, held = resumed(case, world, reference=False)
+    ours = held["ours"]
+    assert len(ours) == world
+    saved = [load(p)["optimizer_state_dict"]
+             for p in sorted((DS / case / TAG).glob("*optim_states.pt"))]
+    for g in range(2):
+        # The original's flat group: each rank's partition without its padding, then the moments
+        # cut to the same length.
+        masters = torch.cat([s["single_partition_of_fp32_groups"][g] for s in saved])
+        numel = masters.numel()
+        assert torch.equal(torch.cat([h["fp32"][g] for h in ours])[:numel], masters), g
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = torch.cat([s["base_optimizer_state"]["state"][g][key][:len(
+                s["single_partition_of_fp32_groups"][g])] for s in saved])
+            got = torch.cat([h["state"][g][key] for h in ours])[:numel]
+            assert torch.equal(got, want), (g, key)
+    for h in ours:
+        assert int(h["state"][0]["step"]) == 2 and h["counters"] == [3, 2 * 3 + world, 0]
+        assert all(torch.isfinite(torch.tensor(h["loss"])))
 
 
 @pytest.mark.parametrize("rank,needles", [

@@ -7,10 +7,12 @@ test_deepspeed_reshard.py; run with torchrun on CPU, gloo).
    SOURCE) with `checkpoint.load_universal`, has what that route loses on 0.19.8 repaired from
    SOURCE's model states (buffers, frozen parameters), and `save_checkpoint`s REF.
 2. A fresh engine loads REF with a plain `engine.load_checkpoint`, and another loads OURS (ckpt's
-   `reshard --format deepspeed` of SOURCE); each records its fp32 master partitions, Adam's
-   state, the loss scaler, the counters, and the losses of one more training step.
+   `reshard --format deepspeed` of SOURCE); each records its fp32 master partitions and Adam's
+   state as loaded, then takes one more training step and records its losses, the loss scaler
+   and the counters.
 
-Rank 0 writes OUT: torch.save of {"ref": [per-rank dict], "ours": [per-rank dict]}.
+Rank 0 writes OUT: torch.save of {"ref": [per-rank dict], "ours": [per-rank dict]}. With
+UNIVERSAL `-` step 1 is skipped and there is no "ref".
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def held(engine) -> dict:
     for group in base.param_groups:
         s = base.state[group["params"][0]]
         state.append({k: v.detach().clone() for k, v in s.items()})
+    fp32 = [t.detach().clone() for t in opt.single_partition_of_fp32_groups]
     scaler = getattr(opt, "loss_scaler", None)
     torch.manual_seed(100 + dist.get_rank())
     x = torch.randint(0, 7, (4,))
@@ -89,7 +92,7 @@ def held(engine) -> dict:
     engine.step()
     after = engine(x)
     return {
-        "fp32": [t.detach().clone() for t in opt.single_partition_of_fp32_groups],
+        "fp32": fp32,
         "state": state,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
         "scaler": {k: v for k, v in vars(scaler).items()} if scaler is not None else None,
@@ -105,13 +108,17 @@ def main() -> None:
     case, source, universal, ref, ours, out = sys.argv[1:7]
     deepspeed.init_distributed(dist_backend="gloo")
     get_accelerator().is_fp16_supported = lambda: True
-    engine = engine_for(case, universal=True)
-    engine.load_checkpoint(universal, tag=f"{TAG}_universal")
-    repair(engine, Path(source))
-    engine.save_checkpoint(ref, tag=TAG)
-    dist.barrier()
+    resumes = [("ours", ours)]
+    # UNIVERSAL `-`: no reference (DeepSpeed's route fails at this size).
+    if universal != "-":
+        engine = engine_for(case, universal=True)
+        engine.load_checkpoint(universal, tag=f"{TAG}_universal")
+        repair(engine, Path(source))
+        engine.save_checkpoint(ref, tag=TAG)
+        dist.barrier()
+        resumes.insert(0, ("ref", ref))
     results = {}
-    for name, path in (("ref", ref), ("ours", ours)):
+    for name, path in resumes:
         engine = engine_for(case, universal=False)
         loaded, _ = engine.load_checkpoint(path)
         assert loaded is not None, f"DeepSpeed loaded nothing from {path}"
