@@ -492,7 +492,6 @@ fn optim_file(
         let (size, pads) = partitions(numel, world as u64);
         let pad = pads[r];
         let lean = size - pad;
-        let index = [g.to_string()];
         // The master partition: saved without the padding, over a storage holding it.
         let key = |what: &str| format!("new/{g}/{what}");
         let masters = |s: &Source| {
@@ -501,9 +500,8 @@ fn optim_file(
                 .and_then(|l| l.get(g))
                 .cloned()
         };
-        let template = masters(first).ok_or_else(|| {
-            first.missing(&format!("`single_partition_of_fp32_groups[{}]`", index[0]))
-        })?;
+        let template = masters(first)
+            .ok_or_else(|| first.missing(&format!("`single_partition_of_fp32_groups[{g}]`")))?;
         let sources = optim
             .iter()
             .zip(&src_pads)
