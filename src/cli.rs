@@ -180,6 +180,8 @@ enum FullFormat {
 enum ShardedFormat {
     Dcp,
     DcpSafetensors,
+    /// A DeepSpeed ZeRO checkpoint (input: DeepSpeed, stages 0-2) at `--world-size` ranks.
+    Deepspeed,
 }
 
 #[derive(clap::Args, Debug)]
@@ -488,6 +490,9 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
 
 /// `ckpt reshard`: a SHARDED target over a mesh, some tensors possibly replicated whole.
 fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i32> {
+    if let ShardedFormat::Deepspeed = args.format {
+        return reshard_deepspeed(&args, reading);
+    }
     let (shape, placements) = match (args.world_size, &args.mesh) {
         (Some(n), _) => (vec![n], vec![Placement::Shard(0)]),
         (None, Some(m)) => (
@@ -527,6 +532,8 @@ fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i
         match format {
             ShardedFormat::Dcp => Target::Dcp(spec),
             ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
+            // Handled before: `reshard_deepspeed`.
+            ShardedFormat::Deepspeed => Target::Dcp(spec),
         }
     };
     let input = Source::new(args.path)?;
@@ -543,6 +550,59 @@ fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i
         cancel,
     };
     convert(&job, target_of)
+}
+
+/// `ckpt reshard --format deepspeed`: the DeepSpeed checkpoint as DeepSpeed saves it on
+/// `--world-size` ranks. Its tensors are DeepSpeed's flat partitions, so the flags that select,
+/// rename, cast or merge tensors do not apply.
+fn reshard_deepspeed(args: &ReshardArgs, reading: Reading) -> Result<i32> {
+    let started = Instant::now();
+    let Some(world) = args.world_size else {
+        return Err(Error::usage("--format deepspeed needs --world-size N")
+            .hint("DeepSpeed's ZeRO partitions over data-parallel ranks only: no mesh"));
+    };
+    let select = &args.select;
+    let unused = [
+        (!args.replicate.is_empty(), "--replicate"),
+        (!select.include.is_empty(), "--include"),
+        (!select.exclude.is_empty(), "--exclude"),
+        (!select.strip_prefix.is_empty(), "--strip-prefix"),
+        (select.dtype.is_some(), "--dtype"),
+        (args.lora.merge_lora.is_some(), "--merge-lora"),
+        (args.write.part.is_some(), "--part"),
+        (reading.shapes_from.is_some(), "--shapes-from"),
+    ];
+    if let Some((_, flag)) = unused.iter().find(|(given, _)| *given) {
+        return Err(Error::usage(format!(
+            "{flag} does not apply to `--format deepspeed`, which rewrites DeepSpeed's own files"
+        ))
+        .hint("reshard to DCP (`--format dcp`) to select, rename or cast tensors"));
+    }
+    let [input] = &args.path[..] else {
+        return Err(Error::usage(
+            "--format deepspeed reads one DeepSpeed checkpoint directory",
+        ));
+    };
+    let done = crate::formats::deepspeed::reshard(
+        input,
+        reading.tag,
+        world,
+        &args.output,
+        args.write.force,
+    )?;
+    if !args.write.quiet {
+        let secs = started.elapsed().as_secs_f64();
+        to_stderr(format_args!(
+            "wrote ZeRO stage {} from {} to {world} data-parallel ranks at `{}`: {} files, {} in {:.2} s",
+            done.stage,
+            done.from_world,
+            terminal_safe(&done.path.display().to_string()),
+            done.files,
+            human_bytes(done.bytes),
+            secs
+        ));
+    }
+    Ok(0)
 }
 
 /// How every checkpoint a command reads is read: the global flags.

@@ -1,0 +1,322 @@
+"""`ckpt reshard DSCKPT -o OUT --world-size M --format deepspeed` against DeepSpeed 0.19.8 itself,
+for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks at M = 3
+and M = 1, zero2_fp32 and zero2_bf16 at M = 2:
+
+- OUT's files are DeepSpeed's own at M: the reference is DeepSpeed's universal route
+  (`ds_to_universal`, an engine at M with `load_universal`, `save_checkpoint`), its losses on
+  0.19.8 (buffers, frozen parameters) repaired from the source; every file, key, type, shape,
+  dtype, storage size and value agree (the reference's `ds_config` also holds the
+  `load_universal` switch it was loaded with, and its Adam state keys come in another order);
+- a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
+  holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
+  loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
+- at M = 4, where DeepSpeed's own route fails (its universal load breaks on a rank that holds
+  none of a group: the bias group of 11 elements pads to 16, rank 3's 4 are all padding), an
+  engine loads OUT and holds the original's fp32 masters and Adam moments, and trains on;
+- the checks that need no engine, on every ZeRO-1/2 fixture: `get_fp32_state_dict_from_zero_
+  checkpoint(OUT)` is bitwise the original's (M = 3, 2, 1), the same size gives the same files,
+  3 -> 4 -> 2 gives the files of 3 -> 2, ckpt's own reader (`consolidate`, `verify --deep`)
+  finds in OUT what it finds in the input;
+- a missing rank file is an error naming it, with nothing written; an existing OUT is refused
+  without --force; ZeRO-3, BF16_Optimizer and Universal inputs are refused as not yet; stage 0
+  is the same checkpoint at any size.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import run_torchrun
+
+HERE = Path(__file__).resolve().parent
+DS = HERE.parents[1] / "fixtures" / "deepspeed"
+TAG = "global_step2"
+CASES = ["zero1_bf16", "zero2_fp16"]
+# Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, and fp32 and a larger
+# world once each.
+ENGINE = [(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
+# Every ZeRO-1/2 fixture, for the checks that need no DeepSpeed engine.
+ALL_CASES = [f"zero{s}_{d}" for s in (1, 2) for d in ("bf16", "fp16", "fp32")]
+
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def reshard(run_ckpt, src: Path, out: Path, world: int, *flags) -> subprocess.CompletedProcess:
+    return run_ckpt("reshard", src, "-o", out, "--world-size", world, "--format", "deepspeed", *flags)
+
+
+def fp32_of(path: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path))
+
+
+def same(want, got, where: str = "") -> None:
+    """Equal as DeepSpeed pickled them: types, keys in order, tensors bitwise with their dtype,
+    shape and storage size, objects by their attributes."""
+    if torch.is_tensor(want):
+        assert torch.is_tensor(got), where
+        assert (want.dtype, want.shape) == (got.dtype, got.shape), where
+        assert want.untyped_storage().nbytes() == got.untyped_storage().nbytes(), where
+        assert torch.equal(want, got), where
+        return
+    assert type(want) is type(got), (where, type(want), type(got))
+    if isinstance(want, dict):
+        # The universal route's load fills Adam's state in another key order than training
+        # does; ckpt keeps the order of the save it reads.
+        order = sorted if ".base_optimizer_state.state." in where else list
+        assert order(want) == order(got), (where, list(want), list(got))
+        for k in want:
+            same(want[k], got[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(want) == len(got), where
+        for i, (w, g) in enumerate(zip(want, got)):
+            same(w, g, f"{where}[{i}]")
+    elif hasattr(want, "__dict__") and not isinstance(want, type):
+        same(vars(want), vars(got), where)
+    else:
+        assert want == got, (where, want, got)
+
+
+def load(path: Path):
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def without_universal_switch(saved: dict) -> dict:
+    """The reference's `ds_config` as the engine's before `load_universal` was set."""
+    config = dict(saved["ds_config"])
+    config.pop("checkpoint", None)
+    return {**saved, "ds_config": config}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, run_ckpt):
+    """Per (case, M): ckpt's OUT, DeepSpeed's reference REF, and what an engine at M holds after
+    loading each (torchrun_deepspeed_reshard.py)."""
+    done = {}
+
+    def get(case: str, world: int, reference: bool = True):
+        if (case, world) in done:
+            return done[(case, world)]
+        tmp = tmp_path_factory.mktemp(f"{case}_{world}")
+        out = tmp / "out"
+        proc = reshard(run_ckpt, DS / case, out, world)
+        assert proc.returncode == 0, proc.stderr
+        universal = tmp / "universal" if reference else "-"
+        if reference:
+            subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                 "--input_folder", str(DS / case / TAG),
+                 "--output_folder", str(universal / f"{TAG}_universal"),
+                 "--inject_missing_state", "--num_extract_workers", "1",
+                 "--num_merge_workers", "1"],
+                check=True, capture_output=True,
+            )
+        held = tmp / "held.pt"
+        proc = run_torchrun(HERE / "torchrun_deepspeed_reshard.py", world, case, DS / case,
+                            universal, tmp / "ref", out, held)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        done[(case, world)] = (out, tmp / "ref", load(held))
+        return done[(case, world)]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [3, 2, 1])
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_zero_to_fp32_of_the_reshard_is_the_original(run_ckpt, tmp_path, case, world):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / case, out, world)
+    assert proc.returncode == 0, proc.stderr
+    want, got = fp32_of(DS / case), fp32_of(out)
+    assert list(want) == list(got)
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, DS / case, out, 3).returncode == 0
+    assert (out / "latest").read_text() == (DS / case / "latest").read_text().strip()
+    names = sorted(p.name for p in (DS / case / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    for name in names:
+        same(load(DS / case / TAG / name), load(out / TAG / name), name)
+
+
+@pytest.mark.parametrize("world", [4, 1])
+@pytest.mark.parametrize("case", ALL_CASES + ["zero0_fp32"])
+def test_ckpt_reads_the_reshard_as_the_original(run_ckpt, tmp_path, case, world):
+    """ckpt's own reader gives the same weights, moments, steps and settings from OUT as from the
+    input, and `verify --deep` finds OUT sound."""
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, DS / case, out, world).returncode == 0
+    proc = run_ckpt("verify", "--deep", out)
+    assert proc.returncode == 0 and "sound" in proc.stdout, proc.stdout + proc.stderr
+    flat = {}
+    for name, src in (("want", DS / case), ("got", out)):
+        pt = tmp_path / f"{name}.pt"
+        proc = run_ckpt("consolidate", src, "-o", pt, "--format", "torch")
+        assert proc.returncode == 0, proc.stderr
+        flat[name] = torch.load(pt, weights_only=True)
+    same(flat["want"], flat["got"])
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_going_through_another_size_gives_the_same_files(run_ckpt, tmp_path, case):
+    """3 -> 4 -> 2 equals 3 -> 2: a resharded checkpoint is as good an input as DeepSpeed's."""
+    direct, four, two = tmp_path / "direct", tmp_path / "four", tmp_path / "two"
+    assert reshard(run_ckpt, DS / case, direct, 2).returncode == 0
+    assert reshard(run_ckpt, DS / case, four, 4).returncode == 0
+    assert len(list((four / TAG).glob("*optim_states.pt"))) == 4
+    assert reshard(run_ckpt, four, two, 2).returncode == 0
+    names = sorted(p.name for p in (direct / TAG).iterdir())
+    assert sorted(p.name for p in (two / TAG).iterdir()) == names
+    for name in names:
+        same(load(direct / TAG / name), load(two / TAG / name), name)
+
+
+@pytest.mark.parametrize("case,world", ENGINE)
+def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
+    out, ref, _ = resumed(case, world)
+    assert (out / "latest").read_text() == TAG
+    names = sorted(p.name for p in (ref / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    assert len([n for n in names if "optim_states" in n]) == world
+    for name in names:
+        want = without_universal_switch(load(ref / TAG / name))
+        got = load(out / TAG / name)
+        if name == "mp_rank_00_model_states.pt":
+            assert got["dp_world_size"] == world
+        same(want, got, name)
+
+
+@pytest.mark.parametrize("case,world", ENGINE)
+def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
+    _, _, held = resumed(case, world)
+    ref, ours = held["ref"], held["ours"]
+    assert len(ours) == world
+    for rank, (want, got) in enumerate(zip(ref, ours)):
+        losses = (want.pop("loss"), got.pop("loss"))
+        # A load keeps the key order of the save: the reference's came through the universal
+        # route's (see `same`).
+        for held_state in (want, got):
+            held_state["state"] = [dict(sorted(s.items())) for s in held_state["state"]]
+        same(want, got, f"rank {rank}")
+        assert torch.allclose(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
+        # Adam's step as loaded (saved after 2 steps); the counters after one more step of M ranks.
+        assert int(got["state"][0]["step"]) == 2
+        assert got["counters"] == [3, 2 * 3 + world, 0]
+
+
+def test_deepspeed_resumes_where_its_own_route_fails(resumed):
+    case, world = "zero2_bf16", 4
+    _, _, held = resumed(case, world, reference=False)
+    ours = held["ours"]
+    assert len(ours) == world
+    saved = [load(p)["optimizer_state_dict"]
+             for p in sorted((DS / case / TAG).glob("*optim_states.pt"))]
+    for g in range(2):
+        # The original's flat group: each rank's partition without its padding, then the moments
+        # cut to the same length.
+        masters = torch.cat([s["single_partition_of_fp32_groups"][g] for s in saved])
+        numel = masters.numel()
+        assert torch.equal(torch.cat([h["fp32"][g] for h in ours])[:numel], masters), g
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = torch.cat([s["base_optimizer_state"]["state"][g][key][:len(
+                s["single_partition_of_fp32_groups"][g])] for s in saved])
+            got = torch.cat([h["state"][g][key] for h in ours])[:numel]
+            assert torch.equal(got, want), (g, key)
+    for h in ours:
+        assert int(h["state"][0]["step"]) == 2 and h["counters"] == [3, 2 * 3 + world, 0]
+        assert all(torch.isfinite(torch.tensor(h["loss"])))
+
+
+@pytest.mark.parametrize("rank,needles", [
+    (1, ["rank 1's file", "missing"]),
+    # The last rank's absence shows only in the others' `partition_count`.
+    (2, ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count", "3"]),
+])
+def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path, rank, needles):
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero2_fp16", src)
+    (src / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode in (1, 2), proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
+
+
+def test_the_zero_to_fp32_script_beside_the_tags_is_carried(run_ckpt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero1_bf16", src)
+    (src / "zero_to_fp32.py").write_text("# DeepSpeed's script\n")
+    out = tmp_path / "out"
+    assert reshard(run_ckpt, src, out, 2).returncode == 0
+    assert (out / "zero_to_fp32.py").read_text() == "# DeepSpeed's script\n"
+
+
+def test_an_existing_output_needs_force(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    proc = reshard(run_ckpt, DS / "zero2_fp16", out, 2)
+    assert proc.returncode == 2 and "already exists" in proc.stderr, proc.stderr
+    assert (out / "keep").exists()
+    proc = reshard(run_ckpt, DS / "zero2_fp16", out, 2, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "keep").exists() and (out / TAG / "mp_rank_00_model_states.pt").exists()
+
+
+def test_zero3_is_refused_as_not_yet(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / "zero3_bf16", out, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert "not yet" in proc.stderr and "ZeRO-3" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("zero1_bf16_optimizer", "BF16_Optimizer"),
+    ("universal", "Universal Checkpoint"),
+])
+def test_layouts_not_written_yet_are_refused(run_ckpt, tmp_path, case, needle):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / case, out, 2)
+    assert proc.returncode == 2 and "not yet" in proc.stderr and needle in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("src,needle", [
+    (DS.parent / "dtypes.safetensors", "not a directory"),
+    (DS.parent / "dcp_zstd", "no `latest` file"),
+])
+def test_an_input_that_is_not_deepspeed_is_refused(run_ckpt, tmp_path, src, needle):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode in (1, 2) and needle in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_stage0_is_the_same_checkpoint_at_any_size(run_ckpt, tmp_path):
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, DS / "zero0_fp32", out, 5)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in (DS / "zero0_fp32" / TAG).iterdir())
+    assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    for name in names:
+        want, got = load(DS / "zero0_fp32" / TAG / name), load(out / TAG / name)
+        if "dp_world_size" in want:
+            assert got["dp_world_size"] == 5
+            want["dp_world_size"] = 5
+        same(want, got, name)

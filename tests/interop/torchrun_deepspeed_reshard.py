@@ -1,0 +1,135 @@
+"""A DeepSpeed engine at M ranks resumes two checkpoints and tells what it holds (for
+test_deepspeed_reshard.py; run with torchrun on CPU, gloo).
+
+    torchrun --nproc_per_node=M torchrun_deepspeed_reshard.py CASE SOURCE UNIVERSAL REF OURS OUT
+
+1. DeepSpeed's own route, the reference: an engine at M loads UNIVERSAL (`ds_to_universal` of
+   SOURCE) with `checkpoint.load_universal`, has what that route loses on 0.19.8 repaired from
+   SOURCE's model states (buffers, frozen parameters), and `save_checkpoint`s REF.
+2. A fresh engine loads REF with a plain `engine.load_checkpoint`, and another loads OURS (ckpt's
+   `reshard --format deepspeed` of SOURCE); each records its fp32 master partitions and Adam's
+   state as loaded, then takes one more training step and records its losses, the loss scaler
+   and the counters.
+
+Rank 0 writes OUT: torch.save of {"ref": [per-rank dict], "ours": [per-rank dict]}. With
+UNIVERSAL `-` step 1 is skipped and there is no "ref".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's CPU backend loads its shared-memory op through torch's extension loader, which
+# wants the venv's ninja on PATH even when the op is already built.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "fixtures"))
+from generate_deepspeed import TAG, Tiny, groups_of  # noqa: E402
+
+
+def engine_for(case: str, universal: bool):
+    stage = int(case[4])
+    dtype = case.split("_", 1)[1]
+    torch.manual_seed(0)
+    model = Tiny()
+    params = dict(model.named_parameters())
+    groups = groups_of(model)
+    optim = torch.optim.AdamW(
+        [{"params": [params[n] for n in groups[0]], "weight_decay": 0.1},
+         {"params": [params[n] for n in groups[1]], "weight_decay": 0.0}],
+        lr=1e-2,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=config)
+    return engine
+
+
+def repair(engine, source: Path) -> None:
+    """Put back what DeepSpeed's universal load leaves out: buffers and frozen parameters, as
+    the source saved them."""
+    saved = torch.load(source / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+    module = saved["module"]
+    with torch.no_grad():
+        for name, buf in engine.module.named_buffers():
+            buf.copy_(module[name])
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                p.copy_(module[name])
+
+
+def held(engine) -> dict:
+    opt = engine.optimizer
+    base = opt.optimizer
+    state = []
+    for group in base.param_groups:
+        s = base.state[group["params"][0]]
+        state.append({k: v.detach().clone() for k, v in s.items()})
+    fp32 = [t.detach().clone() for t in opt.single_partition_of_fp32_groups]
+    scaler = getattr(opt, "loss_scaler", None)
+    torch.manual_seed(100 + dist.get_rank())
+    x = torch.randint(0, 7, (4,))
+    before = engine(x)
+    engine.backward(before)
+    engine.step()
+    after = engine(x)
+    return {
+        "fp32": fp32,
+        "state": state,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
+        "scaler": {k: v for k, v in vars(scaler).items()} if scaler is not None else None,
+        "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
+        "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
+        "frozen": {n: p.detach().clone() for n, p in engine.module.named_parameters()
+                   if not p.requires_grad},
+        "loss": [float(before.detach()), float(after.detach())],
+    }
+
+
+def main() -> None:
+    case, source, universal, ref, ours, out = sys.argv[1:7]
+    deepspeed.init_distributed(dist_backend="gloo")
+    get_accelerator().is_fp16_supported = lambda: True
+    resumes = [("ours", ours)]
+    # UNIVERSAL `-`: no reference (DeepSpeed's route fails at this size).
+    if universal != "-":
+        engine = engine_for(case, universal=True)
+        engine.load_checkpoint(universal, tag=f"{TAG}_universal")
+        repair(engine, Path(source))
+        engine.save_checkpoint(ref, tag=TAG)
+        dist.barrier()
+        resumes.insert(0, ("ref", ref))
+    results = {}
+    for name, path in resumes:
+        engine = engine_for(case, universal=False)
+        loaded, _ = engine.load_checkpoint(path)
+        assert loaded is not None, f"DeepSpeed loaded nothing from {path}"
+        mine = held(engine)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        results[name] = gathered
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
