@@ -509,6 +509,24 @@ def test_parts_into_gcs_give_the_bytes_of_a_single_run(gcs, parts_in, big, tmp_p
     assert_same_state(back, want, case)
 
 
+def test_parts_into_gcs_at_once_commit_once(gcs, parts_in, tmp_path):
+    """Parts started together race for `starting` and `run.json` (created only where none is): one
+    part's uploads win, and one part commits."""
+    src, singles = parts_in
+    dest = "together/model"
+    command, flags, _ = PART_CASES["split"]
+    procs = [
+        start(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, "--part", f"{i}/{N}")
+        for i in range(N)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * N, [e.decode() for _, e in outs]
+    committed = [e.decode() for _, e in outs if b"committed" in e]
+    assert len(committed) == 1, [e.decode() for _, e in outs]
+    assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
+    assert gcs.objects("together/.model.ckpt-parts") == []
+
+
 def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_path):
     """A part killed once it has staged an upload part leaves nothing under the name and no
     marker; run again (its staged parts replaced, by name) and with the others, the bytes are a
