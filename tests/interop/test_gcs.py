@@ -548,22 +548,31 @@ def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_pa
     assert gcs.objects(staging) == []
 
 
-def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, tmp_path):
-    """The committer killed once its first object is composed (the index comes last): a part run
-    again finds the uploads of the objects in place gone (their staged parts deleted) and
-    composes the rest."""
+@pytest.mark.parametrize("when", ["composed", "cleaned"])
+def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, tmp_path, when):
+    """The committer killed once its first object is composed, or once an object's staged parts
+    are deleted too (the index comes last): a part run again composes again what is still staged
+    and takes an upload whose parts are gone, its object in place, for done."""
     src, singles = parts_in
-    dest, staging = "commit-killed/model", "commit-killed/.model.ckpt-parts"
+    dest, staging = f"commit-{when}/model", f"commit-{when}/.model.ckpt-parts"
     for i in range(N - 1):
         proc = part(gcs, src, "split", dest, i)
         assert proc.returncode == 0, proc.stderr
+    run_json = urllib.parse.quote(f"{staging}/run.json", safe="")
+    record = json.loads(gcs.request("GET", f"/download/storage/v1/b/{BUCKET}/o/{run_json}?alt=media"))
+    upload = {u["key"]: u["id"] for u in record["uploads"] if u}
+
+    def gone() -> bool:
+        listed = gcs.objects(f"commit-{when}/")
+        return any(k in listed and not [n for n in listed if n.startswith(upload[k] + "/")] for k in upload)
+
     command, flags, _ = PART_CASES["split"]
     proc = start(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, "--part", f"{N - 1}/{N}")
     deadline = time.monotonic() + 120
-    while not under(gcs, dest):
+    while not (under(gcs, dest) if when == "composed" else gone()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the commit did not start"
-        time.sleep(0.005)
+        time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert f"{staging}/run.json" in gcs.objects(staging), "the commit ended before it could be killed"
