@@ -8,6 +8,8 @@
 //! both, so [`Gcs`] writes with them and leaves reads, listings and deletes to object_store:
 //!
 //! - a whole object is one simple upload: it appears whole or not at all;
+//! - an object created only where there is none (`PutMode::Create`, how the parts of a `--part`
+//!   run agree) is one multipart upload with `ifGenerationMatch=0`, GCS's create-if-absent;
 //! - a multipart upload stages each part as an object of its own under a prefix that is its id
 //!   (the caller's, or `DIR/.NAME.ckpt-parts/TOKEN` beside the destination), as `.../00000`, in
 //!   any order and in parallel; completing it composes them into the destination (32 at a time,
