@@ -8,6 +8,8 @@
 //! both, so [`Gcs`] writes with them and leaves reads, listings and deletes to object_store:
 //!
 //! - a whole object is one simple upload: it appears whole or not at all;
+//! - an object created only where there is none (`PutMode::Create`, how the parts of a `--part`
+//!   run agree) is one multipart upload with `ifGenerationMatch=0`, GCS's create-if-absent;
 //! - a multipart upload stages each part as an object of its own under a prefix that is its id
 //!   (the caller's, or `DIR/.NAME.ckpt-parts/TOKEN` beside the destination), as `.../00000`, in
 //!   any order and in parallel; completing it composes them into the destination (32 at a time,
@@ -18,6 +20,7 @@
 //! `STORAGE_EMULATOR_HOST`, the variable Google's clients read for an emulator, is honoured as
 //! they honour it: requests go to that host, unsigned.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -309,13 +312,17 @@ impl Api {
                                 || status.as_u16() == 429
                                 || status.as_u16() == 408;
                             if !retry {
-                                return Err(if status.as_u16() == 404 {
-                                    object_store::Error::NotFound {
+                                return Err(match status.as_u16() {
+                                    404 => object_store::Error::NotFound {
                                         path: key.to_string(),
                                         source: text.into(),
-                                    }
-                                } else {
-                                    generic(text)
+                                    },
+                                    // Only a create asks for a precondition: the object is there.
+                                    412 => object_store::Error::AlreadyExists {
+                                        path: key.to_string(),
+                                        source: text.into(),
+                                    },
+                                    _ => generic(text),
                                 });
                             }
                             text
@@ -359,6 +366,56 @@ impl Api {
             )
             .await?;
         Ok(put_result(&body))
+    }
+
+    /// Store `payload` as object `key` unless there is one: GCS's create-if-absent
+    /// (`ifGenerationMatch=0`), a `412` when there is ([`object_store::Error::AlreadyExists`]).
+    /// A multipart upload (metadata and bytes in one request): fake-gcs-server ignores the
+    /// precondition on a simple upload and honours it here, as GCS does on both.
+    async fn create(&self, key: &Key, payload: PutPayload) -> object_store::Result<PutResult> {
+        let url = format!(
+            "{}/upload/storage/v1/b/{}/o?uploadType=multipart&ifGenerationMatch=0",
+            self.base,
+            encode(&self.bucket),
+        );
+        // Only small objects (run records, markers, locks) are created so: copies are cheap.
+        let bytes: Vec<u8> = payload.iter().flat_map(|c| c.iter().copied()).collect();
+        let mut boundary = "ckpt-create-if-absent".to_string();
+        while bytes
+            .windows(boundary.len())
+            .any(|w| w == boundary.as_bytes())
+        {
+            boundary.push('-');
+        }
+        let metadata = serde_json::json!({
+            "name": key.as_ref(),
+            "contentType": "application/octet-stream",
+        });
+        let mut body = format!(
+            "--{boundary}\r\ncontent-type: application/json; charset=UTF-8\r\n\r\n{metadata}\r\n\
+             --{boundary}\r\ncontent-type: application/octet-stream\r\n\r\n"
+        )
+        .into_bytes();
+        body.extend_from_slice(&bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let body = Bytes::from(body);
+        let len = body.len();
+        let answer = self
+            .send(
+                &format!("POST {url}"),
+                key,
+                || {
+                    http::Request::post(&url)
+                        .header(
+                            "content-type",
+                            format!("multipart/related; boundary={boundary}"),
+                        )
+                        .header("content-length", len)
+                },
+                || body.clone().into(),
+            )
+            .await?;
+        Ok(put_result(&answer))
     }
 
     /// Compose `sources` (keys of this bucket, in order) into `to`.
@@ -482,11 +539,17 @@ impl ObjectStore for Gcs {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        // ckpt replaces objects without conditions; anything else keeps object_store's request.
-        if matches!(opts.mode, PutMode::Overwrite) && opts.attributes.is_empty() {
-            return self.api.upload(location, payload).await;
+        // ckpt replaces objects, or creates them where none is (the parts of a run agree so);
+        // anything else keeps object_store's request.
+        match opts.mode {
+            PutMode::Overwrite if opts.attributes.is_empty() => {
+                self.api.upload(location, payload).await
+            }
+            PutMode::Create if opts.attributes.is_empty() => {
+                self.api.create(location, payload).await
+            }
+            _ => self.inner.put_opts(location, payload, opts).await,
         }
-        self.inner.put_opts(location, payload, opts).await
     }
 
     async fn put_multipart_opts(
@@ -584,6 +647,22 @@ impl MultipartStore for Gcs {
         if sources.is_empty() {
             return self.api.upload(path, PutPayload::default()).await;
         }
+        // An upload whose parts are gone was completed (its parts deleted after the compose) or
+        // aborted: `NotFound`, as S3 says of an upload id it no longer knows, so that a commit
+        // run again tells a finished upload by its object. A compose would be refused (GCS:
+        // `404`; fake-gcs-server: a `500`, retried in vain).
+        let staged: HashSet<String> = self
+            .inner
+            .list(Some(&stage))
+            .map_ok(|m| m.location.to_string())
+            .try_collect()
+            .await?;
+        if let Some(gone) = sources.iter().find(|s| !staged.contains(*s)) {
+            return Err(object_store::Error::NotFound {
+                path: gone.clone(),
+                source: format!("the upload `{id}` has no staged part `{gone}`").into(),
+            });
+        }
         let (rounds, last) = compose_rounds(&stage, sources);
         for round in rounds {
             stream::iter(round)
@@ -679,8 +758,8 @@ mod tests {
         super::super::remote::block_on(f).unwrap()
     }
 
-    /// A fake-gcs-server process, killed when dropped.
-    struct Emulator(std::process::Child);
+    /// A fake-gcs-server process and its objects' directory, killed and deleted when dropped.
+    struct Emulator(std::process::Child, #[allow(dead_code)] tempfile::TempDir);
 
     impl Drop for Emulator {
         fn drop(&mut self) {
@@ -689,13 +768,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn seventy_parts_compose_in_rounds_on_the_emulator() {
-        // Outputs in the interop tests have at most ten parts of 16 MiB; here 70 small ones take
-        // a round of three staged composites before the last compose.
+    /// A fake-gcs-server on a free port with the bucket `ckpt-test`, and the store for it; `None`
+    /// when the test venv has no emulator.
+    fn emulator() -> Option<(Emulator, Gcs)> {
         let Some(bin) = emulator_binary() else {
             eprintln!("skipped: no fake-gcs-server in .venv (scripts/test installs it)");
-            return;
+            return None;
         };
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -703,7 +781,7 @@ mod tests {
             .port();
         let url = format!("http://127.0.0.1:{port}");
         let data = tempfile::tempdir().unwrap();
-        let _server = Emulator(
+        let server = Emulator(
             std::process::Command::new(bin)
                 .args([
                     "-scheme",
@@ -724,6 +802,7 @@ mod tests {
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .unwrap(),
+            data,
         );
         let gcs = build_with("ckpt-test", RetryConfig::default(), Some(url.clone())).unwrap();
         let create = format!("{url}/storage/v1/b");
@@ -738,7 +817,16 @@ mod tests {
             assert!(tries < 100, "fake-gcs-server did not start: {e}");
             std::thread::sleep(Duration::from_millis(100));
         }
+        Some((server, gcs))
+    }
 
+    #[test]
+    fn seventy_parts_compose_in_rounds_on_the_emulator() {
+        // Outputs in the interop tests have at most ten parts of 16 MiB; here 70 small ones take
+        // a round of three staged composites before the last compose.
+        let Some((_server, gcs)) = emulator() else {
+            return;
+        };
         let key = Key::from("out/x.bin");
         let id = block_on(gcs.create_multipart(&key)).unwrap();
         let mut parts = vec![None; 70];
@@ -756,6 +844,56 @@ mod tests {
         let staged: Vec<ObjectMeta> =
             block_on(gcs.list(Some(&staging(&id).unwrap())).try_collect()).unwrap();
         assert!(staged.is_empty(), "{staged:?}");
+    }
+
+    #[test]
+    fn creates_are_conditional_and_completed_uploads_are_gone_on_the_emulator() {
+        let Some((_server, gcs)) = emulator() else {
+            return;
+        };
+        let create = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        // A payload that holds the multipart body's boundary is framed by another.
+        let first = PutPayload::from("--ckpt-create-if-absent\r\n{}");
+        let key = Key::from("staging/run.json");
+        block_on(gcs.put_opts(&key, first, create.clone())).unwrap();
+        let again = block_on(gcs.put_opts(&key, PutPayload::from("other"), create.clone()));
+        assert!(
+            matches!(again, Err(object_store::Error::AlreadyExists { .. })),
+            "{again:?}"
+        );
+        let got = block_on(async { gcs.get(&key).await?.bytes().await }).unwrap();
+        assert_eq!(&got[..], b"--ckpt-create-if-absent\r\n{}");
+
+        // Parts sent by two processes (the same names, by part number), completed by a third
+        // from their ids; completed again (a commit run again), the upload is gone.
+        let key = Key::from("out/y.bin");
+        let id = block_on(gcs.create_multipart(&key)).unwrap();
+        let ids: Vec<PartId> = (0..3)
+            .map(|k| {
+                let payload = PutPayload::from(format!("part {k};"));
+                block_on(gcs.put_part(&key, &id, k, payload)).unwrap()
+            })
+            .collect();
+        let named: Vec<PartId> = (0..3)
+            .map(|k| PartId {
+                content_id: staging(&id).unwrap().join(format!("{k:05}")).to_string(),
+            })
+            .collect();
+        assert_eq!(
+            ids.iter().map(|p| &p.content_id).collect::<Vec<_>>(),
+            named.iter().map(|p| &p.content_id).collect::<Vec<_>>()
+        );
+        block_on(gcs.complete_multipart(&key, &id, named.clone())).unwrap();
+        let again = block_on(gcs.complete_multipart(&key, &id, named));
+        assert!(
+            matches!(again, Err(object_store::Error::NotFound { .. })),
+            "{again:?}"
+        );
+        let got = block_on(async { gcs.get(&key).await?.bytes().await }).unwrap();
+        assert_eq!(&got[..], b"part 0;part 1;part 2;");
     }
 
     #[test]

@@ -203,7 +203,8 @@ impl Version {
 
 impl Remote {
     /// Store `bytes` as the object unless there is one (a conditional PUT, S3's and Azure's
-    /// `If-None-Match: *`): true when this call created it. Of many callers at once, one does.
+    /// `If-None-Match: *`, GCS's `ifGenerationMatch=0`): true when this call created it. Of many
+    /// callers at once, one does.
     pub(crate) fn put_new(&self, bytes: Vec<u8>) -> Result<bool> {
         let opts = object_store::PutOptions {
             mode: object_store::PutMode::Create,

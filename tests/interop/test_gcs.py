@@ -422,6 +422,180 @@ def test_ctrl_c_deletes_its_staged_parts(gcs, big):
     assert not [n for n in gcs.objects() if "interrupted" in n], gcs.objects()
 
 
+# --- --part I/N into gs:// -------------------------------------------------------------------
+#
+# The parts agree through objects created only where none is (`run.json`, `starting`, the commit
+# lock: uploads with `ifGenerationMatch=0`), and send their upload parts as staged objects named by
+# part number, which the committer composes (as test_s3_parts.py and test_azure_parts.py do for
+# S3 and Azure).
+
+N = 3
+# What each case writes: (command, flags, output name); each share spans several 16 MiB parts.
+PART_CASES = {
+    "split": ("consolidate", ["--max-shard-size", "40MB"], "model"),
+    "dcp": ("reshard", ["--world-size", "4"], "dcp"),
+}
+
+
+@pytest.fixture(scope="module")
+def parts_in(gcs, big, tmp_path_factory):
+    """The 160 MB safetensors in the bucket, and each case's single run (local, from the same
+    bytes), by relative name."""
+    gcs.upload("in/big.safetensors", big)
+    singles = {}
+    for case, (command, flags, name) in PART_CASES.items():
+        out = tmp_path_factory.mktemp(f"single-{case}") / name
+        proc = run(gcs, command, big, "-o", out, *flags)
+        assert proc.returncode == 0, proc.stderr
+        singles[case] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    return f"gs://{BUCKET}/in/big.safetensors", singles
+
+
+def part(gcs, src: str, case: str, dest: str, i: int, *extra):
+    command, flags, _ = PART_CASES[case]
+    return run(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, *extra, "--part", f"{i}/{N}")
+
+
+def fetched(gcs, dest: str, local: Path) -> dict[str, bytes]:
+    return {n: (local / n).read_bytes() for n in download_tree(gcs, dest, local)}
+
+
+def under(gcs, name: str) -> list[str]:
+    """What a reader sees under the output's name (the staging prefix `.NAME.ckpt-parts/` is
+    beside it)."""
+    return [n for n in gcs.objects(name) if n == name or n.startswith(name + "/")]
+
+
+def dcp_load(path: Path, want: dict) -> dict:
+    """`want`'s tensors as torch.distributed.checkpoint.load fills them from the DCP at `path`
+    (one process, no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+@pytest.mark.parametrize("case", list(PART_CASES))
+def test_parts_into_gcs_give_the_bytes_of_a_single_run(gcs, parts_in, big, tmp_path, case):
+    src, singles = parts_in
+    name = PART_CASES[case][2]
+    dest = f"parts-{case}/{name}"
+    for i in range(N):
+        proc = part(gcs, src, case, dest, i)
+        assert proc.returncode == 0, proc.stderr
+        if i < N - 1:
+            assert under(gcs, dest) == [], under(gcs, dest)
+            assert f"{N - 1 - i} of {N} parts still missing" in proc.stderr, proc.stderr
+        else:
+            assert f"all {N} parts done: committed" in proc.stderr, proc.stderr
+    got = fetched(gcs, dest, tmp_path / "parts")
+    assert got.keys() == singles[case].keys()
+    assert [k for k in got if got[k] != singles[case][k]] == []
+    if case == "split":
+        assert "model.safetensors.index.json" in got and len(got) > 2
+    # Nothing staged is left: no run record, marker, lock or part object.
+    assert gcs.objects(f"parts-{case}/.{name}.ckpt-parts") == []
+    from safetensors.torch import load_file
+
+    want = load_file(str(big))
+    if case == "split":
+        back = {}
+        for f in sorted((tmp_path / "parts").glob("*.safetensors")):
+            back.update(load_file(f))
+    else:
+        back = dcp_load(tmp_path / "parts", want)
+    assert_same_state(back, want, case)
+
+
+def test_parts_into_gcs_at_once_commit_once(gcs, parts_in, tmp_path):
+    """Parts started together race for `starting` and `run.json` (created only where none is): one
+    part's uploads win, and one part commits."""
+    src, singles = parts_in
+    dest = "together/model"
+    command, flags, _ = PART_CASES["split"]
+    procs = [
+        start(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, "--part", f"{i}/{N}")
+        for i in range(N)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * N, [e.decode() for _, e in outs]
+    committed = [e.decode() for _, e in outs if b"committed" in e]
+    assert len(committed) == 1, [e.decode() for _, e in outs]
+    assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
+    assert gcs.objects("together/.model.ckpt-parts") == []
+
+
+def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_path):
+    """A part killed once it has staged an upload part leaves nothing under the name and no
+    marker; run again (its staged parts replaced, by name) and with the others, the bytes are a
+    single run's."""
+    src, singles = parts_in
+    dest, staging = "killed-part/model", "killed-part/.model.ckpt-parts"
+    command, flags, _ = PART_CASES["split"]
+    proc = start(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, "--part", f"1/{N}")
+    # A staged upload part: `.model.ckpt-parts/UPLOAD/00003`.
+    wait_for(gcs, proc, "upload part staged", lambda: [n for n in gcs.objects(staging) if n[-5:].isdigit()])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert under(gcs, dest) == []
+    assert [n for n in gcs.objects(staging) if "/done/" in n] == []
+    for i in [1, 0, 2]:
+        again = part(gcs, src, "split", dest, i)
+        assert again.returncode == 0, again.stderr
+    assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
+    assert gcs.objects(staging) == []
+
+
+@pytest.mark.parametrize("when", ["composed", "cleaned"])
+def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, tmp_path, when):
+    """The committer killed once its first object is composed, or once an object's staged parts
+    are deleted too (the index comes last): a part run again composes again what is still staged
+    and takes an upload whose parts are gone, its object in place, for done."""
+    src, singles = parts_in
+    dest, staging = f"commit-{when}/model", f"commit-{when}/.model.ckpt-parts"
+    for i in range(N - 1):
+        proc = part(gcs, src, "split", dest, i)
+        assert proc.returncode == 0, proc.stderr
+    run_json = urllib.parse.quote(f"{staging}/run.json", safe="")
+    record = json.loads(gcs.request("GET", f"/download/storage/v1/b/{BUCKET}/o/{run_json}?alt=media"))
+    upload = {u["key"]: u["id"] for u in record["uploads"] if u}
+
+    def gone() -> bool:
+        listed = gcs.objects(f"commit-{when}/")
+        return any(k in listed and not [n for n in listed if n.startswith(upload[k] + "/")] for k in upload)
+
+    command, flags, _ = PART_CASES["split"]
+    proc = start(gcs, command, src, "-o", f"gs://{BUCKET}/{dest}", *flags, "--part", f"{N - 1}/{N}")
+    deadline = time.monotonic() + 120
+    while not (under(gcs, dest) if when == "composed" else gone()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the commit did not start"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert f"{staging}/run.json" in gcs.objects(staging), "the commit ended before it could be killed"
+    assert f"{dest}/model.safetensors.index.json" not in under(gcs, dest)
+    again = part(gcs, src, "split", dest, 0)
+    assert again.returncode == 0, again.stderr
+    assert f"all {N} parts done: committed" in again.stderr, again.stderr
+    assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
+    assert gcs.objects(staging) == []
+
+
+def test_parts_of_another_plan_refuse_to_mix_in_gcs(gcs, parts_in):
+    src, _ = parts_in
+    dest = "mixed/model"
+    first = part(gcs, src, "split", dest, 0, "--dtype", "bf16")
+    assert first.returncode == 0, first.stderr
+    other = part(gcs, src, "split", dest, 1)
+    assert other.returncode == 2, other.stderr
+    assert "holds a partitioned run of another input, other flags" in other.stderr, other.stderr
+    assert "--dtype bf16" in other.stderr and "hint:" in other.stderr, other.stderr
+    assert under(gcs, dest) == []
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@
 //! `completing.json`: from then on the run needs no share again, and a commit cut short (the
 //! committer killed) is finished by any part run again, from that record. Completing an upload
 //! twice is harmless on Azure (a block list names committed blocks too); on S3 the second try
-//! finds the upload gone and the object in place, which is what it wanted.
+//! finds the upload gone and the object in place, which is what it wanted. On GCS a second
+//! compose of parts still staged makes the same object again, and once any part is deleted the
+//! upload is gone as on S3.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;

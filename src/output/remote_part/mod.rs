@@ -4,8 +4,9 @@
 //! Beside the output `NAME` the parts share the prefix `.NAME.ckpt-parts/`:
 //!
 //! - `run.json`: the run's fingerprint and the multipart upload of every output file. It is
-//!   created with a conditional PUT (`If-None-Match: *`), so of parts starting at once exactly one
-//!   part's uploads win; the others abort theirs and use the winner's. Before that PUT a part
+//!   created with a conditional PUT (`If-None-Match: *`; GCS's `ifGenerationMatch=0`), so of
+//!   parts starting at once exactly one part's uploads win; the others abort theirs and use the
+//!   winner's. Before that PUT a part
 //!   lists the uploads it started in `claims/part-I.json`, so that those of a part killed in
 //!   between are aborted by its rerun or by the commit.
 //!   A part that finds no `run.json` first takes `starting` (a conditional PUT), so that of
@@ -15,7 +16,8 @@
 //!   holds its first byte. A part sends the same part numbers each time it runs: a rerun replaces
 //!   what a killed run sent.
 //! - `done/part-I-of-N.json`: written once the part's uploads are acknowledged, with the ids the
-//!   store gave them (S3 ETags, Azure block ids), the upload parts it held back because a ZIP CRC
+//!   store gave them (S3 ETags, Azure block ids, the names of GCS's staged part objects, which
+//!   any machine may add to an upload), the upload parts it held back because a ZIP CRC
 //!   in them depends on other shares' bytes, and its partial CRCs.
 //! - `commit.lock`: taken with a conditional PUT by a part that found all `N` markers. It re-reads
 //!   them, computes the held-back parts again and patches their CRCs, records every upload part's
@@ -184,20 +186,6 @@ pub fn write_part(
     command: &str,
     opts: &ExecOptions,
 ) -> Result<(PathBuf, u64, usize, Finished)> {
-    if out.to_string_lossy().starts_with("gs://") {
-        // GCS's upload parts are staged objects (src/storage/gcs.rs), which any machine can add
-        // to; but the parts agree through conditional creates, and ckpt's GCS writer does not
-        // make those yet (fake-gcs-server refuses object_store's own, XML API requests).
-        return Err(Error::usage(format!(
-            "--part {part} cannot write into `{}` yet: the parts of a run agree through \
-             conditional creates, which ckpt does not make on GCS",
-            out.display()
-        ))
-        .hint(
-            "run the parts into a local or shared filesystem and copy the output, or run once \
-             without --part (its upload parts already go in parallel)",
-        ));
-    }
     let (remote, name) = upload::output_of(out, input)?;
     let staging = staging_of(&remote.parent(), &name)?;
     // A commit that was cut short: its objects under the name are this run's.
