@@ -8,6 +8,7 @@ nearest even), the rest is the bf16 export's, and transformers loads the directo
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -43,16 +44,17 @@ def small_config(arch: str, intermediate: int = 384):
 MODELS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+@functools.cache
 def build(arch: str, intermediate: int = 384):
     """A model trained for a few steps from a fixed seed on a fixed map of tokens, so that its
     top-1 predictions are decided by a margin, as a trained model's are, rather than by near ties
-    of random logits that any rounding flips."""
+    of random logits that any rounding flips. Built once per session and not changed after."""
     torch.manual_seed(0)
     model = getattr(transformers, MODELS[arch])(small_config(arch, intermediate))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(2)
     for _ in range(60):
-        x = torch.randint(0, 256, (8, 32), generator=g)
+        x = torch.randint(0, 256, (4, 32), generator=g)
         out = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, 256), ((5 * x + 17) % 256).reshape(-1))
         opt.zero_grad()
@@ -226,8 +228,7 @@ def test_partial_edge(tmp_path):
 
 
 def test_fp8_block_needs_hf_config(tmp_path):
-    model = build("llama")
-    hf = hf_dir(model, tmp_path / "hf")
+    hf = hf_dir(build("qwen3"), tmp_path / "hf")
     r = run_ckpt("consolidate", hf, "-o", tmp_path / "out", "--quantize", "fp8-block")
     assert r.returncode == 2, r.stderr
     assert "--hf-config" in r.stderr
