@@ -233,3 +233,30 @@ def test_fp8_block_needs_hf_config(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "--hf-config" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_fp8_block_of_a_lora_merge(tmp_path):
+    """`--merge-lora` with `--quantize fp8-block`: folded, then quantized; the FP8 weights are
+    the reference's quantization of the bf16 merge ckpt writes without `--quantize`."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import save_file
+
+    model = build("llama")
+    hf = hf_dir(model, tmp_path / "hf")
+    torch.manual_seed(3)
+    wrapped = peft.get_peft_model(
+        model,
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False),
+    )
+    try:
+        wrapped.save_pretrained(tmp_path / "adapter")
+        save_file({k: v.contiguous() for k, v in wrapped.state_dict().items()}, tmp_path / "wrapped.safetensors")
+    finally:
+        # `build` hands every test the same model: take the adapter out again.
+        wrapped.unload()
+    adapter = tmp_path / "adapter" / "adapter_config.json"
+    src = tmp_path / "wrapped.safetensors"
+    merged = export(src, tmp_path / "bf16", hf, "--merge-lora", adapter)
+    got = export(src, tmp_path / "fp8", hf, "--merge-lora", adapter, "--quantize", "fp8-block")
+    check_quantized(merged, got)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
