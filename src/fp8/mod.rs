@@ -289,3 +289,6 @@ impl Compute for Fp8Scales {
         Some(DType::F32)
     }
 }
+
+#[cfg(test)]
+mod tests;
