@@ -1380,6 +1380,22 @@ mod tests {
     }
 
     #[test]
+    fn aligned_blocks_take_whole_bands_of_rows() {
+        // 300 rows of 200 one-byte elements: 40 000 bytes a block would take 200 rows; aligned
+        // to 128, it takes 128, and the last block the 44 left.
+        let bs = blocks(&[300, 200], 1, 40_000, 128);
+        let starts: Vec<u64> = bs.iter().map(|(s, _)| s[0]).collect();
+        let rows: Vec<u64> = bs.iter().map(|(_, z)| z[0]).collect();
+        assert_eq!((starts, rows), (vec![0, 128, 256], vec![128, 128, 44]));
+        assert!(bs.iter().all(|(s, z)| s[1] == 0 && z[1] == 200));
+        // Rows wider than a block still come a band at a time, whole.
+        let bs = blocks(&[300, 200], 1, 100, 128);
+        assert_eq!(bs[0], (vec![0, 0], vec![128, 200]));
+        // Many bands fit: a multiple of 128 rows.
+        assert_eq!(blocks(&[1000, 10], 1, 3000, 128)[0].1, vec![256, 10]);
+    }
+
+    #[test]
     fn literals_are_merged_and_get_their_crcs() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out");
