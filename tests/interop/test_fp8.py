@@ -260,3 +260,37 @@ def test_fp8_block_of_a_lora_merge(tmp_path):
     got = export(src, tmp_path / "fp8", hf, "--merge-lora", adapter, "--quantize", "fp8-block")
     check_quantized(merged, got)
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_fp8_block_of_deepseek_v3_from_torchtitan(tmp_path):
+    """DeepSeek-V3 as torchtitan saves it (routed experts stacked on a leading axis): each
+    expert's, shared expert's and latent attention's linear weight is quantized from its view of
+    the stacked f32 source; the router's gate and its bias are not, and are listed by module."""
+    import test_hf_export  # a module object, so that its tests are not collected here again
+
+    model = test_hf_export.build_deepseek(12)
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref)
+    saved = test_hf_export.tensors_of(ref)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in ref.iterdir():
+        if f.suffix == ".json":
+            (hf / f.name).write_bytes(f.read_bytes())
+    test_hf_export.save_torchtitan_deepseek(saved, model.config.num_hidden_layers, tmp_path / "tt")
+    got = export(tmp_path / "tt", tmp_path / "out", hf, "--quantize", "fp8-block")
+    linear = ("_proj.weight", "_proj_with_mqa.weight")
+    quantized = 0
+    for name, w in saved.items():
+        if name.endswith(linear):
+            q, s = reference(w)
+            assert torch.equal(got[name + "_scale_inv"], s), name
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            quantized += 1
+        else:
+            assert torch.equal(got[name], w.to(torch.bfloat16)), name
+    # Layer 0 dense (q_a, q_b, kv_a, kv_b, o, 3 MLP), layers 1-2 with 4 experts and a shared one.
+    assert quantized == 8 + 2 * (5 + 4 * 3 + 3)
+    kept = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.1.mlp.gate" in kept and "model.layers.0.self_attn.kv_a_layernorm" in kept
+    assert not any(m.endswith(("_proj", "_mqa")) for m in kept)
