@@ -294,3 +294,30 @@ def test_fp8_block_of_deepseek_v3_from_torchtitan(tmp_path):
     kept = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "model.layers.1.mlp.gate" in kept and "model.layers.0.self_attn.kv_a_layernorm" in kept
     assert not any(m.endswith(("_proj", "_mqa")) for m in kept)
+
+
+def test_fp8_block_from_and_to_s3_is_the_local_export(tmp_path):
+    """Read from an object store, the bands the scales need are ranged reads of the same
+    objects; written to one, the directory is the local run's."""
+    pytest.importorskip("boto3")
+    import test_s3  # a module object, so that its tests are not collected here again
+
+    model = build("qwen3")
+    hf = hf_dir(model, tmp_path / "hf")
+    app = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    dcp.save(app, checkpoint_id=str(tmp_path / "dcp"))
+    export(tmp_path / "dcp", tmp_path / "local", hf, "--quantize", "fp8-block")
+    server = test_s3.S3Server()
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="ckpt")
+        test_s3.upload_tree(client, tmp_path / "dcp", "ckpt", "dcp")
+        r = test_s3.run(server, "consolidate", "s3://ckpt/dcp", "-o", "s3://ckpt/out", "--hf-config", hf,
+                        "--dtype", "bf16", "--quantize", "fp8-block")
+        assert r.returncode == 0, r.stderr
+        got = tmp_path / "got"
+        got.mkdir()
+        test_s3.download_tree(client, "ckpt", "out", got)
+        test_s3.same_tree(tmp_path / "local", got)
+    finally:
+        server.stop()
