@@ -7,9 +7,9 @@
 //! the quantizer streams: the FP8 weight keeps its source's pieces and asks the executor for
 //! boxes of whole 128-row bands, whose scales it computes from the rows the box holds; the
 //! scales are a tensor of their own, which may land in another file or another `--part`'s
-//! share, so they read their bands again (one band of 128 rows at a time) rather than wait for
-//! the weight's. Memory stays one band per worker; reading the weights twice costs page-cache
-//! reads, not a second pass over the output. The arithmetic is in [`quant`].
+//! share, so they take the scales the weight's boxes computed where those are done, and read
+//! the other bands again (one band of 128 rows at a time) rather than wait for them. Memory
+//! stays one copy block per worker and a few floats per band. The arithmetic is in [`quant`].
 
 pub(crate) mod quant;
 
@@ -95,6 +95,7 @@ fn quantized(t: &Tensor, ckpt: &Checkpoint, io: IoMode) -> Result<(Tensor, Tenso
         rows,
         cols,
         io,
+        computed: Default::default(),
     });
     let mut pieces = t.pieces.clone();
     let inner = t.pieces.computed().cloned();
@@ -160,9 +161,17 @@ struct Weight {
     rows: u64,
     cols: u64,
     io: IoMode,
+    /// Scales of bands the FP8 weight has computed and its scales not yet written, by band:
+    /// the scales' tensor comes after the weight, so it mostly finds its bands here instead of
+    /// reading them again.
+    computed: std::sync::Mutex<std::collections::HashMap<u64, Vec<f32>>>,
 }
 
 impl Weight {
+    fn cache(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Vec<f32>>> {
+        self.computed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The scales of band `band` (rows `128 band ..`), one per 128-column tile, read from the
     /// weight.
     fn band_scales(&self, band: u64) -> Result<Vec<f32>> {
@@ -228,7 +237,9 @@ impl Compute for Fp8Weight {
                     let lo = (b * TILE - r0) * nc * es;
                     let n = TILE.min(r0 + nr - b * TILE);
                     let band = &src[lo as usize..(lo + n * nc * es) as usize];
-                    Ok(quant::band_scales(band, w.dtype, n as usize, nc as usize))
+                    let scales = quant::band_scales(band, w.dtype, n as usize, nc as usize);
+                    w.cache().insert(b, scales.clone());
+                    Ok(scales)
                 }
                 false => w.band_scales(b),
             })
@@ -275,7 +286,11 @@ impl Compute for Fp8Scales {
             return Err(Error::bug("fp8 scales are not written as f32"));
         }
         for (k, band) in (i0..i0 + ni).enumerate() {
-            let scales = self.w.band_scales(band)?;
+            let cached = self.w.cache().remove(&band);
+            let scales = match cached {
+                Some(s) => s,
+                None => self.w.band_scales(band)?,
+            };
             let row = &mut dst[k * nj as usize * 4..(k + 1) * nj as usize * 4];
             for (o, j) in row.chunks_exact_mut(4).zip(j0..j0 + nj) {
                 let s = scales.get(j as usize).copied().unwrap_or(1.0);
