@@ -482,10 +482,7 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
         ),
     };
     if args.quantize.is_some() && args.hf_config.is_none() {
-        return Err(Error::usage(
-            "--quantize fp8-block writes a Hugging Face model directory, so it needs --hf-config",
-        )
-        .hint("pass --hf-config HF: the model directory (or its config.json) of the checkpoint; for a Hugging Face model directory, that directory itself"));
+        return Err(crate::fp8::needs_hf_config());
     }
     let input = Source::new(args.path)?;
     let job = Conversion {

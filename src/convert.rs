@@ -225,10 +225,7 @@ fn quantize(
         return Ok((ckpt, None));
     }
     let Some((cfg, mapping)) = hf else {
-        return Err(Error::usage(
-            "--quantize fp8-block writes a Hugging Face model directory, so it needs --hf-config",
-        )
-        .hint("pass --hf-config HF: the model directory (or its config.json) of the checkpoint; for a Hugging Face model directory, that directory itself"));
+        return Err(crate::fp8::needs_hf_config());
     };
     let linear = mapping
         .placed

@@ -29,6 +29,15 @@ pub(crate) struct Quantized {
     pub not_converted: Vec<String>,
 }
 
+/// The usage error of `--quantize` without `--hf-config`, which the CLI gives before reading
+/// anything and the library gives too.
+pub(crate) fn needs_hf_config() -> Error {
+    Error::usage(
+        "--quantize fp8-block writes a Hugging Face model directory, so it needs --hf-config",
+    )
+    .hint("pass --hf-config HF: the model directory (or its config.json) of the checkpoint; for a Hugging Face model directory, that directory itself")
+}
+
 /// config.json's `quantization_config` for blockwise FP8 with `not_converted` kept.
 pub(crate) fn quantization_config(not_converted: &[String]) -> serde_json::Value {
     serde_json::json!({
