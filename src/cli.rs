@@ -123,6 +123,11 @@ struct ConsolidateArgs {
     /// out as `architectures[0]` has them; training state is left out.
     #[arg(long, value_name = "HF", conflicts_with = "format")]
     hf_config: Option<PathBuf>,
+    /// Quantize the export's linear weights (attention, MLPs, experts): `fp8-block` writes each
+    /// as F8_E4M3 with an F32 `weight_scale_inv` per 128×128 tile, as DeepSeek-V3 and
+    /// Qwen3-FP8 ship; the rest stays in --dtype. Needs --hf-config.
+    #[arg(long, value_enum, value_name = "KIND")]
+    quantize: Option<Quantize>,
     #[command(flatten)]
     lora: LoraArgs,
     #[command(flatten)]
@@ -168,6 +173,12 @@ struct ReshardArgs {
 struct CompletionArgs {
     #[arg(value_enum)]
     shell: clap_complete::Shell,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Quantize {
+    /// Blockwise FP8 (E4M3, 128×128 tiles).
+    Fp8Block,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -472,6 +483,9 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
             OutputKind::Dir,
         ),
     };
+    if args.quantize.is_some() && args.hf_config.is_none() {
+        return Err(crate::fp8::needs_hf_config());
+    }
     let input = Source::new(args.path)?;
     let job = Conversion {
         input: &input,
@@ -480,6 +494,7 @@ fn consolidate(args: ConsolidateArgs, reading: Reading, cancel: &AtomicBool) -> 
         kind,
         lora: &args.lora,
         hf_config: args.hf_config.as_deref(),
+        fp8_block: args.quantize == Some(Quantize::Fp8Block),
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -544,6 +559,7 @@ fn reshard(args: ReshardArgs, reading: Reading, cancel: &AtomicBool) -> Result<i
         kind: OutputKind::Dir,
         lora: &args.lora,
         hf_config: None,
+        fp8_block: false,
         select: &args.select,
         run: &args.run,
         write: &args.write,
@@ -669,6 +685,8 @@ struct Conversion<'a> {
     lora: &'a LoraArgs,
     /// `--hf-config`.
     hf_config: Option<&'a Path>,
+    /// `--quantize fp8-block`.
+    fp8_block: bool,
     select: &'a SelectArgs,
     run: &'a RunArgs,
     write: &'a WriteArgs,
@@ -707,6 +725,7 @@ fn convert(job: &Conversion, target_of: impl FnOnce(&Checkpoint) -> Target) -> R
         strip_prefix: &select.strip_prefix,
         cast,
         hf_config: job.hf_config,
+        fp8_block: job.fp8_block,
         part: write.part,
         force: write.force,
         command_line: write

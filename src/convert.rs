@@ -41,6 +41,8 @@ pub(crate) struct Conversion<'a> {
     pub cast: Option<DType>,
     /// `--hf-config`: export to this Hugging Face model's names, beside its config and tokenizer.
     pub hf_config: Option<&'a Path>,
+    /// `--quantize fp8-block`: the export's linear weights as blockwise FP8 (needs `hf_config`).
+    pub fp8_block: bool,
     /// `--part I/N`: one share of the output's bytes.
     pub part: Option<PartSpec>,
     /// Replace an existing output.
@@ -97,13 +99,14 @@ pub(crate) fn convert(
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
     let (ckpt, hf) = export_hf(ckpt, job.hf_config)?;
+    let (ckpt, quantized) = quantize(ckpt, job, hf.as_ref(), exec_opts)?;
     let target = target_of(&ckpt);
     let opts = PlanOptions { cast: job.cast };
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, job.cast));
     if let Some((cfg, mapping)) = &hf {
-        add_model_files(&mut plan, &ckpt, cfg, job.cast)?;
+        add_model_files(&mut plan, &ckpt, cfg, job.cast, quantized)?;
         plan.notes.extend(left_out_note(mapping));
     }
     if let Some(part) = job.part {
@@ -121,8 +124,9 @@ pub(crate) fn convert(
             crate::fsdp_local::fingerprint("shapes-from", job.shapes_from)?,
         );
         let description = format!(
-            "{description}{}",
-            crate::fsdp_local::fingerprint("hf-config", job.hf_config)?
+            "{description}{}\nfp8-block {}",
+            crate::fsdp_local::fingerprint("hf-config", job.hf_config)?,
+            job.fp8_block
         );
         let description = match job.lora {
             Some((config, adapter)) => format!(
@@ -202,15 +206,50 @@ fn export_hf(
     Ok((ckpt, Some((cfg, mapping))))
 }
 
-/// config.json naming the dtype written and the model directory's other files, into `plan`.
+/// `--quantize fp8-block`: the export's linear weights as FP8 with their scales, and what
+/// config.json's `quantization_config` says of it.
+fn quantize(
+    ckpt: Checkpoint,
+    job: &Conversion,
+    hf: Option<&(HfConfig, Mapping)>,
+    exec_opts: &ExecOptions,
+) -> Result<(Checkpoint, Option<serde_json::Value>)> {
+    if !job.fp8_block {
+        return Ok((ckpt, None));
+    }
+    let Some((cfg, mapping)) = hf else {
+        return Err(crate::fp8::needs_hf_config());
+    };
+    let linear = mapping
+        .placed
+        .iter()
+        .filter(|p| p.linear)
+        .map(|p| p.target.clone())
+        .collect();
+    let (ckpt, q) = crate::fp8::apply(ckpt, &linear, exec_opts.io)?;
+    let mut kept = q.not_converted;
+    // A head tied to the embedding is still a linear module of transformers' model, which
+    // must not be made an FP8 one.
+    if cfg.tied && !kept.iter().any(|m| m == "lm_head") {
+        kept.push("lm_head".to_string());
+    }
+    Ok((ckpt, Some(crate::fp8::quantization_config(&kept))))
+}
+
+/// config.json naming the dtype written (and the quantization, if any) and the model
+/// directory's other files, into `plan`.
 fn add_model_files(
     plan: &mut Plan,
     ckpt: &Checkpoint,
     cfg: &HfConfig,
     cast: Option<DType>,
+    quantization: Option<serde_json::Value>,
 ) -> Result<()> {
     let dtype = cast.unwrap_or_else(|| model_dtype(ckpt));
-    plan.add_literal_file(PathBuf::from(CONFIG_JSON), cfg.json_with_dtype(dtype))?;
+    plan.add_literal_file(
+        PathBuf::from(CONFIG_JSON),
+        cfg.json_with(dtype, quantization),
+    )?;
     for (name, bytes) in cfg.companion_files()? {
         plan.add_literal_file(PathBuf::from(name), bytes)?;
     }

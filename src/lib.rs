@@ -32,6 +32,7 @@ pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod formats;
+pub(crate) mod fp8;
 pub(crate) mod fsdp_local;
 pub mod geometry;
 pub(crate) mod hf_export;

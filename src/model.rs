@@ -223,6 +223,19 @@ pub trait Compute: Send + Sync {
         dst: &mut [u8],
         dst_dtype: DType,
     ) -> Result<()>;
+
+    /// The dtype the tensor is written as whatever `--dtype` says, when the computation fixes
+    /// it (an FP8 weight and its `F32` scales); `None` follows the cast like any tensor.
+    fn out_dtype(&self) -> Option<DType> {
+        None
+    }
+
+    /// Boxes handed to [`Compute::compute`] start and end on multiples of this many rows of
+    /// the region (or at its end), even past the executor's block size: a blockwise quantizer
+    /// computes each 128-row band's scales from the rows the box holds.
+    fn block_rows(&self) -> u64 {
+        1
+    }
 }
 
 /// A shared [`Compute`]; equal only to itself.

@@ -412,6 +412,64 @@ pub fn read_tensors(ckpt: &crate::model::Checkpoint, io: IoMode) -> Result<Vec<V
         .collect()
 }
 
+/// The box at `start` of `sizes` of tensor `ti` of `ckpt`, row-major in the tensor's dtype (or
+/// its computation's), gathered and computed as a copy gathers it: for a step that needs some of
+/// a tensor's values besides the box it is computing (a band of rows for blockwise scales).
+pub fn read_box(
+    ckpt: &crate::model::Checkpoint,
+    ti: usize,
+    start: &[u64],
+    sizes: &[u64],
+    io: IoMode,
+) -> Result<Vec<u8>> {
+    let t = ckpt
+        .tensors
+        .get(ti)
+        .ok_or_else(|| Error::bug(format!("tensor {ti} of {}", ckpt.tensors.len())))?;
+    let one = crate::model::Checkpoint {
+        tensors: vec![t.clone()],
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        root: ckpt.root.clone(),
+        format: ckpt.format,
+        world_size: None,
+        details: Vec::new(),
+    };
+    let target = crate::plan::Target::Safetensors {
+        file_name: "tensors".into(),
+    };
+    let plan = crate::plan::plan(&one, &target, &crate::plan::PlanOptions::default())?;
+    let sources = open_inputs(&plan, io)?;
+    let file = plan.file(0)?;
+    let r = file
+        .regions
+        .first()
+        .ok_or_else(|| Error::bug("a tensor read has no region").tensor(&t.name))?;
+    let u = Unit {
+        file: 0,
+        region: 0,
+        start: start.to_vec(),
+        sizes: sizes.to_vec(),
+    };
+    let rstrides = contiguous_strides(&r.shape);
+    let fills = checked_fills(&plan, r, Some((start, sizes)), &sources)?;
+    let len = numel(sizes).unwrap_or(0) * r.dtype.size() as u64;
+    let mut buf = vec![0u8; len as usize];
+    let mut scratch = Vec::new();
+    fetch_remote(&fills, r, &u, &rstrides, &sources)?;
+    fill_unit(
+        &plan,
+        r,
+        &u,
+        &rstrides,
+        &fills,
+        &sources,
+        &mut buf,
+        &mut scratch,
+    )?;
+    Ok(buf)
+}
+
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
 fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; f.len as usize];
@@ -424,7 +482,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
         let region = bytes
             .get_mut(start..start + len)
             .ok_or_else(|| Error::bug("region outside its file").tensor(&r.name))?;
-        for (begin, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
+        for (begin, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES, align(plan, r)) {
             let u = Unit {
                 file: 0,
                 region: 0,
@@ -540,7 +598,9 @@ fn run_files(
                 }
             }
             let rstrides = contiguous_strides(&r.shape);
-            for (start, sizes) in blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES) {
+            for (start, sizes) in
+                blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES, align(plan, r))
+            {
                 let u = Unit {
                     file: fi,
                     region: ri,
@@ -752,8 +812,10 @@ fn fill_end(fill: &Fill) -> Option<u64> {
 
 /// Split a region of `shape` into boxes whose bytes are contiguous and at most `max_bytes` (or one
 /// row of the innermost dimension). Boxes fix the leading dims, take a range of dim `k` and all of
-/// the dims after it, with `k` the outermost dim whose trailing rows fit.
-fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
+/// the dims after it, with `k` the outermost dim whose trailing rows fit. With `align` above 1
+/// (a computed tensor's [`crate::model::Compute::block_rows`]) boxes take whole rows of dim 0, a
+/// multiple of `align` of them, even where that is more than `max_bytes`.
+fn blocks(shape: &[u64], elem: u64, max_bytes: u64, align: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
     if shape.contains(&0) {
         return Vec::new();
     }
@@ -761,10 +823,16 @@ fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)>
         return vec![(Vec::new(), Vec::new())];
     }
     let strides = contiguous_strides(shape);
-    let k = (0..shape.len())
-        .find(|&d| strides[d].saturating_mul(elem) <= max_bytes)
-        .unwrap_or(shape.len() - 1);
-    let rows_per_block = (max_bytes / strides[k].saturating_mul(elem).max(1)).max(1);
+    let k = match align {
+        0 | 1 => (0..shape.len())
+            .find(|&d| strides[d].saturating_mul(elem) <= max_bytes)
+            .unwrap_or(shape.len() - 1),
+        _ => 0,
+    };
+    let mut rows_per_block = (max_bytes / strides[k].saturating_mul(elem).max(1)).max(1);
+    if align > 1 {
+        rows_per_block = (rows_per_block / align).max(1).saturating_mul(align);
+    }
     let mut out = Vec::new();
     let mut outer = vec![0u64; k];
     loop {
@@ -794,6 +862,11 @@ fn blocks(shape: &[u64], elem: u64, max_bytes: u64) -> Vec<(Vec<u64>, Vec<u64>)>
             outer[d] = 0;
         }
     }
+}
+
+/// The rows a box of region `r` must be a multiple of: its computation's, 1 for a copy.
+fn align(plan: &Plan, r: &Region) -> u64 {
+    plan.computed(r).map_or(1, |(c, _, _)| c.0.block_rows())
 }
 
 /// A decoded item (decompressed, or a piece's elements from an unopened item), keyed by (input
@@ -1295,15 +1368,31 @@ mod tests {
     #[test]
     fn blocks_tile_the_region() {
         let shape = [3, 5, 4];
-        let bs = blocks(&shape, 4, 40);
+        let bs = blocks(&shape, 4, 40, 1);
         // Rows of 4 f32 are 16 bytes; two rows fit in 40 bytes, so k = 1 with 2 rows per block.
         assert_eq!(bs[0], (vec![0, 0, 0], vec![1, 2, 4]));
         assert_eq!(bs[2], (vec![0, 4, 0], vec![1, 1, 4]));
         let total: u64 = bs.iter().map(|(_, s)| s.iter().product::<u64>()).sum();
         assert_eq!(total, 60);
-        assert_eq!(blocks(&[], 4, 40), vec![(vec![], vec![])]);
-        assert!(blocks(&[0, 3], 4, 40).is_empty());
-        assert_eq!(blocks(&[10], 1, 4).len(), 3);
+        assert_eq!(blocks(&[], 4, 40, 1), vec![(vec![], vec![])]);
+        assert!(blocks(&[0, 3], 4, 40, 1).is_empty());
+        assert_eq!(blocks(&[10], 1, 4, 1).len(), 3);
+    }
+
+    #[test]
+    fn aligned_blocks_take_whole_bands_of_rows() {
+        // 300 rows of 200 one-byte elements: 40 000 bytes a block would take 200 rows; aligned
+        // to 128, it takes 128, and the last block the 44 left.
+        let bs = blocks(&[300, 200], 1, 40_000, 128);
+        let starts: Vec<u64> = bs.iter().map(|(s, _)| s[0]).collect();
+        let rows: Vec<u64> = bs.iter().map(|(_, z)| z[0]).collect();
+        assert_eq!((starts, rows), (vec![0, 128, 256], vec![128, 128, 44]));
+        assert!(bs.iter().all(|(s, z)| s[1] == 0 && z[1] == 200));
+        // Rows wider than a block still come a band at a time, whole.
+        let bs = blocks(&[300, 200], 1, 100, 128);
+        assert_eq!(bs[0], (vec![0, 0], vec![128, 200]));
+        // Many bands fit: a multiple of 128 rows.
+        assert_eq!(blocks(&[1000, 10], 1, 3000, 128)[0].1, vec![256, 10]);
     }
 
     #[test]

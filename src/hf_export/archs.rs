@@ -2,7 +2,7 @@
 //! naming, the rows that place a checkpoint's tensors on them (types and matching in
 //! `tables.rs`).
 
-use super::tables::{param, row, Arch, Dim, Param, Row, When};
+use super::tables::{linear, param, row, Arch, Dim, Param, Row, When};
 use super::views::QkvPart;
 use super::views::ViewKind;
 use Dim::*;
@@ -12,37 +12,37 @@ use When::*;
 const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
 const NORM: Param = param("model.norm.weight", &[Hidden], Always);
 const LM_HEAD: Param = param("lm_head.weight", &[Vocab, Hidden], Untied);
-const Q: Param = param(
+const Q: Param = linear(
     "model.layers.{L}.self_attn.q_proj.weight",
     &[QueryRows, Hidden],
     Always,
 );
-const K: Param = param(
+const K: Param = linear(
     "model.layers.{L}.self_attn.k_proj.weight",
     &[KvRows, Hidden],
     Always,
 );
-const V: Param = param(
+const V: Param = linear(
     "model.layers.{L}.self_attn.v_proj.weight",
     &[KvRows, Hidden],
     Always,
 );
-const O: Param = param(
+const O: Param = linear(
     "model.layers.{L}.self_attn.o_proj.weight",
     &[Hidden, QueryRows],
     Always,
 );
-const GATE: Param = param(
+const GATE: Param = linear(
     "model.layers.{L}.mlp.gate_proj.weight",
     &[Inter, Hidden],
     Always,
 );
-const UP: Param = param(
+const UP: Param = linear(
     "model.layers.{L}.mlp.up_proj.weight",
     &[Inter, Hidden],
     Always,
 );
-const DOWN: Param = param(
+const DOWN: Param = linear(
     "model.layers.{L}.mlp.down_proj.weight",
     &[Hidden, Inter],
     Always,
@@ -245,12 +245,12 @@ const TT02_QWEN3: &[Row] = &[
 /// score-correction bias and shared experts in the others.
 const DEEPSEEK_V3_PARAMS: &[Param] = &[
     EMBED,
-    param(
+    linear(
         "model.layers.{L}.self_attn.q_proj.weight",
         &[QkRows, Hidden],
         NoQLora,
     ),
-    param(
+    linear(
         "model.layers.{L}.self_attn.q_a_proj.weight",
         &[QLoraRank, Hidden],
         QLora,
@@ -260,12 +260,12 @@ const DEEPSEEK_V3_PARAMS: &[Param] = &[
         &[QLoraRank],
         QLora,
     ),
-    param(
+    linear(
         "model.layers.{L}.self_attn.q_b_proj.weight",
         &[QkRows, QLoraRank],
         QLora,
     ),
-    param(
+    linear(
         "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
         &[KvARows, Hidden],
         Always,
@@ -275,30 +275,30 @@ const DEEPSEEK_V3_PARAMS: &[Param] = &[
         &[KvLoraRank],
         Always,
     ),
-    param(
+    linear(
         "model.layers.{L}.self_attn.kv_b_proj.weight",
         &[KvBRows, KvLoraRank],
         Always,
     ),
-    param(
+    linear(
         "model.layers.{L}.self_attn.o_proj.weight",
         &[Hidden, VRows],
         Always,
     ),
-    param(GATE.name, &[Inter, Hidden], DenseLayer),
-    param(UP.name, &[Inter, Hidden], DenseLayer),
-    param(DOWN.name, &[Hidden, Inter], DenseLayer),
-    param(
+    linear(GATE.name, &[Inter, Hidden], DenseLayer),
+    linear(UP.name, &[Inter, Hidden], DenseLayer),
+    linear(DOWN.name, &[Hidden, Inter], DenseLayer),
+    linear(
         "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
         &[MoeInter, Hidden],
         MoeLayer,
     ),
-    param(
+    linear(
         "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
         &[MoeInter, Hidden],
         MoeLayer,
     ),
-    param(
+    linear(
         "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
         &[Hidden, MoeInter],
         MoeLayer,
@@ -313,17 +313,17 @@ const DEEPSEEK_V3_PARAMS: &[Param] = &[
         &[Experts],
         MoeLayerIfSaved,
     ),
-    param(
+    linear(
         "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
         &[SharedInter, Hidden],
         MoeLayer,
     ),
-    param(
+    linear(
         "model.layers.{L}.mlp.shared_experts.up_proj.weight",
         &[SharedInter, Hidden],
         MoeLayer,
     ),
-    param(
+    linear(
         "model.layers.{L}.mlp.shared_experts.down_proj.weight",
         &[Hidden, SharedInter],
         MoeLayer,

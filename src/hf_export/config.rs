@@ -359,9 +359,16 @@ impl HfConfig {
         }
     }
 
-    /// config.json as written to the output: the input's, with each dtype field it has
-    /// (`torch_dtype`, transformers 5's `dtype`; `torch_dtype` if neither) naming `dtype`.
+    /// [`HfConfig::json_with`] of no quantization.
+    #[cfg(test)]
     pub(crate) fn json_with_dtype(&self, dtype: DType) -> Vec<u8> {
+        self.json_with(dtype, None)
+    }
+
+    /// config.json as written to the output: the input's, with each dtype field it has
+    /// (`torch_dtype`, transformers 5's `dtype`; `torch_dtype` if neither) naming `dtype`, and
+    /// `quantization` as its `quantization_config` when set.
+    pub(crate) fn json_with(&self, dtype: DType, quantization: Option<Value>) -> Vec<u8> {
         let name = Value::String(dtype.torch_name().trim_start_matches("torch.").to_string());
         let mut json = self.json.clone();
         let mut set = false;
@@ -373,6 +380,9 @@ impl HfConfig {
         }
         if !set {
             json.insert("torch_dtype".into(), name);
+        }
+        if let Some(q) = quantization {
+            json.insert("quantization_config".into(), q);
         }
         let mut out = serde_json::to_vec_pretty(&json).unwrap_or_default();
         out.push(b'\n');

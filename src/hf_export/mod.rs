@@ -39,6 +39,8 @@ pub(crate) struct Placed {
     pub view: ViewKind,
     /// The index of the leading axis an unstacking view takes.
     pub index: Option<u64>,
+    /// The target is a linear layer's weight ([`tables::Param::linear`]).
+    pub linear: bool,
 }
 
 /// An entry of the checkpoint the export leaves out, and why.
@@ -255,6 +257,7 @@ fn place(
             target,
             view: row.view,
             index: None,
+            linear: false,
         });
         return Ok(());
     };
@@ -280,6 +283,7 @@ fn place(
             target: tables::fill(&target, &[(axis, k)]),
             view: row.view,
             index: Some(k),
+            linear: false,
         });
     }
     Ok(())
@@ -366,13 +370,14 @@ fn order_and_check(
                 }
                 continue;
             }
-            let Some(p) = by_target.remove(&name) else {
+            let Some(mut p) = by_target.remove(&name) else {
                 if param.when == When::MoeLayerIfSaved {
                     continue;
                 }
                 return Err(missing(cfg, rows, param, &name, &indices, &saved_layers));
             };
             check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
+            p.linear = param.linear;
             out.push(p);
         }
     }

@@ -130,10 +130,28 @@ pub(crate) struct Param {
     pub name: &'static str,
     pub shape: &'static [Dim],
     pub when: When,
+    /// The weight of a linear layer of attention, an MLP or an expert: what `--quantize
+    /// fp8-block` quantizes (embeddings, the head, norms, biases and routers are not).
+    pub linear: bool,
 }
 
 pub(super) const fn param(name: &'static str, shape: &'static [Dim], when: When) -> Param {
-    Param { name, shape, when }
+    Param {
+        name,
+        shape,
+        when,
+        linear: false,
+    }
+}
+
+/// A [`Param`] that is a linear layer's weight.
+pub(super) const fn linear(name: &'static str, shape: &'static [Dim], when: When) -> Param {
+    Param {
+        name,
+        shape,
+        when,
+        linear: true,
+    }
 }
 
 /// A Hugging Face architecture (`architectures[0]` of config.json) and its name maps.

@@ -473,10 +473,7 @@ pub fn check_dtypes(ckpt: &Checkpoint, target: &Target, opts: &PlanOptions) -> R
             "write plain DCP, which holds every torch dtype: --format dcp",
         ),
     };
-    let out_dtype = |t: &Tensor| match opts.cast {
-        Some(to) if t.dtype.is_float() => to,
-        _ => t.dtype,
-    };
+    let out_dtype = |t: &Tensor| sourcing::out_dtype(t, opts.cast);
     let refused: Vec<&Tensor> = ckpt
         .tensors
         .iter()

@@ -12,6 +12,18 @@ use crate::formats::torch_save;
 use crate::geometry::{self, NdBox};
 use crate::model::{Checkpoint, Encoding, NonTensor, PieceRef, Tensor};
 
+/// The dtype `t` is written as under `cast`: its computation's own ([`crate::model::Compute`]),
+/// else the cast for floating-point tensors.
+pub(super) fn out_dtype(t: &Tensor, cast: Option<DType>) -> DType {
+    if let Some(d) = t.pieces.computed().and_then(|c| c.0.out_dtype()) {
+        return d;
+    }
+    match cast {
+        Some(to) if t.dtype.is_float() => to,
+        _ => t.dtype,
+    }
+}
+
 /// Where each tensor's bytes come from: the checkpoint, its input files numbered once, and an
 /// index of each tensor's pieces. All a [`Region`] needs, and read-only, so rank files can be
 /// planned one at a time long after planning started.
@@ -61,10 +73,7 @@ impl<'a> Sourcing<'a> {
 
     /// The dtype a tensor is written as.
     pub(super) fn out_dtype(&self, t: &Tensor) -> DType {
-        match self.cast {
-            Some(to) if t.dtype.is_float() => to,
-            _ => t.dtype,
-        }
+        out_dtype(t, self.cast)
     }
 
     pub(super) fn out_nbytes(&self, t: &Tensor) -> u64 {
