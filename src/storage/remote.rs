@@ -949,11 +949,16 @@ impl Object {
     }
 
     /// Bytes of a ZIP archive's framing: through the block cache, or just them when the cache is
-    /// crowded (framing is read once, out of order, and read ahead would be wasted).
+    /// crowded (framing is read once, out of order, and read ahead would be wasted). Blocks
+    /// fetched before the cache was crowded still serve: an object's first block, fetched when
+    /// the first objects were opened, holds the framing of its first archive.
     fn read_framing(&self, range: Range<u64>) -> Result<Vec<u8>> {
         let mut v = vec![0u8; (range.end - range.start) as usize];
         if self.crowded() {
-            self.get_exact(range.start, &mut v)?;
+            match self.cached(range.clone()) {
+                Some(blocks) => self.copy_from(&blocks, range.start, &mut v)?,
+                None => self.get_exact(range.start, &mut v)?,
+            }
         } else {
             self.read_at(range.start, &mut v)?;
         }
