@@ -599,7 +599,7 @@ fn reshard_deepspeed(args: &ReshardArgs, reading: Reading) -> Result<i32> {
             "--format deepspeed reads one DeepSpeed checkpoint directory",
         ));
     };
-    let done = crate::formats::deepspeed::reshard(
+    let done = crate::convert::reshard_deepspeed(
         input,
         reading.tag,
         world,

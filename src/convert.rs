@@ -396,3 +396,53 @@ fn convert_part(
         finished,
     })
 }
+
+/// What [`reshard_deepspeed`] wrote.
+#[derive(Clone, Debug)]
+pub(crate) struct DeepSpeedResharded {
+    pub path: PathBuf,
+    pub files: usize,
+    pub bytes: u64,
+    /// The ZeRO stage and the data-parallel size the input was saved at.
+    pub stage: i64,
+    pub from_world: usize,
+}
+
+/// Write the DeepSpeed checkpoint at `input` (`tag` as `--tag`) to the directory `output` as
+/// DeepSpeed's `save_checkpoint` writes it on `world` data-parallel ranks (ZeRO stages 0-2; see
+/// `crate::formats::deepspeed::reshard`). Nothing appears at `output` unless all of it is written; an
+/// existing `output` is replaced only with `force`.
+pub(crate) fn reshard_deepspeed(
+    input: &Path,
+    tag: Option<&str>,
+    world: usize,
+    output: &Path,
+    force: bool,
+) -> Result<DeepSpeedResharded> {
+    if crate::storage::is_remote(input) || crate::storage::is_remote(output) {
+        return Err(Error::usage(
+            "not yet: `--format deepspeed` reads and writes local directories",
+        )
+        .hint("copy the checkpoint to a local disk first"));
+    }
+    if !input.is_dir() {
+        return Err(Error::usage(
+            "`--format deepspeed` rewrites a DeepSpeed checkpoint directory, and this is not a directory",
+        )
+        .file(input)
+        .hint("point ckpt at the directory `engine.save_checkpoint` wrote, or at one tag's directory"));
+    }
+    let plan = crate::formats::deepspeed::reshard::plan(input, tag, world)?;
+    let staging = Staging::prepare(output, input, OutputKind::Dir, force)?;
+    let root = staging.paths(&[PathBuf::new()]).remove(0);
+    let bytes = crate::formats::deepspeed::reshard::write(&plan, &root)?;
+    let path = staging.final_path().to_path_buf();
+    staging.commit()?;
+    Ok(DeepSpeedResharded {
+        path,
+        files: plan.files.len(),
+        bytes,
+        stage: plan.stage,
+        from_world: plan.from_world,
+    })
+}

@@ -139,7 +139,7 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
         path: input.display(),
         ..VerifyReport::default()
     };
-    let unfinished = input.single().and_then(crate::output::part::unfinished);
+    let unfinished = input.single().and_then(crate::output::unfinished);
     if let Some(u) = unfinished {
         let path = input.path();
         let missing = u

@@ -1,5 +1,5 @@
 //! Export to a Hugging Face model (`--hf-config`): a step between reading and planning, like
-//! [`crate::lora`] and [`crate::fsdp_local`], that turns a checkpoint into one holding exactly
+//! the LoRA fold and FSDP1 LOCAL resolution, that turns a checkpoint into one holding exactly
 //! the tensors `architectures[0]` of a Hugging Face config.json names, in its layouts.
 //!
 //! Trainers that do not use transformers' names (torchtitan; Megatron-core next) save

@@ -15,6 +15,15 @@ pub mod remote_part;
 
 pub use local::{leftovers, Staging};
 
+/// The unfinished partitioned run that `path` names, on a filesystem or in an object store: what
+/// `verify` tells of a path that is a run's staging area or an output its parts have not finished.
+pub fn unfinished(path: &std::path::Path) -> Option<part::Unfinished> {
+    if crate::storage::is_remote(path) {
+        return remote_part::unfinished(path);
+    }
+    part::unfinished(path)
+}
+
 /// Whether the output is one file or a directory of files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OutputKind {

@@ -426,12 +426,9 @@ pub struct Unfinished {
     pub output_exists: bool,
 }
 
-/// The unfinished partitioned run that `path` names: the staging area itself, a path inside it,
-/// or an output with a staging area beside it.
+/// The unfinished partitioned run on a filesystem that `path` names: the staging area itself, a
+/// path inside it, or an output with a staging area beside it.
 pub fn unfinished(path: &Path) -> Option<Unfinished> {
-    if crate::storage::is_remote(path) {
-        return super::remote_part::unfinished(path);
-    }
     let abs = std::path::absolute(path).ok()?;
     let is_staging = |p: &Path| {
         p.file_name()

@@ -24,7 +24,7 @@
 //! refused as for any torch.save file.
 
 mod files;
-mod reshard;
+pub(crate) mod reshard;
 mod universal;
 mod zero;
 
@@ -84,61 +84,6 @@ pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     }
     let set = files::Set::list(&tag.dir)?;
     zero::read(&tag, &set)
-}
-
-/// What [`reshard`] wrote.
-#[derive(Clone, Debug)]
-pub(crate) struct Resharded {
-    pub path: PathBuf,
-    pub files: usize,
-    pub bytes: u64,
-    /// The ZeRO stage and the data-parallel size the input was saved at.
-    pub stage: i64,
-    pub from_world: usize,
-}
-
-/// Write the DeepSpeed checkpoint at `input` (`tag` as `--tag`) to the directory `output` as
-/// DeepSpeed's `save_checkpoint` writes it on `world` data-parallel ranks (ZeRO stages 0-2; see
-/// [`reshard`](self::reshard)). Nothing appears at `output` unless all of it is written; an
-/// existing `output` is replaced only with `force`.
-pub(crate) fn reshard(
-    input: &Path,
-    tag: Option<&str>,
-    world: usize,
-    output: &Path,
-    force: bool,
-) -> Result<Resharded> {
-    if storage::is_remote(input) || storage::is_remote(output) {
-        return Err(Error::usage(
-            "not yet: `--format deepspeed` reads and writes local directories",
-        )
-        .hint("copy the checkpoint to a local disk first"));
-    }
-    if !input.is_dir() {
-        return Err(Error::usage(
-            "`--format deepspeed` rewrites a DeepSpeed checkpoint directory, and this is not a directory",
-        )
-        .file(input)
-        .hint("point ckpt at the directory `engine.save_checkpoint` wrote, or at one tag's directory"));
-    }
-    let plan = reshard::plan(input, tag, world)?;
-    let staging = crate::output::local::Staging::prepare(
-        output,
-        input,
-        crate::output::OutputKind::Dir,
-        force,
-    )?;
-    let root = staging.paths(&[PathBuf::new()]).remove(0);
-    let bytes = reshard::write(&plan, &root)?;
-    let path = staging.final_path().to_path_buf();
-    staging.commit()?;
-    Ok(Resharded {
-        path,
-        files: plan.files.len(),
-        bytes,
-        stage: plan.stage,
-        from_world: plan.from_world,
-    })
 }
 
 /// The classes DeepSpeed's files pickle beyond torch.save's own, all read as data: the loss
