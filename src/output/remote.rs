@@ -159,6 +159,21 @@ impl Progress for Forward<'_> {
     }
 }
 
+/// `opts` for the executor writing upload parts into a spool: the same threads, I/O and stop
+/// flag, `progress` for the run's, and no sync (the spool is read back and uploaded, not kept).
+pub(super) fn spool_options<'a>(
+    opts: &ExecOptions<'a>,
+    progress: &'a dyn Progress,
+) -> ExecOptions<'a> {
+    ExecOptions {
+        threads: opts.threads,
+        io: opts.io,
+        progress,
+        cancel: opts.cancel,
+        durable: false,
+    }
+}
+
 /// A sparse file per output file in the temporary directory, removed when dropped.
 pub(super) struct Spool {
     dir: PathBuf,
@@ -369,13 +384,7 @@ pub fn write(
 
     opts.progress.start(plan.data_bytes());
     let forward = Forward(opts.progress);
-    let part_opts = ExecOptions {
-        threads: opts.threads,
-        io: opts.io,
-        progress: &forward,
-        cancel: opts.cancel,
-        durable: false,
-    };
+    let part_opts = spool_options(opts, &forward);
     let inputs = exec::open_inputs(plan, opts.io)?;
     let max_in_flight = in_flight(opts.threads);
     let mut in_flight: VecDeque<(usize, usize, PendingPart)> = VecDeque::new();

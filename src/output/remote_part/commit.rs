@@ -157,13 +157,7 @@ impl Commit<'_> {
         pieces: &[(Piece, usize)],
         ids: &mut Ids,
     ) -> Result<()> {
-        let opts = ExecOptions {
-            threads: self.opts.threads,
-            io: self.opts.io,
-            progress: &exec::NoProgress,
-            cancel: self.opts.cancel,
-            durable: false,
-        };
+        let opts = super::upload::spool_options(self.opts, &exec::NoProgress);
         let spool = Spool::new()?;
         let dest: Vec<PathBuf> = (0..self.plan.file_count()).map(|i| spool.path(i)).collect();
         let inputs = exec::open_inputs(self.plan, self.opts.io)?;

@@ -539,13 +539,7 @@ fn send_share(
     opts: &ExecOptions,
 ) -> Result<Marker> {
     let forward = Forward(opts.progress);
-    let part_opts = ExecOptions {
-        threads: opts.threads,
-        io: opts.io,
-        progress: &forward,
-        cancel: opts.cancel,
-        durable: false,
-    };
+    let part_opts = upload::spool_options(opts, &forward);
     let inputs = exec::open_inputs(plan, opts.io)?;
     let bound = upload::in_flight(opts.threads);
     let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
