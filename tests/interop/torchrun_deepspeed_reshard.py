@@ -129,6 +129,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()
+    # Left to interpreter exit, gloo's threads are torn down in no set order, and a rank can
+    # abort ("terminate called without an active exception") after its work is done.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
