@@ -26,6 +26,7 @@ use crate::part::Share;
 use crate::plan::{FilePlan, Fill, Plan, Region};
 use crate::storage::Access;
 
+mod scatter;
 mod write;
 use write::{
     copy_range, create_output, open_shared_output, start_writeback, write_at, write_literals,
@@ -585,6 +586,20 @@ fn run_files(
             .advance(f.regions.iter().map(Region::nbytes).sum());
         Ok(())
     })?;
+    // Bytes written to each output since its writeback was last started.
+    let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
+    // Regions read from objects are copied input by input where they can be (see `scatter`);
+    // the rest, block by block below.
+    let to = scatter::Destinations {
+        files,
+        outputs,
+        dest,
+        unflushed: &unflushed,
+    };
+    let skip: Vec<bool> = (0..files.len())
+        .map(|fi| assembled[fi] || clip_of(fi).is_some())
+        .collect();
+    let scattered = scatter::copy_input_major(plan, &to, &skip, sources, opts)?;
     let mut units = Vec::new();
     for (fi, (_, f)) in files.iter().enumerate() {
         if assembled[fi] {
@@ -592,6 +607,9 @@ fn run_files(
         }
         let clip = clip_of(fi);
         for (ri, r) in f.regions.iter().enumerate() {
+            if scattered[fi][ri] {
+                continue;
+            }
             if let Some(c) = &clip {
                 if r.offset >= c.end || r.offset + r.nbytes() <= c.start {
                     continue;
@@ -618,8 +636,6 @@ fn run_files(
             }
         }
     }
-    // Bytes written to each output since its writeback was last started.
-    let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
     let run_one = |u: &Unit| {
         if opts.cancel.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Io, "interrupted"));

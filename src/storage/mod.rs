@@ -27,7 +27,7 @@ use memmap2::Mmap;
 use crate::error::{Error, Result};
 
 pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
-pub(crate) use remote::{fetch_window, Remote, BLOCK_BYTES};
+pub(crate) use remote::{fetch_each, fetch_window, Remote, BLOCK_BYTES};
 
 /// URL schemes ckpt reads and writes, served by the same object_store code.
 pub(crate) const SCHEMES: [&str; 3] = ["s3", "gs", "az"];

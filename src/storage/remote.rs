@@ -577,6 +577,37 @@ pub(crate) fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
     Ok(())
 }
 
+/// Fetch each of `ranges` (object, byte range) in one GET, at most `in_flight` at a time across
+/// objects, and hand each to `each` (its index in `ranges`, its bytes) on this thread as it
+/// arrives, in whatever order they come. The bytes are not cached: each range is read once. An
+/// error from `each` stops the run; the GETs still in flight are dropped.
+pub(crate) fn fetch_each(
+    ranges: &[(&Object, Range<u64>)],
+    in_flight: usize,
+    mut each: impl FnMut(usize, Bytes) -> Result<()>,
+) -> Result<()> {
+    block_on(async {
+        let gets = ranges.iter().enumerate().map(|(i, (o, r))| async move {
+            let got =
+                o.at.store
+                    .objects
+                    .get_range(&o.at.key, r.clone())
+                    .await
+                    .map_err(|e| store_error(&o.at.path, e))?;
+            if got.len() as u64 != r.end - r.start {
+                return Err(o.ended_early(r.start + got.len() as u64));
+            }
+            Ok((i, got))
+        });
+        let mut arriving = futures::stream::iter(gets).buffer_unordered(in_flight.max(1));
+        while let Some(got) = arriving.next().await {
+            let (i, bytes) = got?;
+            each(i, bytes)?;
+        }
+        Ok(())
+    })?
+}
+
 /// Sorted ranges with overlapping or adjacent ones (gaps under 64 KiB) merged.
 fn coalesce(mut rs: Vec<Range<u64>>) -> Vec<Range<u64>> {
     rs.sort_by_key(|r| r.start);

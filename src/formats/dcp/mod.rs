@@ -427,8 +427,10 @@ struct Files<'a> {
     /// Leave small remote items unopened ([`OpenItemsWhenCopied`]).
     unopened: bool,
     /// By [`Item::file`]: set once an item of the file opened as a torch.save archive, which
-    /// tells its items from a `serialization_format=SAFETENSORS` file's; only then are its other
-    /// items left unopened.
+    /// tells its items from a `serialization_format=SAFETENSORS` file's. One writer wrote every
+    /// file of a checkpoint in one format, so once any file's item has opened so, the other
+    /// items are left unopened: a checkpoint of 512 rank files is not probed with a GET per file
+    /// before its copy starts (an item that is not an archive after all is an error when copied).
     saved: Vec<OnceLock<()>>,
 }
 
@@ -590,7 +592,7 @@ impl<'a> Files<'a> {
     }
 
     /// The piece of a small plain item in object storage, left unopened ([`Encoding::Saved`])
-    /// when this read allows it and another item of its file has opened as a torch.save archive.
+    /// when this read allows it and an item of the checkpoint has opened as a torch.save archive.
     fn unopened(
         &self,
         item: &Item,
@@ -601,7 +603,7 @@ impl<'a> Files<'a> {
         if !self.unopened
             || zstd
             || item.length > UNOPENED_ITEM_BYTES
-            || self.saved.get(file)?.get().is_none()
+            || !self.saved.iter().any(|s| s.get().is_some())
             || !self.maps.get(file)?.1.is_remote()
         {
             return None;
