@@ -312,10 +312,13 @@ fn run_on(
     let window = (2 * pool.current_num_threads()).max(4);
     let mut digests = Vec::new();
     let mut outcome = ShareOutcome::default();
+    // The streamed writer stops when the run is cancelled or the copy fails: a `.metadata` of
+    // millions of pieces should not be finished for an output that will not be committed.
+    let stop_streamed = AtomicBool::new(false);
     std::thread::scope(|scope| -> Result<()> {
         let writer = scope.spawn(|| -> Result<()> {
             for &i in &streamed {
-                write_streamed(plan, i, &dest[i], opts.durable, opts.cancel)?;
+                write_streamed(plan, i, &dest[i], opts.durable, &stop_streamed)?;
             }
             Ok(())
         });
@@ -365,6 +368,15 @@ fn run_on(
             }
             Ok(())
         })();
+        loop {
+            if copied.is_err() || opts.cancel.load(Ordering::Relaxed) {
+                stop_streamed.store(true, Ordering::Relaxed);
+            }
+            if writer.is_finished() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let written = writer
             .join()
             .unwrap_or_else(|_| Err(Error::bug("the metadata writer stopped")));
