@@ -210,7 +210,7 @@ pub(super) fn files(
             "ZeRO-3 saves model states and optimizer states per rank; the tag holds {} and {from}",
             model.len()
         ))
-        .file(tag_dir)
+        .file(optim[0].path.parent().unwrap_or(tag_dir))
         .hint("every rank's files of one save are needed; copy the missing ones or save again"));
     }
     for source in optim {
