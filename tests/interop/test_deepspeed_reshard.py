@@ -342,6 +342,23 @@ def test_zero3_partitions_that_do_not_add_up_are_named(run_ckpt, tmp_path, what)
     assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
 
 
+def test_zero3_sub_groups_cut_otherwise_at_m_are_refused(run_ckpt, tmp_path):
+    """`sub_group_size` 42: at 3 ranks group 0's pieces (12 + 19 + 11) make one sub-group, as
+    saved, and at 4 (9 + 14 + 9) too; at 2 (18 + 28 + 17) DeepSpeed would cut it in two."""
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero3_fp32", src)
+    for model in (src / TAG).glob("*model_states.pt"):
+        saved = load(model)
+        saved["ds_config"]["zero_optimization"]["sub_group_size"] = 42
+        torch.save(saved, model)
+    assert reshard(run_ckpt, src, tmp_path / "four", 4).returncode == 0
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert "not yet" in proc.stderr and "sub_group_size" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
 def test_the_zero_to_fp32_script_beside_the_tags_is_carried(run_ckpt, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(DS / "zero1_bf16", src)
