@@ -1,7 +1,7 @@
 """`ckpt reshard DSCKPT -o OUT --world-size M --format deepspeed` against DeepSpeed 0.19.8 itself,
 for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks at M = 3
-and M = 1, zero2_fp32 and zero2_bf16 at M = 2, and the ZeRO-3 fixtures (bf16, fp16, fp32) at
-M = 3, 2 and 1:
+and M = 1, zero2_fp32 and zero2_bf16 at M = 2, and the ZeRO-3 fixtures (bf16, fp16, fp32) each
+at M = 3, 2 and 1:
 
 - OUT's files are DeepSpeed's own at M: the reference is DeepSpeed's universal route
   (`ds_to_universal`, an engine at M with `load_universal`, `save_checkpoint`), its losses on
@@ -47,9 +47,9 @@ TAG = "global_step2"
 CASES = ["zero1_bf16", "zero2_fp16"]
 ZERO3 = ["zero3_bf16", "zero3_fp16", "zero3_fp32"]
 # Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, fp32 and a larger world
-# once each; ZeRO-3 in each dtype, at each of M = 3, 2, 1 once.
+# once each; ZeRO-3 in each dtype at M = 3, 2 and 1.
 ENGINE = ([(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
-          + list(zip(ZERO3, (3, 2, 1))))
+          + [(c, m) for c in ZERO3 for m in (3, 2, 1)])
 # Every ZeRO-1/2/3 fixture, for the checks that need no DeepSpeed engine.
 ALL_CASES = [f"zero{s}_{d}" for s in (1, 2, 3) for d in ("bf16", "fp16", "fp32")]
 # Where a save's state dicts are keyed by flat group: stages 1-2 and stage 3.

@@ -9,8 +9,9 @@ test_deepspeed_reshard.py; run with torchrun on CPU, gloo).
    settings and Adam's `step` per group), and `save_checkpoint`s REF.
 2. A fresh engine loads REF with a plain `engine.load_checkpoint`, and another loads OURS (ckpt's
    `reshard --format deepspeed` of SOURCE); each records its fp32 master partitions (with a
-   mask of their real elements: ZeRO-3's padding is left uninitialised) and Adam's state as loaded, then takes one more training step and records its losses, the loss scaler
-   and the counters.
+   mask of their real elements: ZeRO-3's padding is left uninitialised) and Adam's state as
+   loaded, then takes one more training step and records its losses, the loss scaler and the
+   counters.
 
 Rank 0 writes OUT: torch.save of {"ref": [per-rank dict], "ours": [per-rank dict]}. With
 UNIVERSAL `-` step 1 is skipped and there is no "ref".
