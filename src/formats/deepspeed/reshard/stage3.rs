@@ -392,6 +392,12 @@ fn optim_file(
                     fresh.insert(key, runs);
                     tensor
                 }
+                // A flat state the first sub-group lacks: its pieces were never located.
+                None if TensorRef::of(value).is_some_and(|t| !t.sizes.is_empty()) => {
+                    return Err(
+                        first.missing(&format!("`{n}` of sub-group 0 (sub-group {j} holds one)"))
+                    );
+                }
                 // `step` and any other scalar: the same on every rank, carried as saved.
                 None => value.clone(),
             };
