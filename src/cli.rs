@@ -191,7 +191,7 @@ enum FullFormat {
 enum ShardedFormat {
     Dcp,
     DcpSafetensors,
-    /// A DeepSpeed ZeRO checkpoint (input: DeepSpeed, stages 0-2) at `--world-size` ranks.
+    /// A DeepSpeed ZeRO checkpoint (input: DeepSpeed, stages 0-3) at `--world-size` ranks.
     Deepspeed,
 }
 

@@ -409,7 +409,7 @@ pub(crate) struct DeepSpeedResharded {
 }
 
 /// Write the DeepSpeed checkpoint at `input` (`tag` as `--tag`) to the directory `output` as
-/// DeepSpeed's `save_checkpoint` writes it on `world` data-parallel ranks (ZeRO stages 0-2; see
+/// DeepSpeed's `save_checkpoint` writes it on `world` data-parallel ranks (ZeRO stages 0-3; see
 /// `crate::formats::deepspeed::reshard`). Nothing appears at `output` unless all of it is written; an
 /// existing `output` is replaced only with `force`.
 pub(crate) fn reshard_deepspeed(

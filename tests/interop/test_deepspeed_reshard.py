@@ -1,30 +1,36 @@
 """`ckpt reshard DSCKPT -o OUT --world-size M --format deepspeed` against DeepSpeed 0.19.8 itself,
 for the ZeRO-1 (bf16) and ZeRO-2 (fp16, tied + frozen) fixtures saved on 3 CPU ranks at M = 3
-and M = 1, zero2_fp32 and zero2_bf16 at M = 2:
+and M = 1, zero2_fp32 and zero2_bf16 at M = 2, and the ZeRO-3 fixtures (bf16, fp16, fp32) each
+at M = 3, 2 and 1:
 
 - OUT's files are DeepSpeed's own at M: the reference is DeepSpeed's universal route
   (`ds_to_universal`, an engine at M with `load_universal`, `save_checkpoint`), its losses on
   0.19.8 (buffers, frozen parameters) repaired from the source; every file, key, type, shape,
   dtype, storage size and value agree (the reference's `ds_config` also holds the
-  `load_universal` switch it was loaded with, and its Adam state keys come in another order);
+  `load_universal` switch it was loaded with, and its Adam state keys come in another order;
+  ZeRO-3's padding DeepSpeed leaves uninitialised, so there only the parameters' elements are
+  compared, and ckpt's padding must be zeros);
 - a DeepSpeed engine at M (torchrun, gloo, CPU) loads OUT with a plain `load_checkpoint` and
   holds what it holds after loading the reference: fp32 masters, Adam's state, param groups,
   loss scaler, counters, buffers, frozen parameters; one more step gives the same losses;
 - at M = 4, where DeepSpeed's own route fails (its universal load breaks on a rank that holds
   none of a group: the bias group of 11 elements pads to 16, rank 3's 4 are all padding), an
   engine loads OUT and holds the original's fp32 masters and Adam moments, and trains on;
-- the checks that need no engine, on every ZeRO-1/2 fixture: `get_fp32_state_dict_from_zero_
+- the checks that need no engine, on every ZeRO-1/2/3 fixture: `get_fp32_state_dict_from_zero_
   checkpoint(OUT)` is bitwise the original's (M = 3, 2, 1), the same size gives the same files,
-  3 -> 4 -> 2 gives the files of 3 -> 2, ckpt's own reader (`consolidate`, `verify --deep`)
-  finds in OUT what it finds in the input;
-- a missing rank file is an error naming it, with nothing written; an existing OUT is refused
-  without --force; ZeRO-3, BF16_Optimizer and Universal inputs are refused as not yet; stage 0
-  is the same checkpoint at any size.
+  3 -> 4 -> 2 gives the files of 3 -> 2 (the 4-rank source is ckpt's own reshard: DeepSpeed's
+  fixtures are all saved on 3 ranks), ckpt's own reader (`consolidate`, `verify --deep`) finds
+  in OUT what it finds in the input;
+- a missing rank file, or a rank file of another save, is an error naming it, with nothing
+  written; an existing OUT is refused without --force; BF16_Optimizer and Universal inputs are
+  refused as not yet; stage 0 is the same checkpoint at any size.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -39,11 +45,15 @@ HERE = Path(__file__).resolve().parent
 DS = HERE.parents[1] / "fixtures" / "deepspeed"
 TAG = "global_step2"
 CASES = ["zero1_bf16", "zero2_fp16"]
-# Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, and fp32 and a larger
-# world once each.
-ENGINE = [(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
-# Every ZeRO-1/2 fixture, for the checks that need no DeepSpeed engine.
-ALL_CASES = [f"zero{s}_{d}" for s in (1, 2) for d in ("bf16", "fp16", "fp32")]
+ZERO3 = ["zero3_bf16", "zero3_fp16", "zero3_fp32"]
+# Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, fp32 and a larger world
+# once each; ZeRO-3 in each dtype at M = 3, 2 and 1.
+ENGINE = ([(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
+          + [(c, m) for c in ZERO3 for m in (3, 2, 1)])
+# Every ZeRO-1/2/3 fixture, for the checks that need no DeepSpeed engine.
+ALL_CASES = [f"zero{s}_{d}" for s in (1, 2, 3) for d in ("bf16", "fp16", "fp32")]
+# Where a save's state dicts are keyed by flat group: stages 1-2 and stage 3.
+STATE = re.compile(r"\.(base_optimizer_state|optimizer_state_dict)\.state\.")
 
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
@@ -58,31 +68,66 @@ def fp32_of(path: Path) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(path))
 
 
-def same(want, got, where: str = "") -> None:
+def same(want, got, where: str = "", real: dict | None = None) -> None:
     """Equal as DeepSpeed pickled them: types, keys in order, tensors bitwise with their dtype,
-    shape and storage size, objects by their attributes."""
+    shape and storage size, objects by their attributes. A tensor at a path in `real` is
+    compared on the elements its mask marks; `got`'s others (ckpt's padding) must be zeros."""
+    real = real or {}
     if torch.is_tensor(want):
         assert torch.is_tensor(got), where
         assert (want.dtype, want.shape) == (got.dtype, got.shape), where
         assert want.untyped_storage().nbytes() == got.untyped_storage().nbytes(), where
-        assert torch.equal(want, got), where
+        if where in real:
+            mask = real[where]
+            assert torch.equal(want[mask], got[mask]), where
+            assert not got[~mask].any(), (where, "padding not zeros")
+        else:
+            assert torch.equal(want, got), where
         return
     assert type(want) is type(got), (where, type(want), type(got))
     if isinstance(want, dict):
         # The universal route's load fills Adam's state in another key order than training
         # does; ckpt keeps the order of the save it reads.
-        order = sorted if ".base_optimizer_state.state." in where else list
+        order = sorted if STATE.search(where) else list
         assert order(want) == order(got), (where, list(want), list(got))
         for k in want:
-            same(want[k], got[k], f"{where}.{k}")
+            same(want[k], got[k], f"{where}.{k}", real)
     elif isinstance(want, (list, tuple)):
         assert len(want) == len(got), where
         for i, (w, g) in enumerate(zip(want, got)):
-            same(w, g, f"{where}[{i}]")
+            same(w, g, f"{where}[{i}]", real)
     elif hasattr(want, "__dict__") and not isinstance(want, type):
-        same(vars(want), vars(got), where)
+        same(vars(want), vars(got), where, real)
     else:
         assert want == got, (where, want, got)
+
+
+def zero3_real(tag_dir: Path) -> dict:
+    """Per path `same` names, a mask of the elements of a ZeRO-3 save's pieces that are the
+    parameters' (each parameter cut in `ceil(numel / world)`, the last piece's tail padding,
+    which DeepSpeed leaves uninitialised): the flat fp32 groups, Adam's moments, the frozen
+    fragments. Empty for the other stages."""
+    models = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    world = len(models)
+    real = {}
+    for model in models:
+        rank = int(model.name.split("_")[3])
+        saved = load(model)
+
+        def mask(numel: int) -> torch.Tensor:
+            size = math.ceil(numel / world)
+            return torch.arange(rank * size, (rank + 1) * size) < numel
+
+        for name, shape in saved["frozen_param_shapes"].items():
+            real[f"{model.name}.frozen_param_fragments.{name}"] = mask(shape.numel())
+        optim = next(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")).name
+        osd = f"{optim}.optimizer_state_dict"
+        for j, shapes in enumerate(saved["param_shapes"]):
+            m = torch.cat([mask(s.numel()) for s in shapes.values()])
+            real[f"{osd}.fp32_flat_groups[{j}]"] = m
+            for k in ("exp_avg", "exp_avg_sq"):
+                real[f"{osd}.optimizer_state_dict.state.{j}.{k}"] = m
+    return real
 
 
 def load(path: Path):
@@ -148,8 +193,9 @@ def test_same_size_gives_the_same_files(run_ckpt, tmp_path, case):
     assert (out / "latest").read_text() == (DS / case / "latest").read_text().strip()
     names = sorted(p.name for p in (DS / case / TAG).iterdir())
     assert sorted(p.name for p in (out / TAG).iterdir()) == names
+    real = zero3_real(DS / case / TAG)
     for name in names:
-        same(load(DS / case / TAG / name), load(out / TAG / name), name)
+        same(load(DS / case / TAG / name), load(out / TAG / name), name, real)
 
 
 @pytest.mark.parametrize("world", [4, 1])
@@ -191,12 +237,18 @@ def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
     names = sorted(p.name for p in (ref / TAG).iterdir())
     assert sorted(p.name for p in (out / TAG).iterdir()) == names
     assert len([n for n in names if "optim_states" in n]) == world
+    real = zero3_real(ref / TAG)
     for name in names:
         want = without_universal_switch(load(ref / TAG / name))
         got = load(out / TAG / name)
-        if name == "mp_rank_00_model_states.pt":
+        if "model_states" in name:
             assert got["dp_world_size"] == world
-        same(want, got, name)
+        if "optim_states" in name and case in ZERO3:
+            # Each group's Adam `step` its own tensor, as training saves it (DeepSpeed's universal
+            # load shares one among them, which the reference has repaired).
+            steps = [s["step"] for s in got["optimizer_state_dict"]["optimizer_state_dict"]["state"].values()]
+            assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps), name
+        same(want, got, name, real)
 
 
 @pytest.mark.parametrize("case,world", ENGINE)
@@ -206,11 +258,18 @@ def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
     assert len(ours) == world
     for rank, (want, got) in enumerate(zip(ref, ours)):
         losses = (want.pop("loss"), got.pop("loss"))
+        # The flat groups' elements that are parameters (all but ZeRO-3's padding, which
+        # DeepSpeed leaves uninitialised and ckpt writes as zeros).
+        real = {}
+        for g, mask in enumerate(want["real"]):
+            real[f"rank {rank}.fp32[{g}]"] = mask
+            for k in ("exp_avg", "exp_avg_sq"):
+                real[f"rank {rank}.state[{g}].{k}"] = mask
         # A load keeps the key order of the save: the reference's came through the universal
         # route's (see `same`).
         for held_state in (want, got):
             held_state["state"] = [dict(sorted(s.items())) for s in held_state["state"]]
-        same(want, got, f"rank {rank}")
+        same(want, got, f"rank {rank}", real)
         assert torch.allclose(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
         # Adam's step as loaded (saved after 2 steps); the counters after one more step of M ranks.
         assert int(got["state"][0]["step"]) == 2
@@ -240,21 +299,64 @@ def test_deepspeed_resumes_where_its_own_route_fails(resumed):
         assert all(torch.isfinite(torch.tensor(h["loss"])))
 
 
-@pytest.mark.parametrize("rank,needles", [
-    (1, ["rank 1's file", "missing"]),
+@pytest.mark.parametrize("case,gone,needles", [
+    ("zero2_fp16", "zero_pp_rank_1_mp_rank_00_optim_states.pt", ["rank 1's file", "missing"]),
     # The last rank's absence shows only in the others' `partition_count`.
-    (2, ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count", "3"]),
+    ("zero2_fp16", "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+     ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "partition_count", "3"]),
+    ("zero3_bf16", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", ["rank 1's file", "missing"]),
+    ("zero3_bf16", "zero_pp_rank_2_mp_rank_00_model_states.pt", [TAG, "2 and 3"]),
 ])
-def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path, rank, needles):
+def test_a_missing_rank_file_is_named_and_nothing_written(run_ckpt, tmp_path, case, gone, needles):
     src = tmp_path / "src"
-    shutil.copytree(DS / "zero2_fp16", src)
-    (src / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
+    shutil.copytree(DS / case, src)
+    (src / TAG / gone).unlink()
     out = tmp_path / "out"
     proc = reshard(run_ckpt, src, out, 2)
     assert proc.returncode in (1, 2), proc.stderr
     for needle in needles:
         assert needle in proc.stderr, proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
+
+
+@pytest.mark.parametrize("what", ["partition_count", "fp32_flat_groups"])
+def test_zero3_partitions_that_do_not_add_up_are_named(run_ckpt, tmp_path, what):
+    """A rank file of another save: one of 4 ranks (its `partition_count` says so), or one whose
+    flat group is cut short."""
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero3_fp32", src)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if what == "partition_count":
+        four = tmp_path / "four"
+        assert reshard(run_ckpt, DS / "zero3_fp32", four, 4).returncode == 0
+        shutil.copy(four / TAG / name, src / TAG / name)
+    else:
+        saved = load(src / TAG / name)
+        flat = saved["optimizer_state_dict"]["fp32_flat_groups"]
+        flat[0] = flat[0][:-1].clone()
+        torch.save(saved, src / TAG / name)
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode == 1, proc.stderr
+    assert name in proc.stderr and what in proc.stderr, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "something was written"
+
+
+def test_zero3_sub_groups_cut_otherwise_at_m_are_refused(run_ckpt, tmp_path):
+    """`sub_group_size` 42: at 3 ranks group 0's pieces (12 + 19 + 11) make one sub-group, as
+    saved, and at 4 (9 + 14 + 9) too; at 2 (18 + 28 + 17) DeepSpeed would cut it in two."""
+    src = tmp_path / "src"
+    shutil.copytree(DS / "zero3_fp32", src)
+    for model in (src / TAG).glob("*model_states.pt"):
+        saved = load(model)
+        saved["ds_config"]["zero_optimization"]["sub_group_size"] = 42
+        torch.save(saved, model)
+    assert reshard(run_ckpt, src, tmp_path / "four", 4).returncode == 0
+    out = tmp_path / "out"
+    proc = reshard(run_ckpt, src, out, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert "not yet" in proc.stderr and "sub_group_size" in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def test_the_zero_to_fp32_script_beside_the_tags_is_carried(run_ckpt, tmp_path):
@@ -276,14 +378,6 @@ def test_an_existing_output_needs_force(run_ckpt, tmp_path):
     proc = reshard(run_ckpt, DS / "zero2_fp16", out, 2, "--force")
     assert proc.returncode == 0, proc.stderr
     assert not (out / "keep").exists() and (out / TAG / "mp_rank_00_model_states.pt").exists()
-
-
-def test_zero3_is_refused_as_not_yet(run_ckpt, tmp_path):
-    out = tmp_path / "out"
-    proc = reshard(run_ckpt, DS / "zero3_bf16", out, 2)
-    assert proc.returncode == 2, proc.stderr
-    assert "not yet" in proc.stderr and "ZeRO-3" in proc.stderr, proc.stderr
-    assert not out.exists()
 
 
 @pytest.mark.parametrize("case,needle", [

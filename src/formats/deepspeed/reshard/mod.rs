@@ -9,7 +9,8 @@
 //! end does: DeepSpeed pads the group to a multiple of `2 * world` (`nccl_start_alignment_factor`
 //! times the data-parallel size) and cuts it into `world` equal partitions. So each rank file at
 //! the new size is a few runs of the old rank files' bytes plus zeros, copied through a small
-//! buffer ([`super::reshard_write`]); no buffer is ever gathered whole.
+//! buffer ([`super::reshard_write`]); no buffer is ever gathered whole. Stage 3 cuts each
+//! parameter on its own and saves model states per rank: [`stage3`].
 //!
 //! The pickles are read as data ([`pickle::read`], nothing run) and written back with the same
 //! classes (`DynamicLossScaler`, `ZeroStageEnum`, `fragment_address`, `OrderedDict`, torch's
@@ -19,6 +20,7 @@
 //! carried as saved.
 
 mod source;
+mod stage3;
 #[cfg(test)]
 mod tests;
 mod write;
@@ -119,41 +121,31 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
         None => (0, 1),
         Some(first) => {
             let stage = zero_stage(first)?;
-            if stage == 3 {
-                return Err(Error::usage(
-                    "not yet: ckpt writes ZeRO stages 0, 1 and 2 for DeepSpeed; this is a ZeRO-3 checkpoint",
-                )
-                .file(&tag.dir)
-                .hint("reshard it to DCP (`--format dcp`), or use DeepSpeed's `ds_to_universal` and `load_universal`"));
-            }
             (stage, optim.len())
         }
     };
-    let [model_states] = &model[..] else {
-        return Err(Error::invalid(format!(
-            "ZeRO stage {stage} saves one `mp_rank_00_model_states.pt`, the tag holds {}",
-            model.len()
-        ))
-        .file(&tag.dir));
+    let bf16 = set.optim.first().is_some_and(|p| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("bf16_"))
+    });
+    let optim_name = |r: usize| {
+        format!(
+            "{}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            if bf16 { "bf16_" } else { "" }
+        )
     };
-    let groups = match optim.is_empty() {
-        true => None,
-        false => Some(Groups::of(model_states, &optim)?),
-    };
-    files.push(model_file(model_states, groups.as_ref(), &tag_dir, world)?);
-    if let Some(groups) = &groups {
-        check_partitions(&optim, groups)?;
-        let bf16 = set.optim.first().is_some_and(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("bf16_"))
-        });
-        for r in 0..world {
-            let name = format!(
-                "{}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                if bf16 { "bf16_" } else { "" }
-            );
-            files.push(optim_file(&optim, groups, &tag_dir.join(name), r, world)?);
-        }
+    if stage == 3 {
+        files.extend(stage3::files(&model, &optim, &tag_dir, &optim_name, world)?);
+    } else {
+        files.extend(stage012(
+            &model,
+            &optim,
+            &tag,
+            &tag_dir,
+            &optim_name,
+            stage,
+            world,
+        )?);
     }
     files.push(OutFile {
         path: PathBuf::from(LATEST),
@@ -177,6 +169,39 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
         stage,
         from_world,
     })
+}
+
+/// The files of a stage 0, 1 or 2 save at `world` ranks: one model states file and, for stages 1
+/// and 2, optimizer states per rank.
+fn stage012(
+    model: &[Source],
+    optim: &[Source],
+    tag: &Tag,
+    tag_dir: &Path,
+    optim_name: &dyn Fn(usize) -> String,
+    stage: i64,
+    world: usize,
+) -> Result<Vec<OutFile>> {
+    let [model_states] = model else {
+        return Err(Error::invalid(format!(
+            "ZeRO stage {stage} saves one `mp_rank_00_model_states.pt`, the tag holds {}",
+            model.len()
+        ))
+        .file(&tag.dir));
+    };
+    let groups = match optim.is_empty() {
+        true => None,
+        false => Some(Groups::of(model_states, optim)?),
+    };
+    let mut files = vec![model_file(model_states, groups.as_ref(), tag_dir, world)?];
+    if let Some(groups) = &groups {
+        check_partitions(optim, groups)?;
+        for r in 0..world {
+            let path = tag_dir.join(optim_name(r));
+            files.push(optim_file(optim, groups, &path, r, world)?);
+        }
+    }
+    Ok(files)
 }
 
 /// The ZeRO stage a rank's optimizer states record.

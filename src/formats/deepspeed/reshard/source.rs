@@ -88,8 +88,18 @@ impl Source {
         .hint("the file is not a DeepSpeed ZeRO save, or one of a DeepSpeed version ckpt does not know")
     }
 
-    /// The byte offset and element count of a 1-D tensor's data, checked against its record.
+    /// The byte offset and element count of a 1-D fp32 tensor's data, checked against its record.
     pub(super) fn flat(&self, tensor: &Value, what: &str) -> Result<(u64, u64)> {
+        let (offset, numel, elem) = self.flat_any(tensor, what)?;
+        if elem != 4 {
+            return Err(self.missing(&format!("fp32 {what}")));
+        }
+        Ok((offset, numel))
+    }
+
+    /// The byte offset, element count and element size of a 1-D tensor's data (fp32 or 16-bit),
+    /// checked against its record.
+    pub(super) fn flat_any(&self, tensor: &Value, what: &str) -> Result<(u64, u64, u64)> {
         let t = TensorRef::of(tensor).ok_or_else(|| self.missing(what))?;
         let (offset, len) = self
             .storages
@@ -99,13 +109,15 @@ impl Source {
         let [numel] = t.sizes[..] else {
             return Err(self.missing(&format!("flat (1-D) {what}")));
         };
-        if t.elem != 4 {
-            return Err(self.missing(&format!("fp32 {what}")));
-        }
-        let start = t.offset.checked_mul(4);
-        let end = t.offset.checked_add(numel).and_then(|e| e.checked_mul(4));
+        let start = t.offset.checked_mul(t.elem);
+        let end = t
+            .offset
+            .checked_add(numel)
+            .and_then(|e| e.checked_mul(t.elem));
         match (start, end) {
-            (Some(start), Some(end)) if t.stride_one && end <= len => Ok((offset + start, numel)),
+            (Some(start), Some(end)) if t.stride_one && end <= len => {
+                Ok((offset + start, numel, t.elem))
+            }
             _ => Err(Error::invalid(format!(
                 "{what} reaches past its storage record `{}` ({len} bytes)",
                 t.key
@@ -128,11 +140,8 @@ pub(super) struct TensorRef {
 
 impl TensorRef {
     pub(super) fn of(value: &Value) -> Option<TensorRef> {
-        let Value::Object(o) = value else { return None };
-        if o.callable.as_global() != Some(("torch._utils", "_rebuild_tensor_v2")) {
-            return None;
-        }
-        let Value::PersistentId(id) = o.args.first()? else {
+        let args = rebuild_args(value)?;
+        let Value::PersistentId(id) = args.first()? else {
             return None;
         };
         let Value::Tuple(id) = id.as_ref() else {
@@ -150,24 +159,55 @@ impl TensorRef {
                 .map(|i| u64::try_from(i.as_int()?).ok())
                 .collect()
         };
-        let sizes = ints(o.args.get(2)?)?;
-        let strides = ints(o.args.get(3)?)?;
+        let sizes = ints(args.get(2)?)?;
+        let strides = ints(args.get(3)?)?;
         Some(TensorRef {
             key: id.get(2)?.as_str()?.to_string(),
             elem,
-            offset: u64::try_from(o.args.get(1)?.as_int()?).ok()?,
+            offset: u64::try_from(args.get(1)?.as_int()?).ok()?,
             stride_one: sizes.len() == 1 && strides == [1],
             sizes,
         })
     }
 }
 
-/// `template` (an fp32 tensor) as a 1-D tensor of `numel` elements over storage `key` of
+/// The arguments of `_rebuild_tensor_v2(storage, offset, size, stride, ...)` that make `value`:
+/// its own, or those inside the `_rebuild_from_type_v2(func, Tensor, args, state)` that stage 3's
+/// flat groups are pickled through (their `ds_id` attribute is the state).
+fn rebuild_args(value: &Value) -> Option<&[Value]> {
+    let Value::Object(o) = value else { return None };
+    match o.callable.as_global()? {
+        ("torch._utils", "_rebuild_tensor_v2") => Some(&o.args),
+        ("torch._tensor", "_rebuild_from_type_v2") => match o.args.as_slice() {
+            [func, _, Value::Tuple(args), _]
+                if func.as_global() == Some(("torch._utils", "_rebuild_tensor_v2")) =>
+            {
+                Some(args)
+            }
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn rebuild_args_mut(value: &mut Value) -> Option<&mut Vec<Value>> {
+    let Value::Object(o) = value else { return None };
+    match o.callable.as_global()? {
+        ("torch._utils", "_rebuild_tensor_v2") => Some(&mut o.args),
+        ("torch._tensor", "_rebuild_from_type_v2") => match o.args.get_mut(2)? {
+            Value::Tuple(args) => Some(args),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// `template` (a tensor) as a 1-D tensor of `numel` elements over storage `key` of
 /// `storage_numel` elements.
 pub(super) fn flat_tensor(template: &Value, key: &str, numel: u64, storage_numel: u64) -> Value {
     let mut value = template.clone();
-    if let Value::Object(o) = &mut value {
-        if let Some(Value::PersistentId(id)) = o.args.get_mut(0) {
+    if let Some(args) = rebuild_args_mut(&mut value) {
+        if let Some(Value::PersistentId(id)) = args.get_mut(0) {
             if let Value::Tuple(items) = id.as_mut() {
                 if let Some(k) = items.get_mut(2) {
                     *k = Value::Str(key.to_string());
@@ -177,13 +217,13 @@ pub(super) fn flat_tensor(template: &Value, key: &str, numel: u64, storage_numel
                 }
             }
         }
-        if let Some(v) = o.args.get_mut(1) {
+        if let Some(v) = args.get_mut(1) {
             *v = Value::Int(0);
         }
-        if let Some(v) = o.args.get_mut(2) {
+        if let Some(v) = args.get_mut(2) {
             *v = Value::Tuple(vec![Value::Int(numel as i64)]);
         }
-        if let Some(v) = o.args.get_mut(3) {
+        if let Some(v) = args.get_mut(3) {
             *v = Value::Tuple(vec![Value::Int(1)]);
         }
     }

@@ -89,3 +89,107 @@ fn slice_mappings_are_deepspeeds() {
         ]
     );
 }
+
+#[test]
+fn zero3_pieces_match_deepspeed() {
+    use super::stage3::piece;
+    // zero3_*'s fixtures at 3 ranks: `emb.weight` 35, `l1.weight` 55, `l2.weight` 33 give
+    // 12 + 19 + 11 = 42 elements of group 0 per rank, `l1.bias` 11 gives 4; the frozen
+    // `frozen.bias` of 2 gives each rank 1, rank 2's all padding.
+    assert_eq!(piece(35, 3) + piece(55, 3) + piece(33, 3), 42);
+    assert_eq!(piece(11, 3), 4);
+    assert_eq!(piece(2, 3), 1);
+    assert_eq!(piece(0, 4), 0);
+    assert_eq!(piece(11, 1), 11);
+}
+
+#[test]
+fn zero3_sub_groups_count_pieces_at_the_world_size() {
+    use super::stage3::cut_sub_groups;
+    // One sub-group while the pieces fit (DeepSpeed's default limit is 1e9).
+    assert_eq!(cut_sub_groups(&[35, 55, 33], 3, 1_000_000_000), vec![3]);
+    // Pieces of 12, 19, 11 against a limit of 20: a sub-group closes once it reaches the limit.
+    assert_eq!(cut_sub_groups(&[35, 55, 33], 3, 20), vec![2, 1]);
+    // The same parameters at 1 rank: 35, 55, 33 each reach it alone.
+    assert_eq!(cut_sub_groups(&[35, 55, 33], 1, 20), vec![1, 1, 1]);
+    // At 6 ranks the pieces (6, 10, 6) sum to 22, more than 20, but reach it only at the last.
+    assert_eq!(cut_sub_groups(&[35, 55, 33], 6, 20), vec![3]);
+    assert_eq!(cut_sub_groups(&[35, 55, 33], 8, 20), vec![3]);
+}
+
+#[test]
+fn zero3_piece_runs_cover_a_piece_once() {
+    use super::stage3::piece_runs;
+    // `l1.weight` (55) from 3 ranks (pieces of 19 at bytes 100, 200, 300) to 2 (pieces of 28).
+    let sources = [(0, 100), (1, 200), (2, 300)];
+    let mut runs = Vec::new();
+    piece_runs(55, 3, 2, 0, &sources, 4, &mut runs);
+    assert_eq!(
+        runs,
+        vec![
+            Run::Copy {
+                input: 0,
+                offset: 100,
+                len: 19 * 4
+            },
+            Run::Copy {
+                input: 1,
+                offset: 200,
+                len: 9 * 4
+            },
+        ]
+    );
+    // Rank 1 holds elements 28..55: the rest of rank 1's old piece, rank 2's real 17, then
+    // one element of padding.
+    runs.clear();
+    piece_runs(55, 3, 2, 1, &sources, 4, &mut runs);
+    assert_eq!(
+        runs,
+        vec![
+            Run::Copy {
+                input: 1,
+                offset: 200 + 9 * 4,
+                len: 10 * 4
+            },
+            Run::Copy {
+                input: 2,
+                offset: 300,
+                len: 17 * 4
+            },
+            Run::Zeros(4),
+        ]
+    );
+    // 2 bf16 elements over 3 ranks, then 4: ranks 2 and 3 hold only padding, and a rank's old
+    // padding is never copied.
+    let mut runs = Vec::new();
+    piece_runs(2, 3, 4, 1, &sources, 2, &mut runs);
+    assert_eq!(
+        runs,
+        vec![Run::Copy {
+            input: 1,
+            offset: 200,
+            len: 2
+        }]
+    );
+    runs.clear();
+    piece_runs(2, 3, 4, 3, &sources, 2, &mut runs);
+    assert_eq!(runs, vec![Run::Zeros(2)]);
+}
+
+#[test]
+fn zero3_pieces_of_one_old_rank_join() {
+    use super::stage3::piece_runs;
+    // Two parameters whose old pieces lie end to end in rank 0's file (4 then 2 elements), both
+    // kept whole at the same size: one run, not two.
+    let mut runs = Vec::new();
+    piece_runs(8, 2, 2, 0, &[(0, 0), (1, 0)], 4, &mut runs);
+    piece_runs(4, 2, 2, 0, &[(0, 16), (1, 16)], 4, &mut runs);
+    assert_eq!(
+        runs,
+        vec![Run::Copy {
+            input: 0,
+            offset: 0,
+            len: 24
+        }]
+    );
+}
