@@ -369,11 +369,23 @@ def test_deepseek_v3_exports_as_transformers_saves_it(tmp_path, q_lora_rank):
         assert torch.equal(got[k], reference[k]), k
 
 
-@pytest.mark.parametrize("style,tp", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 2)])
-def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style, tp):
+@pytest.mark.parametrize("style,tp,optimizer", [
+    ("llama", 2, None),
+    ("llama", 1, "plain"),
+    ("llama", 2, "distributed"),
+    ("qwen2", 2, "distributed"),
+    ("qwen3", 2, "plain"),
+])
+def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style, tp, optimizer):
     """A megatron-core GPTModel saved by dist_checkpointing (layer-stacked weights, fused QKV per
     query group, [gate; up], a padded vocabulary; with TP=2 each cut over the ranks) gives, through
-    the export, a model whose `from_pretrained` logits are Megatron's own forward's."""
+    the export, a model whose `from_pretrained` logits are Megatron's own forward's. With an
+    optimizer, trained two steps by Megatron's Adam and saved as Megatron-LM's `save_checkpoint`
+    saves (megatron_gpt_save.py): the save root followed to its iteration, and the optimizer's
+    state read and left out of the export: the DistributedOptimizer's per-bucket flat tensors
+    (its fp32 `param` copy among them), or the plain optimizer's `optimizer.state.exp_avg.<model
+    key>` (a model tensor's suffix and shape) and its `common_step` tensor in common.pt. The
+    Qwen2-style model trains in bf16 (Megatron's fp32 main params in the optimizer)."""
     pytest.importorskip("megatron.core")
     import subprocess
     import sys
@@ -383,25 +395,32 @@ def test_megatron_gpt_exports_to_its_own_logits(tmp_path, style, tp):
     launch = [sys.executable]
     if tp > 1:
         launch = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={tp}"]
-    r = subprocess.run([*launch, str(script), style, str(tmp_path)],
+    r = subprocess.run([*launch, str(script), style, str(tmp_path), *([optimizer] if optimizer else [])],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     src = tmp_path / "ckpt"
-    if tp == 1:
-        # As Megatron-LM's save_checkpoint leaves it: the iteration under a save root that
-        # names it, and a non-distributed optimizer's step, a tensor, in common.pt.
-        common = torch.load(src / "common.pt", weights_only=False)
-        common["optimizer"] = {"state": {"common_step": torch.tensor(2)}}
-        torch.save(common, src / "common.pt")
-        (tmp_path / "save").mkdir()
-        src = src.rename(tmp_path / "save" / "iter_0000002")
-        (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("2")
-        src = tmp_path / "save"
+    if optimizer:
+        assert (src / "latest_checkpointed_iteration.txt").read_text() == "2"
         r = run_ckpt("inspect", src, "--json")
         assert r.returncode == 0, r.stderr
         tensors = {t["name"]: t for t in json.loads(r.stdout)["tensors"]}
-        assert tensors["optimizer.state.common_step"]["dtype"] == "I64"
+        state = [n for n in tensors if n.startswith("optimizer.")]
+        if optimizer == "distributed":
+            assert {n.rsplit(".", 1)[1] for n in state} == {"param", "exp_avg", "exp_avg_sq"}
+            assert all(".bucket_idx_" in n for n in state)
+        else:
+            # torch's Adam keeps `step` as a float tensor
+            assert tensors["optimizer.state.common_step"]["shape"] == []
+            trap = "optimizer.state.exp_avg.embedding.word_embeddings.weight"
+            assert tensors[trap]["shape"] == tensors["embedding.word_embeddings.weight"]["shape"]
+        r = run_ckpt("inspect", src, "--hf-config", tmp_path / "hf")
+        assert r.returncode == 0, r.stderr
+        # (names may hold spaces: "dtype_(torch.float32, torch.float32)")
+        left_out = {line.strip().removesuffix("training state").strip()
+                    for line in r.stdout.splitlines() if line.strip().endswith("training state")}
+        assert set(state) <= left_out, set(state) - left_out
     out = export(src, tmp_path / "hf", tmp_path / "out")
+    assert not any(k.startswith("optimizer") for k in tensors_of(out))
     want = torch.load(tmp_path / "logits.pt")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
