@@ -33,8 +33,8 @@ References (each writes a Hugging Face directory OUT):
   fp8-ref IN OUT              prime-rl's streaming blockwise FP8 rule, tensor by tensor: load one
         tensor, for a linear weight of attention or MLP: per 128x128 tile scale = amax / 448 (an
         all-zero tile 1.0), `(x / scale).clamp(-448, 448).to(float8_e4m3fn)`, `<name>_scale_inv`
-        = scale in F32; other tensors as they are; output saved by `save_file` in files of at most
-        1 GB (+ index), so memory holds at most one such file.
+        = scale in F32; other tensors as they are; output saved by `save_file` in files of about 1 GB
+        (one is saved as soon as it reaches 1 GB; + index), so memory holds about one such file.
 
 Checks:
   compare A B [--names N]     tensors of the two HF directories bit for bit (all of them, or N
