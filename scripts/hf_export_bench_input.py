@@ -36,6 +36,9 @@ References (each writes a Hugging Face directory OUT):
         = scale in F32; other tensors as they are; output saved by `save_file` in files of about 1 GB
         (one is saved as soon as it reaches 1 GB; + index), so memory holds about one such file.
 
+With HF_BENCH_SMALL=1 in the environment every command uses a model of a few MB instead (hidden
+256, FFN 320, vocab 1000), for tests/interop/test_hf_export_bench_input.py.
+
 Checks:
   compare A B [--names N]     tensors of the two HF directories bit for bit (all of them, or N
         spread over the model); exit 1 if any differs.
@@ -56,6 +59,10 @@ from pathlib import Path
 import torch
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2048, 16, 8, 128, 5632, 32000
+if os.environ.get("HF_BENCH_SMALL"):
+    # tests/interop/test_hf_export_bench_input.py: the same code on a model of a few MB, an FFN
+    # that is not a multiple of 128 (partial FP8 tiles)
+    DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 320, 1000
 HERE = Path(__file__).resolve().parent
 
 
