@@ -1,0 +1,47 @@
+"""The inputs and torch references of scripts/bench-hf-export (scripts/hf_export_bench_input.py),
+on models of a few MB (HF_BENCH_SMALL=1): torchtitan's own load and `to_hf` accept the torchtitan
+input, and ckpt's export equals each torch converter's bit for bit (the torchtitan Llama's Q/K
+rows permuted, the Megatron TP=2 save's QKV and fc1 split), as the bench checks at 2 GB."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HELPER = Path(__file__).resolve().parents[2] / "scripts" / "hf_export_bench_input.py"
+
+
+def helper(*args, timeout: float = 300) -> None:
+    env = dict(os.environ, HF_BENCH_SMALL="1")
+    proc = subprocess.run([sys.executable, str(HELPER), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_torchtitan_export_equals_convert_to_hf_and_the_whole_model_converter(run_ckpt, tmp_path):
+    helper("tt-input", tmp_path / "in", "--layers", 2)
+    helper("tt-convert", tmp_path / "in" / "ckpt", tmp_path / "convert", "--hf", tmp_path / "in" / "hf")
+    helper("tt-full", tmp_path / "in" / "ckpt", tmp_path / "full", "--hf", tmp_path / "in" / "hf")
+    proc = run_ckpt("consolidate", tmp_path / "in" / "ckpt", "-o", tmp_path / "ckpt", "--hf-config", tmp_path / "in" / "hf")
+    assert proc.returncode == 0, proc.stderr
+    helper("compare", tmp_path / "ckpt", tmp_path / "convert")
+    helper("compare", tmp_path / "ckpt", tmp_path / "full")
+
+
+def test_megatron_tp2_export_equals_the_whole_model_converter(run_ckpt, tmp_path):
+    helper("mg-input", tmp_path / "in", "--layers", 2)
+    helper("mg-full", tmp_path / "in" / "ckpt", tmp_path / "full", "--hf", tmp_path / "in" / "hf")
+    proc = run_ckpt("consolidate", tmp_path / "in" / "ckpt", "-o", tmp_path / "ckpt", "--hf-config", tmp_path / "in" / "hf")
+    assert proc.returncode == 0, proc.stderr
+    helper("compare", tmp_path / "ckpt", tmp_path / "full")
+
+
+def test_fp8_block_equals_the_streaming_torch_quantizer(run_ckpt, tmp_path):
+    helper("hf-input", tmp_path / "in", "--layers", 2)
+    model = tmp_path / "in" / "model"
+    helper("fp8-ref", model, tmp_path / "ref")
+    proc = run_ckpt("consolidate", model, "-o", tmp_path / "ckpt", "--hf-config", model, "--quantize", "fp8-block")
+    assert proc.returncode == 0, proc.stderr
+    helper("compare", tmp_path / "ckpt", tmp_path / "ref")
