@@ -15,25 +15,29 @@ pub(crate) const E4M3_MAX: f32 = 448.0;
 /// The E4M3FN byte nearest to `x`, ties to even, as torch's `.to(torch.float8_e4m3fn)` gives it
 /// (c10's `fp8e4m3fn_from_fp32_value`): NaN, and magnitudes from 480 up, are NaN (0x7f/0xff);
 /// magnitudes in (464, 480) round up to the NaN code too, which callers avoid by clamping.
+#[inline]
 pub(crate) fn e4m3(x: f32) -> u8 {
+    // Without branches, so that the loops over a row vectorise: both codes are computed and one
+    // is picked.
     let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let abs = bits & 0x7fff_ffff;
-    // 480.0: the first magnitude torch does not round into range.
-    if abs >= 0x43f0_0000 {
-        return sign | 0x7f;
-    }
-    // Below 2^-6 the values are subnormal, multiples of 2^-9: scaled by 2^9 (exact) and rounded
-    // to an integer, which is the code (8, the least normal value's, where it rounds up).
-    if abs < 121 << 23 {
-        let m = (f32::from_bits(abs) * 512.0).round_ties_even();
-        return sign | m as u8;
-    }
+    // Below 2^-6 the values are subnormal, multiples of 2^-9: scaled by 2^9 (exact) to below 8,
+    // and rounded to an integer, ties to even, by adding 2^23 (whose float has no fraction bits:
+    // the sum is the rounded value's, in its low mantissa bits). That integer is the code (8,
+    // the least normal value's, where it rounds up).
+    let subnormal = (f32::from_bits(abs) * 512.0 + 8_388_608.0).to_bits() - 0x4b00_0000;
     // Normal: 3 of the f32's 23 mantissa bits kept, nearest even; the carry moves into the
     // exponent, rebiased from 127 to 7.
     let odd = (abs >> 20) & 1;
-    let r = abs + 0x7_ffff + odd - ((127 - 7) << 23);
-    sign | (r >> 20) as u8
+    let normal = abs
+        .wrapping_add(0x7_ffff + odd)
+        .wrapping_sub((127 - 7) << 23)
+        >> 20;
+    let code = if abs < 121 << 23 { subnormal } else { normal };
+    // 480.0: the first magnitude torch does not round into range (NaN's bits are above it).
+    let code = if abs >= 0x43f0_0000 { 0x7f } else { code };
+    (sign | code) as u8
 }
 
 /// The value of an E4M3FN byte.
@@ -62,6 +66,7 @@ pub(crate) fn scale(amax: f32) -> f32 {
 }
 
 /// `x` quantized with `scale`.
+#[inline]
 pub(crate) fn quantize(x: f32, scale: f32) -> u8 {
     e4m3((x / scale).clamp(-E4M3_MAX, E4M3_MAX))
 }
@@ -124,12 +129,17 @@ pub(crate) fn quantize_rows<'s>(
         row_values(src, dtype, cols, i, &mut row);
         let scales = scales_of(i);
         let out = &mut dst[i * cols..(i + 1) * cols];
-        for (j, (o, &x)) in out.iter_mut().zip(&row).enumerate() {
-            let s = scales
-                .get((col0 + j) / TILE as usize)
-                .copied()
-                .unwrap_or(1.0);
-            *o = quantize(x, s);
+        // A tile's run of the row at a time, with its one scale: a loop the compiler vectorises.
+        let tile = TILE as usize;
+        let mut j = 0;
+        while j < cols {
+            let t = (col0 + j) / tile;
+            let end = ((t + 1) * tile - col0).min(cols);
+            let s = scales.get(t).copied().unwrap_or(1.0);
+            for (o, &x) in out[j..end].iter_mut().zip(&row[j..end]) {
+                *o = quantize(x, s);
+            }
+            j = end;
         }
     }
 }
