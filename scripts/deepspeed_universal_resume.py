@@ -11,8 +11,8 @@ and the param groups' settings), UNIVERSAL the `ds_to_universal` of its tag, OUT
 the generator's shapes for --gb/--layers, so each rank allocates only its partition; the optimizer
 is AdamW with the generator's two groups (matrices with weight decay, norms without), bf16, as the
 input was saved. What the universal load leaves out on DeepSpeed 0.19.8 is put back as
-tests/interop/torchrun_deepspeed_reshard.py does: the buffer, each group's settings, a `step` per
-group.
+tests/interop/torchrun_deepspeed_reshard.py does: the buffer (as saved, fp32), each group's
+settings, a `step` per group.
 """
 
 from __future__ import annotations
@@ -100,9 +100,11 @@ def main() -> None:
     # What the universal load leaves out (tests/interop/torchrun_deepspeed_reshard.py, `repair`).
     src = args.source / TAG
     saved = torch.load(src / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False, mmap=True)
-    with torch.no_grad():
-        for name, buf in engine.module.named_buffers():
-            buf.copy_(saved["module"][name])
+    # zero.Init cast the buffer to bf16; the source's is fp32 (as an engine that partitions a
+    # module built outside zero.Init keeps it), so it is put back as saved, dtype included.
+    for name, _ in list(engine.module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        engine.module.get_submodule(owner).register_buffer(leaf, saved["module"][name].clone())
     optim_file = src / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     groups = torch.load(optim_file, weights_only=False, mmap=True)["optimizer_state_dict"]["optimizer_state_dict"]
     base = engine.optimizer.optimizer
