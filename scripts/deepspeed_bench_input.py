@@ -9,7 +9,7 @@ sized so the fp32 master weights are about --gb gigabytes; every size is odd, so
 `ceil(numel / ranks)` split pads the last rank. Per rank: `zero_pp_rank_{r}_mp_rank_00_model_states.pt`
 (the module's 0-size parameter placeholders and a persistent fp32 buffer, `buffer_names`,
 `param_shapes`, empty frozen and shared entries, the counters and `ds_config` a save holds) and `bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt`
-(`fp32_flat_groups` and the inner optimizer's `exp_avg`/`exp_avg_sq` in the same flat layout, one
+(`fp32_flat_groups`, each with its `ds_id`, and the inner optimizer's `exp_avg`/`exp_avg_sq` in the same flat layout, one
 per parameter group: matrices with weight decay, norms without, as training scripts split them),
 with DeepSpeed's own `ZeroStageEnum` and `LossScaler` objects, and the installed DeepSpeed's
 `zero_to_fp32.py` copied beside `latest`, as a real save has. Values are seeded random, so tools
@@ -105,6 +105,13 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
             at += s
     buffer_values = OrderedDict((n, torch.randn(s, generator=gen, dtype=torch.float32)) for n, s in buffers.items())
     full.update(buffer_values)
+    # Each flat fp32 group carries the `ds_id` stage3.py gives it: its first and last parameter's
+    # ds_id (the parameters' order in the module), joined by `_`.
+    ids = {n: i for i, n in enumerate(params)}
+    for g, group in enumerate(groups):
+        names = list(group)
+        for r in range(ranks):
+            flats["w"][r][g].ds_id = f"{ids[names[0]]}_{ids[names[-1]]}"
     for r in range(ranks):
         module = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n in params)
         module.update(buffer_values)

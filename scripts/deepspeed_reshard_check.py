@@ -10,7 +10,7 @@ load_universal, save_checkpoint). Checks, one rank file at a time where it can:
   all three;
 - per rank at M, ckpt's and DeepSpeed's optimizer files hold the same fp32 flat partitions and
   Adam moments on every parameter element (ZeRO-3's padding DeepSpeed leaves uninitialised; ckpt's
-  must be zeros), the same `step` and param-group settings.
+  must be zeros), the same `step`, `ds_id` and param-group settings.
 """
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ def main(inp: Path, ours: Path, theirs: Path) -> None:
                 assert not u[~real].any(), f"rank {r} group {g} {what}: ckpt's padding is not zeros"
                 checked += int(real.sum())
             assert torch.equal(xs["state"][g]["step"], ys["state"][g]["step"]), f"rank {r} group {g}: step"
+            ds_ids = [getattr(t["fp32_flat_groups"][g], "ds_id", None) for t in (x, y)]
+            assert ds_ids[0] == ds_ids[1], f"rank {r} group {g}: ds_id {ds_ids[0]} against DeepSpeed's {ds_ids[1]}"
         settings = [{k: v for k, v in g.items() if k != "params"} for g in xs["param_groups"]]
         assert settings == [{k: v for k, v in g.items() if k != "params"} for g in ys["param_groups"]], \
             f"rank {r}: param groups differ"
         del x, y, xs, ys
     print(f"optimizer files at {m} ranks: ckpt's equal DeepSpeed's on {checked} elements "
-          "(fp32, exp_avg, exp_avg_sq), steps and param groups the same, ckpt's padding zeros")
+          "(fp32, exp_avg, exp_avg_sq), steps, ds_ids and param groups the same, ckpt's padding zeros")
 
 
 if __name__ == "__main__":
