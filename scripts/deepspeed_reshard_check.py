@@ -3,6 +3,8 @@
 
     .venv/bin/python scripts/deepspeed_reshard_check.py INPUT CKPT_OUT DEEPSPEED_OUT
 
+(DEEPSPEED_OUT `-`: only the first check, on ckpt's output.)
+
 INPUT is the ZeRO-3 checkpoint the bench read, CKPT_OUT `ckpt reshard --format deepspeed` of it,
 DEEPSPEED_OUT the save of DeepSpeed's own route (ds_to_universal, an engine at M with
 load_universal, save_checkpoint). Checks, one rank file at a time where it can:
@@ -32,14 +34,18 @@ def tag_dir(root: Path) -> Path:
 
 def main(inp: Path, ours: Path, theirs: Path) -> None:
     want = get_fp32_state_dict_from_zero_checkpoint(str(inp))
-    for name, path in (("ckpt", ours), ("deepspeed", theirs)):
+    outputs = [("ckpt", ours)] + ([("deepspeed", theirs)] if str(theirs) != "-" else [])
+    for name, path in outputs:
         got = get_fp32_state_dict_from_zero_checkpoint(str(path))
         assert sorted(got) == sorted(want), f"{name}: other tensor names"
         diff = [k for k in want if not torch.equal(got[k].contiguous(), want[k].contiguous())]
         assert not diff, f"{name}: zero_to_fp32 differs from the input's at {diff[:5]}"
         del got
-    print(f"zero_to_fp32 of ckpt's output and of DeepSpeed's equals the input's: {len(want)} tensors, bit for bit")
+    print(f"zero_to_fp32 of {' and of '.join(n for n, _ in outputs)}'s output equals the input's: "
+          f"{len(want)} tensors, bit for bit")
     del want
+    if str(theirs) == "-":
+        return
 
     a, b = tag_dir(ours), tag_dir(theirs)
     files = sorted(p.name for p in a.glob("*optim_states.pt"))
