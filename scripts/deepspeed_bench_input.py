@@ -8,8 +8,8 @@ Llama-like shapes (an embedding, per layer q/k/v/o and gate/up/down projections 
 sized so the fp32 master weights are about --gb gigabytes; every size is odd, so ZeRO-3's
 `ceil(numel / ranks)` split pads the last rank. Per rank: `zero_pp_rank_{r}_mp_rank_00_model_states.pt`
 (the module's 0-size parameter placeholders and a persistent fp32 buffer, `buffer_names`,
-`param_shapes`, empty frozen and shared entries) and `bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt`
-(`fp32_flat_groups` and the inner optimizer's `exp_avg`/`exp_avg_sq` in the same flat layout, one
+`param_shapes`, empty frozen and shared entries, the counters and `ds_config` a save holds) and `bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt`
+(`fp32_flat_groups`, each with its `ds_id`, and the inner optimizer's `exp_avg`/`exp_avg_sq` in the same flat layout, one
 per parameter group: matrices with weight decay, norms without, as training scripts split them),
 with DeepSpeed's own `ZeroStageEnum` and `LossScaler` objects, and the installed DeepSpeed's
 `zero_to_fp32.py` copied beside `latest`, as a real save has. Values are seeded random, so tools
@@ -105,6 +105,13 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
             at += s
     buffer_values = OrderedDict((n, torch.randn(s, generator=gen, dtype=torch.float32)) for n, s in buffers.items())
     full.update(buffer_values)
+    # Each flat fp32 group carries the `ds_id` stage3.py gives it: its first and last parameter's
+    # ds_id (the parameters' order in the module), joined by `_`.
+    ids = {n: i for i, n in enumerate(params)}
+    for g, group in enumerate(groups):
+        names = list(group)
+        for r in range(ranks):
+            flats["w"][r][g].ds_id = f"{ids[names[0]]}_{ids[names[-1]]}"
     for r in range(ranks):
         module = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n in params)
         module.update(buffer_values)
@@ -117,10 +124,16 @@ def write(outdir: Path, params: "OrderedDict[str, torch.Size]", ranks: int, seed
             "shared_params": {},
             "frozen_param_fragments": OrderedDict(),
             "lr_scheduler": None,
+            "data_sampler": None,
+            "random_ltd": None,
+            "skipped_steps": 0,
             "global_steps": 100,
+            "global_samples": 100 * ranks,
             "dp_world_size": ranks,
             "mp_world_size": 1,
-            "ds_config": {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}},
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "ds_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                          "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}},
             "ds_version": "0.19.8",
         }
         torch.save(model_states, tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
