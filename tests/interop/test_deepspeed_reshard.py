@@ -165,8 +165,15 @@ def resumed(tmp_path_factory, run_ckpt):
                 check=True, capture_output=True,
             )
         held = tmp / "held.pt"
-        proc = run_torchrun(HERE / "torchrun_deepspeed_reshard.py", world, case, DS / case,
-                            universal, tmp / "ref", out, held)
+        for attempt in range(2):
+            shutil.rmtree(tmp / "ref", ignore_errors=True)
+            proc = run_torchrun(HERE / "torchrun_deepspeed_reshard.py", world, case, DS / case,
+                                universal, tmp / "ref", out, held)
+            # A rank of DeepSpeed's CPU engine aborting in C++ with nothing raised (see
+            # torchrun_deepspeed_reshard.py; 2 runs in about 60) is run once more; any other
+            # failure, or the same twice, fails the test.
+            if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+                break
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         done[(case, world)] = (out, tmp / "ref", load(held))
         return done[(case, world)]
