@@ -28,9 +28,7 @@ use crate::storage::Access;
 
 mod scatter;
 mod write;
-use write::{
-    copy_range, create_output, open_shared_output, start_writeback, write_at, write_literals,
-};
+use write::{create_output, open_shared_output, start_writeback, write_at, write_literals};
 
 /// Largest destination run one work unit gathers.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -1278,7 +1276,7 @@ fn copy_direct(
     crc: bool,
 ) -> Result<u32> {
     if !crc {
-        copy_range(src, src_offset, out, out_path, dest_offset, len)?;
+        src.copy_to(src_offset, out, out_path, dest_offset, len)?;
         return Ok(0);
     }
     let mapped = src.map().and_then(|map| {
@@ -1287,7 +1285,7 @@ fn copy_direct(
     });
     if let Some(bytes) = mapped {
         let crc = crc32fast::hash(bytes);
-        copy_range(src, src_offset, out, out_path, dest_offset, len)?;
+        src.copy_to(src_offset, out, out_path, dest_offset, len)?;
         return Ok(crc);
     }
     BUFFERS.with(|bufs| {

@@ -1,7 +1,7 @@
 //! Writing outputs: creating a destination at its length, literal runs with their CRCs, a block
-//! from memory (through a pipe, which this VM copies far cheaper than `pwrite`), a range copied by
-//! the kernel (`copy_file_range`), and writeback started as the run goes. Only system calls on the
-//! output side; what to write comes from the plan in [`super`].
+//! from memory (through a pipe, which this VM copies far cheaper than `pwrite`), and writeback
+//! started as the run goes (a range the kernel copies is the input's: `Input::copy_to`). Only
+//! system calls on the output side; what to write comes from the plan in [`super`].
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -9,8 +9,6 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::Source;
-use super::BLOCK_BYTES;
 use crate::error::{Error, Result};
 use crate::plan::FilePlan;
 
@@ -242,65 +240,4 @@ pub(super) fn start_writeback(file: &File) {
     unsafe {
         libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
     }
-}
-
-/// `copy_file_range(2)` in a loop, falling back to read + write where the kernel refuses (other
-/// filesystems, old kernels).
-pub(super) fn copy_range(
-    src: &Source,
-    mut src_offset: u64,
-    out: &File,
-    out_path: &Path,
-    mut dest_offset: u64,
-    len: u64,
-) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let file_in = src
-        .file()
-        .ok_or_else(|| Error::bug("a kernel copy from an object").file(src.path()))?;
-    let mut left = len;
-    while left > 0 {
-        let mut off_in = src_offset as libc::loff_t;
-        let mut off_out = dest_offset as libc::loff_t;
-        let chunk = left.min(1 << 30) as usize;
-        // SAFETY: both descriptors are open for the duration of the call and the offsets are
-        // plain integers the kernel updates; no memory of ours is read or written.
-        let n = unsafe {
-            libc::copy_file_range(
-                file_in.as_raw_fd(),
-                &mut off_in,
-                out.as_raw_fd(),
-                &mut off_out,
-                chunk,
-                0,
-            )
-        };
-        if n > 0 {
-            src_offset += n as u64;
-            dest_offset += n as u64;
-            left -= n as u64;
-            continue;
-        }
-        if n == 0 {
-            return Err(
-                Error::invalid("file ended early: did it change during the run?")
-                    .file(src.path())
-                    .at(src_offset),
-            );
-        }
-        let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
-                let mut buf = vec![0u8; left.min(BLOCK_BYTES) as usize];
-                src.read_at(src_offset, &mut buf)?;
-                out.write_all_at(&buf, dest_offset)
-                    .map_err(|e| Error::io(out_path, e).at(dest_offset))?;
-                src_offset += buf.len() as u64;
-                dest_offset += buf.len() as u64;
-                left -= buf.len() as u64;
-            }
-            _ => return Err(Error::io(out_path, err).at(dest_offset)),
-        }
-    }
-    Ok(())
 }

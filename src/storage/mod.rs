@@ -29,6 +29,9 @@ use crate::error::{Error, Result};
 pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
 pub(crate) use remote::{fetch_each, fetch_window, Remote, BLOCK_BYTES};
 
+/// Largest buffer [`Input::copy_to`] reads through where the kernel will not copy.
+const COPY_FALLBACK_BYTES: u64 = 8 << 20;
+
 /// URL schemes ckpt reads and writes, served by the same object_store code.
 pub(crate) const SCHEMES: [&str; 3] = ["s3", "gs", "az"];
 
@@ -296,6 +299,69 @@ impl Input {
             Inner::Remote(o) => Some(o),
             Inner::Local { .. } => None,
         }
+    }
+
+    /// Copy `len` bytes from `src_offset` into `out` at `dest_offset` with `copy_file_range(2)`
+    /// in a loop (the kernel copies page-cache pages, or shares extents where the filesystem
+    /// can), falling back to read + write where the kernel refuses (other filesystems, old
+    /// kernels). A local input only.
+    pub(crate) fn copy_to(
+        &self,
+        mut src_offset: u64,
+        out: &File,
+        out_path: &Path,
+        mut dest_offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let file_in = self
+            .file()
+            .ok_or_else(|| Error::bug("a kernel copy from an object").file(self.path()))?;
+        let mut left = len;
+        while left > 0 {
+            let mut off_in = src_offset as libc::loff_t;
+            let mut off_out = dest_offset as libc::loff_t;
+            let chunk = left.min(1 << 30) as usize;
+            // SAFETY: both descriptors are open for the duration of the call and the offsets are
+            // plain integers the kernel updates; no memory of ours is read or written.
+            let n = unsafe {
+                libc::copy_file_range(
+                    file_in.as_raw_fd(),
+                    &mut off_in,
+                    out.as_raw_fd(),
+                    &mut off_out,
+                    chunk,
+                    0,
+                )
+            };
+            if n > 0 {
+                src_offset += n as u64;
+                dest_offset += n as u64;
+                left -= n as u64;
+                continue;
+            }
+            if n == 0 {
+                return Err(
+                    Error::invalid("file ended early: did it change during the run?")
+                        .file(self.path())
+                        .at(src_offset),
+                );
+            }
+            let err = std::io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                    let mut buf = vec![0u8; left.min(COPY_FALLBACK_BYTES) as usize];
+                    self.read_at(src_offset, &mut buf)?;
+                    out.write_all_at(&buf, dest_offset)
+                        .map_err(|e| Error::io(out_path, e).at(dest_offset))?;
+                    src_offset += buf.len() as u64;
+                    dest_offset += buf.len() as u64;
+                    left -= buf.len() as u64;
+                }
+                _ => return Err(Error::io(out_path, err).at(dest_offset)),
+            }
+        }
+        Ok(())
     }
 
     /// Fill `buf` from `offset`.

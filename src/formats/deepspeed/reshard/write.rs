@@ -1,7 +1,10 @@
 //! Writing a [`Resharded`] plan into a directory: each archive's framing from
-//! [`crate::zip::layout`], its storage records from runs of the input files copied through one
-//! small buffer (their CRC-32 computed on the way and patched into the framing), literal and
-//! copied files as they are. Memory stays at the buffer whatever the checkpoint's size.
+//! [`crate::zip::layout`], its storage records from runs of the input files copied by the kernel
+//! (`copy_file_range`) with their CRC-32 computed over the mapped input on the way and patched
+//! into the framing, literal and copied files as they are. Reading each run into a buffer and
+//! writing it out again took 1.3x a durable `cp` of the same bytes (the ZeRO-3 8 -> 6 bench);
+//! the kernel's copy is what `cp` does. Memory stays at one small buffer (zero padding, inputs
+//! that cannot be mapped) whatever the checkpoint's size.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -21,7 +24,7 @@ pub(crate) fn write(plan: &Resharded, root: &Path) -> Result<u64> {
     let inputs = plan
         .inputs
         .iter()
-        .map(|p| storage::Input::open(p, Access::Read))
+        .map(|p| storage::Input::open(p, Access::Map))
         .collect::<Result<Vec<_>>>()?;
     let mut buf = vec![0u8; CHUNK];
     let mut written = 0;
@@ -105,6 +108,20 @@ fn copy(
             } => (Some(input(inputs, i, paths)?), offset, len),
             Run::Zeros(len) => (None, 0, len),
         };
+        // The mapped bytes hashed in place, then copied by the kernel.
+        let mapped = source.and_then(|s| {
+            let start = usize::try_from(offset).ok()?;
+            let bytes = s
+                .map()?
+                .get(start..start.checked_add(usize::try_from(left).ok()?)?)?;
+            Some((s, bytes))
+        });
+        if let Some((source, bytes)) = mapped {
+            crc.update(bytes);
+            source.copy_to(offset, out, path, at, left)?;
+            at += left;
+            continue;
+        }
         while left > 0 {
             let n = left.min(buf.len() as u64) as usize;
             let chunk = &mut buf[..n];
