@@ -42,7 +42,7 @@ SFMT_FIXTURE_NAMES = ["dcp_sfmt", "dcp_sfmt_zstd"]
 # (tests/interop/test_deepspeed.py); expected/deepspeed_<case>.{pt,json} is what DeepSpeed's own tools give.
 DEEPSPEED_FIXTURE_NAMES = [
     f"zero{stage}_{dtype}" for stage in (1, 2, 3) for dtype in ("bf16", "fp16", "fp32")
-] + ["zero0_fp32", "zero1_bf16_optimizer"]
+] + ["zero0_fp32", "zero1_bf16_optimizer", "zero3_bf16_r4"]
 # Per-rank and DCP fixtures saved by process subgroups and hybrid sharding
 # (fixtures/generate_subgroups.py, tests/interop/test_subgroups.py): expected/<name>.pt only.
 SUBGROUP_FIXTURE_NAMES = ["subgroup_fsdp1", "hybrid_fsdp1", "hsdp_fsdp2", "hsdp_fsdp2_dcp"]

@@ -47,10 +47,11 @@ TAG = "global_step2"
 CASES = ["zero1_bf16", "zero2_fp16"]
 ZERO3 = ["zero3_bf16", "zero3_fp16", "zero3_fp32"]
 # Checked against a DeepSpeed engine at M: the two cases at M = 3 and 1, fp32 and a larger world
-# once each; ZeRO-3 in each dtype at M = 3, 2 and 1.
+# once each; ZeRO-3 in each dtype at M = 3, 2 and 1; and 4 -> 2 from zero3_bf16 as 4 ranks saved
+# it (`zero3_bf16_r4`, fixtures/generate_deepspeed.py with DS_SUFFIX).
 ENGINE = ([(c, m) for c in CASES for m in (3, 1)] + [("zero2_fp32", 2), ("zero2_bf16", 2)]
-          + [(c, m) for c in ZERO3 for m in (3, 2, 1)])
-# Every ZeRO-1/2/3 fixture, for the checks that need no DeepSpeed engine.
+          + [(c, m) for c in ZERO3 for m in (3, 2, 1)] + [("zero3_bf16_r4", 2)])
+# Every ZeRO-1/2/3 fixture saved on 3 ranks, for the checks that need no DeepSpeed engine.
 ALL_CASES = [f"zero{s}_{d}" for s in (1, 2, 3) for d in ("bf16", "fp16", "fp32")]
 # Where a save's state dicts are keyed by flat group: stages 1-2 and stage 3.
 STATE = re.compile(r"\.(base_optimizer_state|optimizer_state_dict)\.state\.")
@@ -181,8 +182,8 @@ def resumed(tmp_path_factory, run_ckpt):
     return get
 
 
-@pytest.mark.parametrize("world", [3, 2, 1])
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case,world", [(c, m) for c in ALL_CASES for m in (3, 2, 1)]
+                         + [("zero3_bf16_r4", m) for m in (2, 1)])
 def test_zero_to_fp32_of_the_reshard_is_the_original(run_ckpt, tmp_path, case, world):
     out = tmp_path / "out"
     proc = reshard(run_ckpt, DS / case, out, world)
@@ -280,7 +281,8 @@ def test_deepspeed_resumes_at_m_as_from_its_own_save(resumed, case, world):
         assert torch.allclose(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
         # Adam's step as loaded (saved after 2 steps); the counters after one more step of M ranks.
         assert int(got["state"][0]["step"]) == 2
-        assert got["counters"] == [3, 2 * 3 + world, 0]
+        saved_on = 4 if case.endswith("_r4") else 3
+        assert got["counters"] == [3, 2 * saved_on + world, 0]
 
 
 def test_deepspeed_resumes_where_its_own_route_fails(resumed):

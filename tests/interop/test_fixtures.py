@@ -51,14 +51,14 @@ def test_fixtures_stay_small(fixtures_dir):
         return holds
 
     # the LoRA cases (fixtures/generate_lora.py: 7 tiny models, their merged state dicts and logits)
-    # and the DeepSpeed ones (fixtures/generate_deepspeed.py: 13 saves of one tiny model, a few
+    # and the DeepSpeed ones (fixtures/generate_deepspeed.py: 14 saves of one tiny model, a few
     # files each) have budgets of their own
     lora = [f for f in every if family("lora")(f)]
     assert sum(f.stat().st_size for f in lora) < 1_500_000
     assert len(lora) < 60
     deepspeed = [f for f in every if family("deepspeed")(f)]
     assert sum(f.stat().st_size for f in deepspeed) < 700_000
-    assert len(deepspeed) < 120
+    assert len(deepspeed) < 135
     # the real torchtitan checkpoints (fixtures/generate_torchtitan.py: a DCP save with its optimizer,
     # the HF directory and the references) each have one: under 2 MB
     torchtitan = [f for f in every if f.relative_to(fixtures_dir).parts[0].startswith("torchtitan_")]

@@ -40,7 +40,7 @@ from generate_deepspeed import TAG, Tiny, groups_of  # noqa: E402
 
 def engine_for(case: str, universal: bool):
     stage = int(case[4])
-    dtype = case.split("_", 1)[1]
+    dtype = case.split("_")[1]  # zero3_bf16_r4: a case saved on 4 ranks
     torch.manual_seed(0)
     model = Tiny()
     params = dict(model.named_parameters())
