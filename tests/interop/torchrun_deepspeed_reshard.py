@@ -35,30 +35,13 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
-from generate_deepspeed import TAG, Tiny, groups_of  # noqa: E402
+from generate_deepspeed import TAG, engine_parts  # noqa: E402
 
 
 def engine_for(case: str, universal: bool):
     stage = int(case[4])
     dtype = case.split("_")[1]  # zero3_bf16_r4: a case saved on 4 ranks
-    torch.manual_seed(0)
-    model = Tiny()
-    params = dict(model.named_parameters())
-    groups = groups_of(model)
-    optim = torch.optim.AdamW(
-        [{"params": [params[n] for n in groups[0]], "weight_decay": 0.1},
-         {"params": [params[n] for n in groups[1]], "weight_decay": 0.0}],
-        lr=1e-2,
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-    }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    if dtype == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    model, optim, config, _ = engine_parts(stage, dtype)
     if universal:
         config["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=config)
