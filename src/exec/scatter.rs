@@ -29,13 +29,11 @@ use crate::plan::{FilePlan, Fill, Plan, Region};
 use super::write::{start_writeback, write_at};
 use super::{checked_fills, fill_end, ExecOptions, Source, Span, Unit, WRITEBACK_BYTES};
 
-/// Most bytes one GET asks for: a rank file of up to this size comes in one request, as a
-/// download fetches it.
-const CHUNK_BYTES: u64 = 16 << 20;
-/// GETs in flight at once, over all inputs (boto3's transfer manager keeps 10).
-const IN_FLIGHT: usize = 8;
-/// Bytes between two needed runs of an object that one GET reads across rather than splitting.
-const GAP_BYTES: u64 = 64 << 10;
+/// Most bytes one GET asks for ([`crate::storage::gets_of`]): a rank file of up to this size
+/// comes in one request, as a download fetches it.
+const CHUNK_BYTES: u64 = crate::storage::GET_BYTES;
+/// GETs in flight at once, over all inputs.
+const IN_FLIGHT: usize = crate::storage::GETS_IN_FLIGHT;
 /// Pieces planned at once: each is a few hundred bytes, and a checkpoint of millions of pieces
 /// is copied a batch at a time.
 const BATCH_PIECES: usize = 1 << 17;
@@ -217,24 +215,13 @@ fn copy_batch(
     sources: &[Source],
     opts: &ExecOptions,
 ) -> Result<()> {
-    let mut order: Vec<usize> = (0..pieces.len()).collect();
-    order.sort_by_key(|&k| (pieces[k].fill.input, pieces[k].fetch.start));
     // (input, bytes fetched in one GET, the pieces inside them)
-    let mut chunks: Vec<(usize, Range<u64>, Vec<usize>)> = Vec::new();
-    for k in order {
-        let (input, fetch) = (pieces[k].fill.input, &pieces[k].fetch);
-        match chunks.last_mut() {
-            Some((i, run, ks))
-                if *i == input
-                    && fetch.start <= run.end + GAP_BYTES
-                    && fetch.end.max(run.end) - run.start <= CHUNK_BYTES =>
-            {
-                run.end = run.end.max(fetch.end);
-                ks.push(k);
-            }
-            _ => chunks.push((input, fetch.clone(), vec![k])),
-        }
-    }
+    let chunks = crate::storage::gets_of(
+        &pieces
+            .iter()
+            .map(|p| (p.fill.input, p.fetch.clone()))
+            .collect::<Vec<_>>(),
+    );
     let ranges = chunks
         .iter()
         .map(|(input, run, _)| {

@@ -27,7 +27,9 @@ use memmap2::Mmap;
 use crate::error::{Error, Result};
 
 pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
-pub(crate) use remote::{fetch_each, fetch_window, Remote, BLOCK_BYTES};
+pub(crate) use remote::{
+    fetch_each, fetch_window, gets_of, Remote, BLOCK_BYTES, GETS_IN_FLIGHT, GET_BYTES,
+};
 
 /// Largest buffer [`Input::copy_to`] reads through where the kernel will not copy.
 const COPY_FALLBACK_BYTES: u64 = 8 << 20;
@@ -434,6 +436,8 @@ pub enum View<'a> {
     Borrowed(&'a [u8]),
     Owned(Vec<u8>),
     Image(Option<Mmap>),
+    /// Bytes fetched ahead from object storage, shared with the GET they came in.
+    Fetched(bytes::Bytes),
 }
 
 impl Deref for View<'_> {
@@ -443,6 +447,7 @@ impl Deref for View<'_> {
             View::Borrowed(b) => b,
             View::Owned(v) => v,
             View::Image(m) => m.as_deref().unwrap_or(&[]),
+            View::Fetched(b) => b,
         }
     }
 }

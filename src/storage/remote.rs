@@ -577,6 +577,39 @@ pub(crate) fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
     Ok(())
 }
 
+/// Most bytes one GET of [`gets_of`] asks for: an object of up to this size comes in one request,
+/// as a download fetches it.
+pub(crate) const GET_BYTES: u64 = 16 << 20;
+/// GETs of [`fetch_each`] in flight at once, over all objects (boto3's transfer manager keeps 10).
+pub(crate) const GETS_IN_FLIGHT: usize = 8;
+/// Bytes between two needed ranges of an object that one GET reads across rather than splitting.
+const GAP_BYTES: u64 = 64 << 10;
+
+/// The GETs that fetch `ranges` (an input's number, a byte range of it) as a download would: by
+/// input and offset, a range joins the GET before it when it is of the same input, starts at most
+/// [`GAP_BYTES`] after that GET's end and keeps it within [`GET_BYTES`]. Each GET: its input, its
+/// bytes, and the indices into `ranges` of the ranges inside it.
+pub(crate) fn gets_of(ranges: &[(usize, Range<u64>)]) -> Vec<(usize, Range<u64>, Vec<usize>)> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&k| (ranges[k].0, ranges[k].1.start));
+    let mut gets: Vec<(usize, Range<u64>, Vec<usize>)> = Vec::new();
+    for k in order {
+        let (input, r) = (ranges[k].0, &ranges[k].1);
+        match gets.last_mut() {
+            Some((i, get, ks))
+                if *i == input
+                    && r.start <= get.end + GAP_BYTES
+                    && r.end.max(get.end) - get.start <= GET_BYTES =>
+            {
+                get.end = get.end.max(r.end);
+                ks.push(k);
+            }
+            _ => gets.push((input, r.clone(), vec![k])),
+        }
+    }
+    gets
+}
+
 /// Fetch each of `ranges` (object, byte range) in one GET, at most `in_flight` at a time across
 /// objects, and hand each to `each` (its index in `ranges`, its bytes) on this thread as it
 /// arrives, in whatever order they come. The bytes are not cached: each range is read once. An

@@ -566,3 +566,42 @@ def test_many_rank_files_come_in_one_get_each(tmp_path):
                 assert gets <= 16 + probes, f"{name}: {gets} GETs for 16 rank files"
     finally:
         server.stop()
+
+
+def test_many_items_are_opened_a_rank_file_at_a_time(tmp_path):
+    """`inspect` and `verify` of a DCP in S3 open every item (each a small torch.save archive) to
+    check its framing. A DCP of 16 ranks and 4,800 items: the items of each rank file come in
+    GETs of many items each (here one per file), several files in flight, where opening them one by one made a GET
+    per item (37,861 GETs and 2.5 minutes at 128 ranks in the bench). The reports equal the
+    local ones."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layers.{i}.{p}": torch.randn(64, 48, generator=g) for i in range(100) for p in "abc"}
+    full = tmp_path / "full.safetensors"
+    save_file(tensors, str(full))
+    dcp = tmp_path / "dcp"
+    assert run(None, "reshard", full, "-o", dcp, "--world-size", "16").returncode == 0
+    log = tmp_path / "moto.log"
+    server = S3Server(log=log)
+    try:
+        c = server.client()
+        c.create_bucket(Bucket=BUCKET)
+        upload_tree(c, dcp, BUCKET, "dcp")
+        for args in (["inspect", "--json"], ["verify", "--json"]):
+            local = run(None, *args, dcp)
+            assert local.returncode == 0, local.stderr
+            gets_before = log.read_text().count("GET /ckpt/dcp/__")
+            remote = run(server, *args, f"s3://{BUCKET}/dcp", timeout=120)
+            assert remote.returncode == 0, remote.stdout + remote.stderr
+            gets = log.read_text().count("GET /ckpt/dcp/__") - gets_before
+            want, got = json.loads(local.stdout), json.loads(remote.stdout)
+            for report in (want, got):
+                report.pop("path", None)
+            assert got == want, args[0]
+            # Each rank file holds 300 items (370 KB): one GET of all of them (16 here, and 1,033
+            # opening them one by one).
+            assert gets <= 2 * 16, f"{args[0]}: {gets} GETs for 4,800 items in 16 rank files"
+    finally:
+        server.stop()

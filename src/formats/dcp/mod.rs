@@ -10,9 +10,12 @@ pub mod hf;
 pub mod metadata;
 pub mod sfmt;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
+
+use bytes::Bytes;
 
 use rayon::prelude::*;
 
@@ -64,6 +67,10 @@ impl Layout for Dcp {
 /// fetch all of it for each.
 const UNOPENED_ITEM_BYTES: u64 = storage::BLOCK_BYTES;
 
+/// Bytes of small remote items fetched ahead at once when items are opened while reading
+/// ([`Files::fetch_ahead`]): the items of the next entries, a few GETs per rank file.
+const FETCH_AHEAD_BYTES: u64 = 64 << 20;
+
 /// Read a DCP directory into the model.
 pub fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     read_extended(dir, opts, &NoExtension).map(|(ckpt, _)| ckpt)
@@ -107,8 +114,18 @@ pub fn read_extended(
     let mut tensors = Vec::new();
     let mut values = Vec::new();
     let mut unsupported = Vec::new();
+    let mut slots = VecDeque::from(slots);
+    // Entries whose small remote items are fetched already.
+    let mut fetched_ahead = 0;
     // Each entry's columns are freed as its pieces are made, so the two are never both whole.
-    for slot in slots {
+    while !slots.is_empty() {
+        if fetched_ahead == 0 {
+            fetched_ahead = files.fetch_ahead(&slots);
+        }
+        fetched_ahead -= 1;
+        let Some(slot) = slots.pop_front() else {
+            break;
+        };
         match slot {
             Slot::Tensor(t) => {
                 // Every broken item of the tensor is a problem of its own (see `verify`).
@@ -169,7 +186,7 @@ pub fn read_extended(
 }
 
 /// Where an item's bytes are: `_StorageInfo`, with its file numbered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Item {
     /// Index into [`Builder::file_names`].
     file: u32,
@@ -432,6 +449,8 @@ struct Files<'a> {
     /// items are left unopened: a checkpoint of 512 rank files is not probed with a GET per file
     /// before its copy starts (an item that is not an archive after all is an error when copied).
     saved: Vec<OnceLock<()>>,
+    /// Small items of remote files fetched ahead ([`Files::fetch_ahead`]), when items are opened.
+    fetched: RwLock<HashMap<Item, Bytes>>,
 }
 
 impl<'a> Files<'a> {
@@ -448,9 +467,88 @@ impl<'a> Files<'a> {
             blobs: (0..maps.len()).map(|_| OnceLock::new()).collect(),
             unopened,
             saved: (0..maps.len()).map(|_| OnceLock::new()).collect(),
+            fetched: RwLock::default(),
             maps,
             transforms: &built.transforms,
         })
+    }
+
+    /// Fetch the small items of remote files among the entries at the front of `slots`, up to
+    /// [`FETCH_AHEAD_BYTES`] of them, and keep them for [`Files::bytes`]; returns how many
+    /// entries that covers (at least one). Opening items one by one costs a GET each, and a
+    /// DCP of 128 rank files has tens of thousands: here a rank file's items come in a few GETs,
+    /// several files in flight. Nothing is fetched when items are left unopened for the copy,
+    /// or none is remote.
+    fn fetch_ahead(&self, slots: &VecDeque<Slot>) -> usize {
+        let mut fetched = self.fetched.write().unwrap_or_else(|p| p.into_inner());
+        fetched.clear();
+        if self.unopened || !self.maps.iter().any(|(_, input)| input.is_remote()) {
+            return slots.len().max(1);
+        }
+        let mut items: Vec<Item> = Vec::new();
+        let (mut bytes, mut covered) = (0u64, 0usize);
+        for slot in slots {
+            let slot_items = match slot {
+                Slot::Tensor(t) => &t.items[..],
+                Slot::Bytes { item, .. } => std::slice::from_ref(item),
+                Slot::Unsupported { .. } => &[],
+            };
+            let small = slot_items.iter().flatten().filter(|item| {
+                let input = self.maps.get(item.file as usize).map(|(_, input)| input);
+                item.length <= UNOPENED_ITEM_BYTES
+                    && input.is_some_and(|input| {
+                        let end = item.offset.checked_add(item.length);
+                        input.is_remote() && end.is_some_and(|end| end <= input.len())
+                    })
+            });
+            let slot_bytes: u64 = small.clone().map(|item| item.length).sum();
+            if covered > 0 && bytes + slot_bytes > FETCH_AHEAD_BYTES {
+                break;
+            }
+            covered += 1;
+            // One entry of more than the budget: its first items only, the rest one by one.
+            for item in small {
+                if bytes >= FETCH_AHEAD_BYTES {
+                    break;
+                }
+                bytes += item.length;
+                items.push(*item);
+            }
+        }
+        items.sort_by_key(|item| (item.file, item.offset, item.length));
+        items.dedup();
+        let ranges: Vec<(usize, Range<u64>)> = items
+            .iter()
+            .map(|item| (item.file as usize, item.offset..item.offset + item.length))
+            .collect();
+        let gets = storage::gets_of(&ranges);
+        let objects = gets
+            .iter()
+            .filter_map(|(file, get, _)| Some((self.maps.get(*file)?.1.object()?, get.clone())))
+            .collect::<Vec<_>>();
+        if objects.len() == gets.len() {
+            let got = storage::fetch_each(&objects, storage::GETS_IN_FLIGHT, |g, got| {
+                let start = gets[g].1.start;
+                for &k in &gets[g].2 {
+                    let r = &ranges[k].1;
+                    let within = (r.start - start) as usize..(r.end - start) as usize;
+                    fetched.insert(items[k], got.slice(within));
+                }
+                Ok(())
+            });
+            // What failed is met again item by item, and reported where it belongs (`verify`
+            // lists each broken item).
+            if got.is_err() {
+                fetched.clear();
+            }
+        }
+        covered
+    }
+
+    /// An item [`Files::fetch_ahead`] fetched.
+    fn fetched_item(&self, item: &Item) -> Option<Bytes> {
+        let fetched = self.fetched.read().unwrap_or_else(|p| p.into_inner());
+        fetched.get(item).cloned()
     }
 
     fn path(&self, item: &Item) -> PathBuf {
@@ -496,6 +594,9 @@ impl<'a> Files<'a> {
     /// The bytes of one item, checked against the file's length: the whole item, or (`zip`) a
     /// view of it for the ZIP reader, which for a remote file holds only the archive's framing.
     fn bytes(&self, item: &Item, zip: bool) -> Result<View<'_>> {
+        if let Some(fetched) = self.fetched_item(item) {
+            return Ok(View::Fetched(fetched));
+        }
         let input = match self.maps.get(item.file as usize) {
             Some((_, input)) => input,
             None => {
