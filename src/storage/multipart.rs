@@ -204,19 +204,25 @@ impl Version {
 impl Remote {
     /// Store `bytes` as the object unless there is one (a conditional PUT, S3's and Azure's
     /// `If-None-Match: *`, GCS's `ifGenerationMatch=0`): true when this call created it. Of many
-    /// callers at once, one does.
+    /// callers at once, one does. Callers write bytes no other caller writes (their host,
+    /// process and moment), which tells this call's object from another's.
     pub(crate) fn put_new(&self, bytes: Vec<u8>) -> Result<bool> {
         let opts = object_store::PutOptions {
             mode: object_store::PutMode::Create,
             ..Default::default()
         };
-        match block_on(
-            self.store
-                .objects
-                .put_opts(&self.key, PutPayload::from(bytes), opts),
-        )? {
+        let bytes = bytes::Bytes::from(bytes);
+        match block_on(self.store.objects.put_opts(
+            &self.key,
+            PutPayload::from(bytes.clone()),
+            opts,
+        ))? {
             Ok(_) => Ok(true),
-            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            // A PUT whose reply was lost is sent again, and the second finds the object the
+            // first created: this call's own when it holds these bytes.
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                Ok(self.read_if_any()?.is_some_and(|there| there == bytes))
+            }
             Err(e) => Err(store_error(&self.path, e)),
         }
     }
@@ -289,4 +295,114 @@ pub(crate) fn abort_uploads(uploads: Vec<(Remote, String)>) -> bool {
         .buffer_unordered(ABORTS_IN_FLIGHT)
         .collect::<Vec<bool>>();
     block_on(aborts).is_ok_and(|closed| closed.into_iter().all(|c| c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::remote::Store;
+    use super::*;
+    use async_trait::async_trait;
+    use futures::stream::BoxStream;
+    use object_store::memory::InMemory;
+    use object_store::{
+        CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+        PutMode, PutMultipartOptions, PutOptions, PutResult,
+    };
+    use std::sync::Arc;
+
+    /// A store whose conditional PUTs lose their reply: the object is created, and the client's
+    /// retry is told it exists.
+    #[derive(Debug)]
+    struct LostReply(InMemory);
+
+    impl std::fmt::Display for LostReply {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "LostReply")
+        }
+    }
+
+    #[async_trait]
+    impl ObjectStore for LostReply {
+        async fn put_opts(
+            &self,
+            location: &Key,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> object_store::Result<PutResult> {
+            let create = matches!(opts.mode, PutMode::Create);
+            let put = self.0.put_opts(location, payload, opts).await?;
+            if create {
+                return Err(object_store::Error::AlreadyExists {
+                    path: location.to_string(),
+                    source: "412 Precondition Failed on the retry".into(),
+                });
+            }
+            Ok(put)
+        }
+        async fn put_multipart_opts(
+            &self,
+            location: &Key,
+            opts: PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn MultipartUpload>> {
+            self.0.put_multipart_opts(location, opts).await
+        }
+        async fn get_opts(
+            &self,
+            location: &Key,
+            options: GetOptions,
+        ) -> object_store::Result<GetResult> {
+            self.0.get_opts(location, options).await
+        }
+        fn delete_stream(
+            &self,
+            locations: BoxStream<'static, object_store::Result<Key>>,
+        ) -> BoxStream<'static, object_store::Result<Key>> {
+            self.0.delete_stream(locations)
+        }
+        fn list(
+            &self,
+            prefix: Option<&Key>,
+        ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+            self.0.list(prefix)
+        }
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&Key>,
+        ) -> object_store::Result<ListResult> {
+            self.0.list_with_delimiter(prefix).await
+        }
+        async fn copy_opts(
+            &self,
+            from: &Key,
+            to: &Key,
+            options: CopyOptions,
+        ) -> object_store::Result<()> {
+            self.0.copy_opts(from, to, options).await
+        }
+    }
+
+    fn remote(objects: Arc<dyn ObjectStore>, key: &str) -> Remote {
+        let store = Arc::new(Store {
+            name: "s3://mem".into(),
+            objects,
+            multipart: Arc::new(InMemory::new()),
+            parts_are_objects: false,
+        });
+        Remote {
+            store,
+            key: Key::from(key),
+            path: format!("s3://mem/{key}").into(),
+        }
+    }
+
+    #[test]
+    fn a_create_whose_reply_was_lost_is_still_this_callers() {
+        let lock = remote(Arc::new(LostReply(InMemory::new())), "out/.lock");
+        assert!(lock.put_new(b"part 1/3 on a (pid 7)".to_vec()).unwrap());
+        // Another caller's attempt finds this one's object.
+        assert!(!lock.put_new(b"part 2/3 on b (pid 9)".to_vec()).unwrap());
+        let plain = remote(Arc::new(InMemory::new()), "out/.lock");
+        assert!(plain.put_new(b"part 1/3 on a (pid 7)".to_vec()).unwrap());
+        assert!(!plain.put_new(b"part 2/3 on b (pid 9)".to_vec()).unwrap());
+    }
 }

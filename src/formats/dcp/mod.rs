@@ -10,10 +10,10 @@ pub mod hf;
 pub mod metadata;
 pub mod sfmt;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use bytes::Bytes;
 
@@ -67,10 +67,6 @@ impl Layout for Dcp {
 /// fetch all of it for each.
 const UNOPENED_ITEM_BYTES: u64 = storage::BLOCK_BYTES;
 
-/// Bytes of small remote items fetched ahead at once when items are opened while reading
-/// ([`Files::fetch_ahead`]): the items of the next entries, a few GETs per rank file.
-const FETCH_AHEAD_BYTES: u64 = 64 << 20;
-
 /// Read a DCP directory into the model.
 pub fn read(dir: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     read_extended(dir, opts, &NoExtension).map(|(ckpt, _)| ckpt)
@@ -114,22 +110,13 @@ pub fn read_extended(
     let mut tensors = Vec::new();
     let mut values = Vec::new();
     let mut unsupported = Vec::new();
-    let mut slots = VecDeque::from(slots);
-    // Entries whose small remote items are fetched already.
-    let mut fetched_ahead = 0;
+    files.open_ahead(&slots);
     // Each entry's columns are freed as its pieces are made, so the two are never both whole.
-    while !slots.is_empty() {
-        if fetched_ahead == 0 {
-            fetched_ahead = files.fetch_ahead(&slots);
-        }
-        fetched_ahead -= 1;
-        let Some(slot) = slots.pop_front() else {
-            break;
-        };
+    for (at, slot) in slots.into_iter().enumerate() {
         match slot {
             Slot::Tensor(t) => {
                 // Every broken item of the tensor is a problem of its own (see `verify`).
-                let pieces = match files.pieces(&t) {
+                let pieces = match files.pieces(&t, at) {
                     Ok(pieces) => pieces,
                     Err(errors) => {
                         for e in errors {
@@ -184,6 +171,10 @@ pub fn read_extended(
     };
     Ok((ckpt, rest.fields))
 }
+
+/// Where a chunk's elements are ([`Files::locate`]): its item, their byte offset (in the file, or
+/// in the decompressed item), strides and encoding.
+type Located = (Item, u64, Vec<u64>, Encoding);
 
 /// Where an item's bytes are: `_StorageInfo`, with its file numbered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -449,8 +440,11 @@ struct Files<'a> {
     /// items are left unopened: a checkpoint of 512 rank files is not probed with a GET per file
     /// before its copy starts (an item that is not an archive after all is an error when copied).
     saved: Vec<OnceLock<()>>,
-    /// Small items of remote files fetched ahead ([`Files::fetch_ahead`]), when items are opened.
+    /// The items of the GET being opened by [`Files::open_ahead`].
     fetched: RwLock<HashMap<Item, Bytes>>,
+    /// What [`Files::open_ahead`] found of each chunk it opened, by (entry, chunk), taken as the
+    /// entry's pieces are made.
+    opened: Mutex<HashMap<(usize, usize), Result<Located>>>,
 }
 
 impl<'a> Files<'a> {
@@ -468,84 +462,94 @@ impl<'a> Files<'a> {
             unopened,
             saved: (0..maps.len()).map(|_| OnceLock::new()).collect(),
             fetched: RwLock::default(),
+            opened: Mutex::default(),
             maps,
             transforms: &built.transforms,
         })
     }
 
-    /// Fetch the small items of remote files among the entries at the front of `slots`, up to
-    /// [`FETCH_AHEAD_BYTES`] of them, and keep them for [`Files::bytes`]; returns how many
-    /// entries that covers (at least one). Opening items one by one costs a GET each, and a
-    /// DCP of 128 rank files has tens of thousands: here a rank file's items come in a few GETs,
-    /// several files in flight. Nothing is fetched when items are left unopened for the copy,
-    /// or none is remote.
-    fn fetch_ahead(&self, slots: &VecDeque<Slot>) -> usize {
-        let mut fetched = self.fetched.write().unwrap_or_else(|p| p.into_inner());
-        fetched.clear();
+    /// Open the small items of the tensors' chunks in remote files before the entries are
+    /// read, file by file: each file's items come in a few GETs (whole, when it is at most
+    /// [`storage::GET_BYTES`]), several files in flight, and are opened as they arrive. Opened
+    /// entry by entry, each item cost a GET of its own, and a DCP of 128 rank files has tens of
+    /// thousands. Nothing is done when items are left unopened for the copy, or none is remote;
+    /// whatever this leaves unopened (a failed GET, a large item) is opened as before, when its
+    /// entry is read.
+    fn open_ahead(&self, slots: &[Slot]) {
         if self.unopened || !self.maps.iter().any(|(_, input)| input.is_remote()) {
-            return slots.len().max(1);
+            return;
         }
-        let mut items: Vec<Item> = Vec::new();
-        let (mut bytes, mut covered) = (0u64, 0usize);
-        for slot in slots {
-            let slot_items = match slot {
-                Slot::Tensor(t) => &t.items[..],
-                Slot::Bytes { item, .. } => std::slice::from_ref(item),
-                Slot::Unsupported { .. } => &[],
-            };
-            let small = slot_items.iter().flatten().filter(|item| {
-                let input = self.maps.get(item.file as usize).map(|(_, input)| input);
-                item.length <= UNOPENED_ITEM_BYTES
-                    && input.is_some_and(|input| {
-                        let end = item.offset.checked_add(item.length);
-                        input.is_remote() && end.is_some_and(|end| end <= input.len())
-                    })
-            });
-            let slot_bytes: u64 = small.clone().map(|item| item.length).sum();
-            if covered > 0 && bytes + slot_bytes > FETCH_AHEAD_BYTES {
-                break;
-            }
-            covered += 1;
-            // One entry of more than the budget: its first items only, the rest one by one.
-            for item in small {
-                if bytes >= FETCH_AHEAD_BYTES {
-                    break;
-                }
-                bytes += item.length;
-                items.push(*item);
+        // (item, entry, chunk) of every small item in a remote file, by file and offset.
+        let mut chunks: Vec<(Item, usize, usize)> = Vec::new();
+        for (at, slot) in slots.iter().enumerate() {
+            let Slot::Tensor(t) = slot else { continue };
+            for (k, item) in t.items.iter().enumerate() {
+                let Some(item) = item.filter(|item| self.fits_a_get(item)) else {
+                    continue;
+                };
+                chunks.push((item, at, k));
             }
         }
-        items.sort_by_key(|item| (item.file, item.offset, item.length));
-        items.dedup();
-        let ranges: Vec<(usize, Range<u64>)> = items
+        chunks.sort_by_key(|(item, ..)| (item.file, item.offset));
+        let ranges: Vec<(usize, Range<u64>)> = chunks
             .iter()
-            .map(|item| (item.file as usize, item.offset..item.offset + item.length))
+            .map(|(item, ..)| (item.file as usize, item.offset..item.offset + item.length))
             .collect();
         let gets = storage::gets_of(&ranges);
-        let objects = gets
+        let Some(objects) = gets
             .iter()
-            .filter_map(|(file, get, _)| Some((self.maps.get(*file)?.1.object()?, get.clone())))
-            .collect::<Vec<_>>();
-        if objects.len() == gets.len() {
-            let got = storage::fetch_each(&objects, storage::GETS_IN_FLIGHT, |g, got| {
-                let start = gets[g].1.start;
-                for &k in &gets[g].2 {
-                    let r = &ranges[k].1;
-                    let within = (r.start - start) as usize..(r.end - start) as usize;
-                    fetched.insert(items[k], got.slice(within));
-                }
-                Ok(())
-            });
-            // What failed is met again item by item, and reported where it belongs (`verify`
-            // lists each broken item).
-            if got.is_err() {
+            .map(|(file, get, _)| Some((self.maps.get(*file)?.1.object()?, get.clone())))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return;
+        };
+        // A failed GET leaves its items to be opened when their entries are read, where what
+        // failed is reported against them (`verify` lists each broken item).
+        let _ = storage::fetch_each(&objects, storage::GETS_IN_FLIGHT, |g, got| {
+            let (_, get, ks) = &gets[g];
+            {
+                let mut fetched = self.fetched.write().unwrap_or_else(|p| p.into_inner());
                 fetched.clear();
+                for &k in ks {
+                    let r = &ranges[k].1;
+                    let within = (r.start - get.start) as usize..(r.end - get.start) as usize;
+                    fetched.insert(chunks[k].0, got.slice(within));
+                }
             }
-        }
-        covered
+            // At a million pieces opening items is most of the read: in parallel.
+            let found: Vec<_> = ks
+                .par_iter()
+                .filter_map(|&k| {
+                    let (item, at, c) = chunks[k];
+                    let Some(Slot::Tensor(t)) = slots.get(at) else {
+                        return None;
+                    };
+                    Some(((at, c), self.locate(&item, t, c)))
+                })
+                .collect();
+            self.opened
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(found);
+            Ok(())
+        });
+        self.fetched
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
-    /// An item [`Files::fetch_ahead`] fetched.
+    /// True for an item [`Files::open_ahead`] fetches: in a remote file, inside it, and small
+    /// (a large one is opened from its framing alone).
+    fn fits_a_get(&self, item: &Item) -> bool {
+        let end = item.offset.checked_add(item.length);
+        item.length <= UNOPENED_ITEM_BYTES
+            && self.maps.get(item.file as usize).is_some_and(|(_, input)| {
+                input.is_remote() && end.is_some_and(|end| end <= input.len())
+            })
+    }
+
+    /// An item of the GET [`Files::open_ahead`] is opening.
     fn fetched_item(&self, item: &Item) -> Option<Bytes> {
         let fetched = self.fetched.read().unwrap_or_else(|p| p.into_inner());
         fetched.get(item).cloned()
@@ -622,19 +626,38 @@ impl<'a> Files<'a> {
     /// The pieces of a tensor: each chunk's item opened to find its elements. At a million
     /// chunks that is most of the read, and the items are independent, so it runs in parallel.
     /// On failure, the error of every item that failed, in chunk order.
-    fn pieces(&self, t: &TensorSlot) -> std::result::Result<Pieces, Vec<Error>> {
-        let located = (0..t.items.len())
-            .into_par_iter()
-            .map(|k| {
-                let item = t.items[k].ok_or_else(|| {
-                    Error::invalid(format!(
-                        "no storage entry for the chunk at offsets {:?}",
-                        t.offsets(k)
-                    ))
-                })?;
-                self.locate(&item, t, k)
-            })
-            .collect::<Vec<Result<_>>>();
+    fn pieces(&self, t: &TensorSlot, at: usize) -> std::result::Result<Pieces, Vec<Error>> {
+        let chunk = |k: usize, ahead: Option<Result<Located>>| {
+            let item = t.items[k].ok_or_else(|| {
+                Error::invalid(format!(
+                    "no storage entry for the chunk at offsets {:?}",
+                    t.offsets(k)
+                ))
+            })?;
+            ahead.unwrap_or_else(|| self.locate(&item, t, k))
+        };
+        // What `open_ahead` found of this entry's chunks, if it ran.
+        let ahead: Vec<Option<Result<Located>>> = {
+            let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+            match opened.is_empty() {
+                true => Vec::new(),
+                false => (0..t.items.len())
+                    .map(|k| opened.remove(&(at, k)))
+                    .collect(),
+            }
+        };
+        let located: Vec<Result<Located>> = if ahead.is_empty() {
+            (0..t.items.len())
+                .into_par_iter()
+                .map(|k| chunk(k, None))
+                .collect()
+        } else {
+            ahead
+                .into_par_iter()
+                .enumerate()
+                .map(|(k, ahead)| chunk(k, ahead))
+                .collect()
+        };
         if located.iter().any(|r| r.is_err()) {
             return Err(located.into_iter().filter_map(|r| r.err()).collect());
         }
@@ -651,12 +674,7 @@ impl<'a> Files<'a> {
 
     /// Where the elements of a chunk of `sizes` are in its item: their byte offset (in the file,
     /// or in the decompressed item), strides and encoding.
-    fn locate(
-        &self,
-        item: &Item,
-        t: &TensorSlot,
-        k: usize,
-    ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
+    fn locate(&self, item: &Item, t: &TensorSlot, k: usize) -> Result<Located> {
         let zstd = self.is_zstd(item)?;
         if let Some(unopened) = self.unopened(item, t.sizes(k), zstd) {
             return Ok(unopened);
@@ -694,12 +712,7 @@ impl<'a> Files<'a> {
 
     /// The piece of a small plain item in object storage, left unopened ([`Encoding::Saved`])
     /// when this read allows it and an item of the checkpoint has opened as a torch.save archive.
-    fn unopened(
-        &self,
-        item: &Item,
-        sizes: &[u64],
-        zstd: bool,
-    ) -> Option<(Item, u64, Vec<u64>, Encoding)> {
+    fn unopened(&self, item: &Item, sizes: &[u64], zstd: bool) -> Option<Located> {
         let file = item.file as usize;
         if !self.unopened
             || zstd
@@ -726,7 +739,7 @@ impl<'a> Files<'a> {
         dtype: DType,
         sizes: &[u64],
         zstd: bool,
-    ) -> Result<(Item, u64, Vec<u64>, Encoding)> {
+    ) -> Result<Located> {
         // Named only in errors: building the path for each of a million items costs time.
         let path = || self.path(item);
         let view = self.bytes(item, !zstd)?;
