@@ -474,7 +474,8 @@ impl<'a> Files<'a> {
     /// entry by entry, each item cost a GET of its own, and a DCP of 128 rank files has tens of
     /// thousands. Nothing is done when items are left unopened for the copy, or none is remote;
     /// whatever this leaves unopened (a failed GET, a large item) is opened as before, when its
-    /// entry is read.
+    /// entry is read. Memory: the GETs in flight, and what was found of each chunk until its
+    /// entry takes it (about what the entry's pieces then hold).
     fn open_ahead(&self, slots: &[Slot]) {
         if self.unopened || !self.maps.iter().any(|(_, input)| input.is_remote()) {
             return;
@@ -639,11 +640,12 @@ impl<'a> Files<'a> {
         // What `open_ahead` found of this entry's chunks, if it ran.
         let ahead: Vec<Option<Result<Located>>> = {
             let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
-            match opened.is_empty() {
-                true => Vec::new(),
-                false => (0..t.items.len())
+            if opened.is_empty() {
+                Vec::new()
+            } else {
+                (0..t.items.len())
                     .map(|k| opened.remove(&(at, k)))
-                    .collect(),
+                    .collect()
             }
         };
         let located: Vec<Result<Located>> = if ahead.is_empty() {
