@@ -26,7 +26,9 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
+pub(crate) use multipart::{
+    abort_uploads, complete_uploads, create_uploads, PendingPart, UploadedPart,
+};
 pub(crate) use remote::{fetch_each, fetch_window, Remote, BLOCK_BYTES};
 
 /// Largest buffer [`Input::copy_to`] reads through where the kernel will not copy.
