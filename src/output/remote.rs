@@ -9,8 +9,9 @@
 //! partial CRCs, and uploaded then: multipart part numbers fix the order, not upload time.
 //!
 //! Nothing appears as a checkpoint before it is complete: an object becomes visible only when its
-//! multipart upload completes, data objects complete first, and the files the plan marks as
-//! commit markers ([`crate::plan::FileRole`]) last. The uploads a run starts are recorded in a
+//! multipart upload completes, data objects complete first (a few dozen at once, as the uploads
+//! are created: a round trip each), and the files the plan marks as commit markers
+//! ([`crate::plan::FileRole`]) last. The uploads a run starts are recorded in a
 //! journal object beside the output (`.NAME.ckpt-uploads/PID.json`) before any part is sent; a
 //! failed or interrupted run aborts them, and a run killed outright has them aborted by the next
 //! run into the same place. On GCS a multipart upload is the storage seam's own (parts staged as
@@ -365,13 +366,15 @@ pub fn write(
     };
     let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
     let mut ids: Vec<Option<String>> = vec![None; n];
-    for i in 0..n {
-        // One request per file: seconds for a reshard to a thousand ranks.
-        if opts.cancel.load(Ordering::Relaxed) {
-            return Err(interrupted());
-        }
-        if !plan.role(i).is_streamed() && lens[i] > 0 {
-            let id = dests[i].create_upload(&parts_dir)?;
+    // One request per file, a few dozen at once: a reshard to a thousand ranks would wait for a
+    // thousand round trips one after another. Those created before one failed are aborted.
+    let todo: Vec<usize> = (0..n)
+        .filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0)
+        .collect();
+    let at: Vec<Remote> = todo.iter().map(|&i| dests[i].clone()).collect();
+    let (created, all_created) = crate::storage::create_uploads(&at, &parts_dir, opts.cancel);
+    for (&i, id) in todo.iter().zip(created) {
+        if let Some(id) = id {
             uploads.started.push(Started {
                 key: dests[i].key().to_string(),
                 id: id.clone(),
@@ -379,6 +382,7 @@ pub fn write(
             ids[i] = Some(id);
         }
     }
+    all_created?;
     let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
     uploads.journal.put(journal)?;
 
@@ -456,12 +460,25 @@ pub fn write(
     // before any object is completed, so that an interrupt while they are written leaves no
     // object under the output's name.
     exec::write_streamed_files(plan, &dest, false, opts.cancel)?;
-    // Data objects first, the commit markers last.
-    let mut order: Vec<usize> = (0..n)
+    // Data objects first, a few dozen at once (a round trip each); the commit markers (one or
+    // two) last, once every data object is in place.
+    let data: Vec<_> = (0..n)
         .filter(|&i| !plan.role(i).is_commit_marker())
+        .map(|i| {
+            let upload = ids[i]
+                .clone()
+                .map(|id| (id, parts[i].iter().flatten().cloned().collect()));
+            (dests[i].clone(), upload)
+        })
         .collect();
-    order.extend((0..n).filter(|&i| plan.role(i).is_commit_marker()));
-    for i in order {
+    let (done, all_done) = crate::storage::complete_uploads(&data, opts.cancel);
+    for ((to, _), done) in data.into_iter().zip(done) {
+        if done {
+            uploads.completed.push(to);
+        }
+    }
+    all_done?;
+    for i in (0..n).filter(|&i| plan.role(i).is_commit_marker()) {
         if opts.cancel.load(Ordering::Relaxed) {
             return Err(interrupted());
         }

@@ -26,7 +26,9 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
-pub(crate) use multipart::{abort_uploads, PendingPart, UploadedPart};
+pub(crate) use multipart::{
+    abort_uploads, complete_uploads, create_uploads, PendingPart, UploadedPart,
+};
 pub(crate) use remote::{
     fetch_each, fetch_window, gets_of, Remote, BLOCK_BYTES, GETS_IN_FLIGHT, GET_BYTES,
 };

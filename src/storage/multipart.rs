@@ -1,7 +1,10 @@
 //! Plain object operations on a [`Remote`] location for writers: whole-object put, get, head and
-//! delete, listing, and the steps of a multipart upload (create, upload a part, complete, abort).
+//! delete, listing, and the steps of a multipart upload (create, upload a part, complete, abort),
+//! the creates, completes and aborts of many uploads a few dozen at once.
 //! What to upload, in which order, and what makes an output complete is the output module's
 //! business; this knows only objects.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use object_store::multipart::PartId;
 use object_store::path::Path as Key;
@@ -123,10 +126,17 @@ impl Remote {
     /// staged under `staging` (outside the output, so that nothing is under its name before it
     /// completes), and the id is the prefix they are staged at.
     pub(crate) fn create_upload(&self, staging: &Remote) -> Result<String> {
+        block_on(self.create_upload_async(staging))?
+    }
+
+    async fn create_upload_async(&self, staging: &Remote) -> Result<String> {
         if self.store.parts_are_objects {
             return Ok(super::gcs::upload_id(&staging.key));
         }
-        block_on(self.store.multipart.create_multipart(&self.key))?
+        self.store
+            .multipart
+            .create_multipart(&self.key)
+            .await
             .map_err(|e| store_error(&self.path, e))
     }
 
@@ -148,14 +158,17 @@ impl Remote {
 
     /// Complete upload `id` from its parts in order: the object appears.
     pub(crate) fn complete_upload(&self, id: &str, parts: Vec<UploadedPart>) -> Result<()> {
+        block_on(self.complete_upload_async(id, parts))?
+    }
+
+    async fn complete_upload_async(&self, id: &str, parts: Vec<UploadedPart>) -> Result<()> {
         let parts = parts.into_iter().map(|p| p.0).collect();
-        block_on(
-            self.store
-                .multipart
-                .complete_multipart(&self.key, &id.to_string(), parts),
-        )?
-        .map(|_| ())
-        .map_err(|e| store_error(&self.path, e))
+        self.store
+            .multipart
+            .complete_multipart(&self.key, &id.to_string(), parts)
+            .await
+            .map(|_| ())
+            .map_err(|e| store_error(&self.path, e))
     }
 
     /// Abort upload `id`; one already aborted or completed (not found) is no error.
@@ -297,18 +310,265 @@ pub(crate) fn abort_uploads(uploads: Vec<(Remote, String)>) -> bool {
     block_on(aborts).is_ok_and(|closed| closed.into_iter().all(|c| c))
 }
 
+/// Uploads created or completed at once. A reshard to a thousand ranks creates a thousand uploads
+/// and completes a thousand: one after another, each waiting for its round trip (20-50 ms on S3),
+/// that alone is 40-100 s.
+const UPLOADS_IN_FLIGHT: usize = 32;
+
+/// An upload to complete: its id and its parts in order.
+pub(crate) type Upload = (String, Vec<UploadedPart>);
+
+/// Start a multipart upload at each of `at` (as [`Remote::create_upload`]), up to
+/// [`UPLOADS_IN_FLIGHT`] at once: the ids in the order of `at` (`None` where none was started)
+/// and the first failure. Once one fails or `cancel` is set no other is begun, but those under
+/// way finish and are reported: an upload that was created is always known, so it can be aborted.
+pub(crate) fn create_uploads(
+    at: &[Remote],
+    staging: &Remote,
+    cancel: &AtomicBool,
+) -> (Vec<Option<String>>, Result<()>) {
+    at_once(at, cancel, |to| to.create_upload_async(staging))
+}
+
+/// Make each of `objects` appear, up to [`UPLOADS_IN_FLIGHT`] at once: its upload (id and parts)
+/// completed or, with none, the object stored empty. Which appeared, in order, and the first
+/// failure, as [`create_uploads`] tells them: the caller deletes them again if the run fails.
+pub(crate) fn complete_uploads(
+    objects: &[(Remote, Option<Upload>)],
+    cancel: &AtomicBool,
+) -> (Vec<bool>, Result<()>) {
+    let (done, result) = at_once(objects, cancel, |(to, upload)| async move {
+        match upload {
+            Some((id, parts)) => to.complete_upload_async(id, parts.clone()).await,
+            None => to.put_async(Vec::new()).await,
+        }
+    });
+    (done.iter().map(Option::is_some).collect(), result)
+}
+
+/// `op` of each of `items`, up to [`UPLOADS_IN_FLIGHT`] at once: the results in order (`None`
+/// where it failed or was not begun) and the first failure. Once one fails or `cancel` is set no
+/// other is begun (an interrupt stops a thousand within a round trip), but those under way are
+/// let finish, so that what they made is known.
+fn at_once<'a, T, R, F>(
+    items: &'a [T],
+    cancel: &AtomicBool,
+    op: impl Fn(&'a T) -> F,
+) -> (Vec<Option<R>>, Result<()>)
+where
+    F: std::future::Future<Output = Result<R>>,
+{
+    use futures::stream::StreamExt;
+    let (op, failed) = (&op, &AtomicBool::new(false));
+    let run = futures::stream::iter(items)
+        .map(|item| async move {
+            if failed.load(Ordering::Relaxed) || cancel.load(Ordering::Relaxed) {
+                return None;
+            }
+            let r = op(item).await;
+            if r.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
+            Some(r)
+        })
+        .buffered(UPLOADS_IN_FLIGHT)
+        .collect::<Vec<_>>();
+    let results = match block_on(run) {
+        Ok(r) => r,
+        Err(e) => return (items.iter().map(|_| None).collect(), Err(e)),
+    };
+    let (mut first, mut skipped) = (None, false);
+    let done = results
+        .into_iter()
+        .map(|r| match r {
+            Some(Ok(v)) => Some(v),
+            Some(Err(e)) => {
+                first.get_or_insert(e);
+                None
+            }
+            None => {
+                skipped = true;
+                None
+            }
+        })
+        .collect();
+    let result = match first {
+        Some(e) => Err(e),
+        None if skipped => Err(Error::new(ErrorKind::Io, "interrupted")),
+        None => Ok(()),
+    };
+    (done, result)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::remote::Store;
-    use super::*;
+    use std::path::PathBuf;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    use std::time::Duration;
+
     use async_trait::async_trait;
     use futures::stream::BoxStream;
     use object_store::memory::InMemory;
+    use object_store::multipart::MultipartStore;
     use object_store::{
-        CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-        PutMode, PutMultipartOptions, PutOptions, PutResult,
+        CopyOptions, GetOptions, GetResult, ListResult, MultipartId, MultipartUpload, ObjectMeta,
+        ObjectStore, PutMode, PutMultipartOptions, PutOptions, PutResult,
     };
-    use std::sync::Arc;
+
+    use super::*;
+    use crate::storage::remote::Store;
+
+    /// An in-memory store whose creates and completes each take 50 ms (a round trip to S3):
+    /// counts how many are under way at once, and fails those of keys containing `fail`.
+    struct Slow {
+        inner: Arc<InMemory>,
+        running: AtomicUsize,
+        most: AtomicUsize,
+        fail: Option<&'static str>,
+    }
+
+    impl Slow {
+        async fn round_trip<T>(
+            &self,
+            key: &Key,
+            call: impl std::future::Future<Output = object_store::Result<T>>,
+        ) -> object_store::Result<T> {
+            let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            if self.fail.is_some_and(|f| key.as_ref().contains(f)) {
+                return Err(object_store::Error::Generic {
+                    store: "slow",
+                    source: "refused".into(),
+                });
+            }
+            call.await
+        }
+
+        /// How many were under way at once since the last call.
+        fn most(&self) -> usize {
+            self.most.swap(0, Ordering::SeqCst)
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl MultipartStore for Slow {
+        async fn create_multipart(&self, key: &Key) -> object_store::Result<MultipartId> {
+            self.round_trip(key, self.inner.create_multipart(key)).await
+        }
+
+        async fn put_part(
+            &self,
+            key: &Key,
+            id: &MultipartId,
+            k: usize,
+            data: PutPayload,
+        ) -> object_store::Result<PartId> {
+            self.inner.put_part(key, id, k, data).await
+        }
+
+        async fn complete_multipart(
+            &self,
+            key: &Key,
+            id: &MultipartId,
+            parts: Vec<PartId>,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.round_trip(key, self.inner.complete_multipart(key, id, parts))
+                .await
+        }
+
+        async fn abort_multipart(&self, key: &Key, id: &MultipartId) -> object_store::Result<()> {
+            self.inner.abort_multipart(key, id).await
+        }
+    }
+
+    /// `n` rank files under `out/` in a [`Slow`] store.
+    fn ranks(n: usize, fail: Option<&'static str>) -> (Arc<Slow>, Vec<Remote>) {
+        let inner = Arc::new(InMemory::new());
+        let slow = Arc::new(Slow {
+            inner: inner.clone(),
+            running: AtomicUsize::new(0),
+            most: AtomicUsize::new(0),
+            fail,
+        });
+        let store = Arc::new(Store {
+            name: "s3://mem".into(),
+            objects: inner,
+            multipart: slow.clone(),
+            parts_are_objects: false,
+        });
+        let at = (0..n)
+            .map(|i| {
+                let key = Key::from(format!("out/__{i}_0.distcp"));
+                let path = PathBuf::from(format!("s3://mem/{key}"));
+                Remote {
+                    store: store.clone(),
+                    key,
+                    path,
+                }
+            })
+            .collect();
+        (slow, at)
+    }
+
+    #[test]
+    fn uploads_are_created_and_completed_many_at_once_each_for_its_file() {
+        let (slow, at) = ranks(40, None);
+        let staging = at[0].parent();
+        let cancel = AtomicBool::new(false);
+        let (ids, created) = create_uploads(&at, &staging, &cancel);
+        created.unwrap();
+        assert!(slow.most() > 1, "the creates ran one after another");
+        // Each file's own bytes, sent under the id given back for it: a mixed-up order completes
+        // some file with another's bytes.
+        let objects: Vec<_> = at
+            .iter()
+            .zip(ids)
+            .enumerate()
+            .map(|(i, (to, id))| {
+                let id = id.unwrap();
+                let part = to.upload_part(&id, 0, i.to_string().into_bytes()).unwrap();
+                (to.clone(), Some((id, vec![part.wait().unwrap()])))
+            })
+            .collect();
+        let (done, completed) = complete_uploads(&objects, &cancel);
+        completed.unwrap();
+        assert!(done.iter().all(|&d| d));
+        assert!(slow.most() > 1, "the completes ran one after another");
+        for (i, to) in at.iter().enumerate() {
+            assert_eq!(to.read_all().unwrap(), i.to_string().into_bytes());
+        }
+    }
+
+    #[test]
+    fn a_failed_create_is_named_and_those_started_are_told() {
+        let (_slow, at) = ranks(40, Some("__7_"));
+        let staging = at[0].parent();
+        let (ids, created) = create_uploads(&at, &staging, &AtomicBool::new(false));
+        let e = created.unwrap_err().to_string();
+        assert!(e.contains("s3://mem/out/__7_0.distcp"), "{e}");
+        assert!(ids[7].is_none());
+        // Begun with it: created, so their ids are known to be aborted.
+        assert!(ids[..7].iter().all(Option::is_some));
+        let begun: Vec<(Remote, String)> = at
+            .iter()
+            .zip(&ids)
+            .filter_map(|(to, id)| Some((to.clone(), id.clone()?)))
+            .collect();
+        assert!(abort_uploads(begun));
+    }
+
+    #[test]
+    fn a_cancelled_run_begins_no_upload() {
+        let (slow, at) = ranks(40, None);
+        let staging = at[0].parent();
+        let (ids, created) = create_uploads(&at, &staging, &AtomicBool::new(true));
+        assert_eq!(created.unwrap_err().to_string(), "interrupted");
+        assert!(ids.iter().all(Option::is_none));
+        assert_eq!(slow.most(), 0);
+    }
 
     /// A store whose conditional PUTs lose their reply: the object is created, and the client's
     /// retry is told it exists.

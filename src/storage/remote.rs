@@ -226,14 +226,18 @@ impl Remote {
 
     /// Store `bytes` as the object in one PUT: it appears whole or not at all.
     pub(crate) fn put(&self, bytes: Vec<u8>) -> Result<()> {
+        block_on(self.put_async(bytes))?
+    }
+
+    /// [`Remote::put`] as a future, for many at once.
+    pub(crate) async fn put_async(&self, bytes: Vec<u8>) -> Result<()> {
         listed_objects().remove(&self.path);
-        block_on(
-            self.store
-                .objects
-                .put(&self.key, object_store::PutPayload::from(bytes)),
-        )?
-        .map(|_| ())
-        .map_err(|e| store_error(&self.path, e))
+        self.store
+            .objects
+            .put(&self.key, object_store::PutPayload::from(bytes))
+            .await
+            .map(|_| ())
+            .map_err(|e| store_error(&self.path, e))
     }
 
     /// The whole object.
