@@ -8,6 +8,7 @@ and read back by PyTorch here too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -117,6 +118,23 @@ def download_tree(client, bucket: str, prefix: str, local: Path) -> list[str]:
             client.download_file(bucket, o["Key"], str(local / rel))
             names.append(rel)
     return sorted(names)
+
+
+@contextlib.contextmanager
+def counting_s3(tmp_path: Path, **trees: Path):
+    """A moto_server of the test's own holding `trees` (prefix -> local path) in BUCKET, whose
+    request log counts GETs: yields the server and `gets(prefix)`, the GETs so far of objects
+    whose key starts with it."""
+    log = tmp_path / "moto.log"
+    server = S3Server(log=log)
+    try:
+        c = server.client()
+        c.create_bucket(Bucket=BUCKET)
+        for prefix, local in trees.items():
+            upload_tree(c, local, BUCKET, prefix)
+        yield server, lambda prefix: log.read_text().count(f"GET /{BUCKET}/{prefix}")
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -497,22 +515,15 @@ def test_s3_to_s3_reads_each_block_about_once(tmp_path):
     assert proc.returncode == 0, proc.stderr
     want = tmp_path / "want.safetensors"
     assert run(None, "consolidate", dcp, "-o", want).returncode == 0
-    log = tmp_path / "moto.log"
-    server = S3Server(log=log)
-    try:
-        c = server.client()
-        c.create_bucket(Bucket=BUCKET)
-        upload_tree(c, dcp, BUCKET, "dcp")
-        gets_before = log.read_text().count("GET /ckpt/dcp/")
+    with counting_s3(tmp_path, dcp=dcp) as (server, gets_of):
+        gets_before = gets_of("dcp/")
         out = f"s3://{BUCKET}/out/model.safetensors"
         proc = run(server, "consolidate", f"s3://{BUCKET}/dcp", "-o", out, "--threads", "8", timeout=120)
         assert proc.returncode == 0, proc.stderr
-        gets = log.read_text().count("GET /ckpt/dcp/") - gets_before
+        gets = gets_of("dcp/") - gets_before
         got = tmp_path / "got.safetensors"
-        c.download_file(BUCKET, "out/model.safetensors", str(got))
+        server.client().download_file(BUCKET, "out/model.safetensors", str(got))
         assert got.read_bytes() == want.read_bytes()
-    finally:
-        server.stop()
     blocks = sum(-(-f.stat().st_size // (4 << 20)) for f in dcp.iterdir())
     # Measured on 2 cores: 127 GETs for 29 blocks (some blocks fetched by two workers at once);
     # before, 2,866.
@@ -545,35 +556,27 @@ def test_many_rank_files_come_in_one_get_each(tmp_path):
         want[name] = tmp_path / f"want-{name}.safetensors"
         proc = run(None, "consolidate", tmp_path / src, "-o", want[name], *flags)
         assert proc.returncode == 0, proc.stderr
-    log = tmp_path / "moto.log"
-    server = S3Server(log=log)
-    try:
-        c = server.client()
-        c.create_bucket(Bucket=BUCKET)
-        upload_tree(c, dcp, BUCKET, "dcp")
-        upload_tree(c, mesh, BUCKET, "mesh")
+    with counting_s3(tmp_path, dcp=dcp, mesh=mesh) as (server, gets_of):
         for name, (src, flags) in cases.items():
-            gets_before = log.read_text().count(f"GET /ckpt/{src}/__")
+            gets_before = gets_of(f"{src}/__")
             got = tmp_path / f"got-{name}.safetensors"
             proc = run(server, "consolidate", f"s3://{BUCKET}/{src}", "-o", got, *flags, timeout=120)
             assert proc.returncode == 0, proc.stderr
             assert got.read_bytes() == want[name].read_bytes(), name
-            gets = log.read_text().count(f"GET /ckpt/{src}/__") - gets_before
+            gets = gets_of(f"{src}/__") - gets_before
             if src == "dcp":
                 # One GET a rank file, and the first items opened to tell the checkpoint's items
                 # from a safetensors-format file's (one per worker reading, at most).
                 probes = max(2, os.cpu_count() or 1)
                 assert gets <= 16 + probes, f"{name}: {gets} GETs for 16 rank files"
-    finally:
-        server.stop()
 
 
 def test_many_items_are_opened_a_rank_file_at_a_time(tmp_path):
     """`inspect` and `verify` of a DCP in S3 open every item (each a small torch.save archive) to
     check its framing. A DCP of 16 ranks and 4,800 items: the items of each rank file come in
-    GETs of many items each (here one per file), several files in flight, where opening them one by one made a GET
-    per item (37,861 GETs and 2.5 minutes at 128 ranks in the bench). The reports equal the
-    local ones."""
+    GETs of many items each (here one per file), several files in flight, where opening them one
+    by one made a GET per item (37,861 GETs and 2.5 minutes at 128 ranks in the bench). The
+    reports equal the local ones."""
     import torch
     from safetensors.torch import save_file
 
@@ -583,19 +586,14 @@ def test_many_items_are_opened_a_rank_file_at_a_time(tmp_path):
     save_file(tensors, str(full))
     dcp = tmp_path / "dcp"
     assert run(None, "reshard", full, "-o", dcp, "--world-size", "16").returncode == 0
-    log = tmp_path / "moto.log"
-    server = S3Server(log=log)
-    try:
-        c = server.client()
-        c.create_bucket(Bucket=BUCKET)
-        upload_tree(c, dcp, BUCKET, "dcp")
+    with counting_s3(tmp_path, dcp=dcp) as (server, gets_of):
         for args in (["inspect", "--json"], ["verify", "--json"]):
             local = run(None, *args, dcp)
             assert local.returncode == 0, local.stderr
-            gets_before = log.read_text().count("GET /ckpt/dcp/__")
+            gets_before = gets_of("dcp/__")
             remote = run(server, *args, f"s3://{BUCKET}/dcp", timeout=120)
             assert remote.returncode == 0, remote.stdout + remote.stderr
-            gets = log.read_text().count("GET /ckpt/dcp/__") - gets_before
+            gets = gets_of("dcp/__") - gets_before
             want, got = json.loads(local.stdout), json.loads(remote.stdout)
             for report in (want, got):
                 report.pop("path", None)
@@ -603,5 +601,3 @@ def test_many_items_are_opened_a_rank_file_at_a_time(tmp_path):
             # Each rank file holds 300 items (370 KB): one GET of all of them (16 here, and 1,033
             # opening them one by one).
             assert gets <= 2 * 16, f"{args[0]}: {gets} GETs for 4,800 items in 16 rank files"
-    finally:
-        server.stop()
