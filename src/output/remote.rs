@@ -103,6 +103,79 @@ pub fn in_flight(threads: usize) -> usize {
     2 * threads
 }
 
+/// Most upload parts in flight at once, however small.
+const PARTS_IN_FLIGHT: usize = 64;
+
+/// Upload parts being sent, oldest first. Each holds its bytes until the store has them, so
+/// what bounds them is their bytes: [`in_flight`] parts of at least [`MIN_PART`] as before, and
+/// as many smaller ones as fit in the same bytes (up to [`PARTS_IN_FLIGHT`]). A reshard's 1,024
+/// one-part rank files of a few KiB went 2 x threads at a time (4 on 2 cores): 256 round trips
+/// one after another.
+pub(super) struct Sending<K> {
+    queue: VecDeque<(K, u64, PendingPart)>,
+    bytes: u64,
+    /// Parts always let in flight, whatever their size, and the bytes smaller ones may fill.
+    floor: usize,
+    budget: u64,
+}
+
+impl<K> Sending<K> {
+    pub(super) fn new(threads: usize) -> Sending<K> {
+        let floor = in_flight(threads);
+        Sending {
+            queue: VecDeque::new(),
+            bytes: 0,
+            floor,
+            budget: floor as u64 * MIN_PART,
+        }
+    }
+
+    /// Send a part of `len` bytes with `send` once there is room for it, waiting for the oldest
+    /// parts first; each that finishes goes to `done` with its key.
+    pub(super) fn send(
+        &mut self,
+        key: K,
+        len: u64,
+        send: impl FnOnce() -> Result<PendingPart>,
+        done: &mut impl FnMut(K, UploadedPart) -> Result<()>,
+    ) -> Result<()> {
+        while !self.has_room(len) {
+            self.settle_oldest(done)?;
+        }
+        let pending = send()?;
+        self.bytes += len;
+        self.queue.push_back((key, len, pending));
+        Ok(())
+    }
+
+    /// Wait for every part still in flight.
+    pub(super) fn finish(
+        &mut self,
+        done: &mut impl FnMut(K, UploadedPart) -> Result<()>,
+    ) -> Result<()> {
+        while !self.queue.is_empty() {
+            self.settle_oldest(done)?;
+        }
+        Ok(())
+    }
+
+    fn has_room(&self, len: u64) -> bool {
+        let n = self.queue.len();
+        n < self.floor || (n < PARTS_IN_FLIGHT && self.bytes + len <= self.budget)
+    }
+
+    fn settle_oldest(
+        &mut self,
+        done: &mut impl FnMut(K, UploadedPart) -> Result<()>,
+    ) -> Result<()> {
+        let Some((key, len, pending)) = self.queue.pop_front() else {
+            return Ok(());
+        };
+        self.bytes -= len;
+        done(key, pending.wait()?)
+    }
+}
+
 /// One upload this run started, as the journal records it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct Started {
@@ -390,18 +463,11 @@ pub fn write(
     let forward = Forward(opts.progress);
     let part_opts = spool_options(opts, &forward);
     let inputs = exec::open_inputs(plan, opts.io)?;
-    let max_in_flight = in_flight(opts.threads);
-    let mut in_flight: VecDeque<(usize, usize, PendingPart)> = VecDeque::new();
+    let mut sending: Sending<(usize, usize)> = Sending::new(opts.threads);
     let mut parts: Vec<Vec<Option<UploadedPart>>> = vec![Vec::new(); n];
     let mut held: Vec<(usize, usize, u64, u64)> = Vec::new();
     let mut crcs = Vec::new();
     let mut slots = Vec::new();
-    let wait = |(i, k, pending): (usize, usize, PendingPart),
-                parts: &mut Vec<Vec<Option<UploadedPart>>>|
-     -> Result<()> {
-        parts[i][k] = Some(pending.wait()?);
-        Ok(())
-    };
     let send = |i: usize, k: usize, at: u64, len: u64| -> Result<PendingPart> {
         send_part(
             &dest[i],
@@ -412,8 +478,14 @@ pub fn write(
         )
     };
     for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
+        parts[i] = vec![None; part_cuts(plan, i, lens[i])?.len() - 1];
+    }
+    let mut sent = |(i, k): (usize, usize), part: UploadedPart| -> Result<()> {
+        parts[i][k] = Some(part);
+        Ok(())
+    };
+    for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
         let cuts = part_cuts(plan, i, lens[i])?;
-        parts[i] = vec![None; cuts.len() - 1];
         for (k, w) in cuts.windows(2).enumerate() {
             if opts.cancel.load(Ordering::Relaxed) {
                 return Err(interrupted());
@@ -433,29 +505,15 @@ pub fn write(
                 held.push((i, k, at, len));
                 continue;
             }
-            while in_flight.len() >= max_in_flight {
-                let oldest = in_flight
-                    .pop_front()
-                    .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
-                wait(oldest, &mut parts)?;
-            }
-            in_flight.push_back((i, k, send(i, k, at, len)?));
+            sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
         }
     }
     // The parts whose CRC slots needed other parts' bytes: patched, then sent.
     exec::patch_crcs(&dest, &crcs, &slots, false)?;
     for (i, k, at, len) in held {
-        while in_flight.len() >= max_in_flight {
-            let oldest = in_flight
-                .pop_front()
-                .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
-            wait(oldest, &mut parts)?;
-        }
-        in_flight.push_back((i, k, send(i, k, at, len)?));
+        sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
     }
-    while let Some(oldest) = in_flight.pop_front() {
-        wait(oldest, &mut parts)?;
-    }
+    sending.finish(&mut sent)?;
     // The streamed files (a DCP `.metadata`: seconds at millions of pieces) go to the spool
     // before any object is completed, so that an interrupt while they are written leaves no
     // object under the output's name.
@@ -503,4 +561,47 @@ pub fn write(
     opts.progress.finish();
     drop(spool);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An upload into an in-memory store, and where it goes.
+    fn upload() -> (Remote, String) {
+        let to = Remote::in_memory("out/__0_0.distcp");
+        let id = to.create_upload(&to.parent()).unwrap();
+        (to, id)
+    }
+
+    /// The most parts [`Sending`] had in flight sending 100 parts of `len` bytes each, with 2
+    /// threads; every part is settled, in order.
+    fn most_in_flight(len: u64) -> usize {
+        let (to, id) = upload();
+        let mut sending: Sending<usize> = Sending::new(2);
+        let mut settled = Vec::new();
+        let mut settle = |k: usize, _part: UploadedPart| -> Result<()> {
+            settled.push(k);
+            Ok(())
+        };
+        let mut most = 0;
+        for k in 0..100 {
+            let send = || to.upload_part(&id, k, vec![k as u8; 16]);
+            sending.send(k, len, send, &mut settle).unwrap();
+            most = most.max(sending.queue.len());
+        }
+        sending.finish(&mut settle).unwrap();
+        assert_eq!(settled, (0..100).collect::<Vec<_>>());
+        most
+    }
+
+    #[test]
+    fn small_parts_go_many_at_once_in_the_bytes_of_a_few_large_ones() {
+        // 2 threads: 4 parts of 16 MiB in flight, 64 MiB.
+        assert_eq!(most_in_flight(4 << 10), PARTS_IN_FLIGHT);
+        assert_eq!(most_in_flight(2 << 20), 32);
+        assert_eq!(most_in_flight(MIN_PART), 4);
+        // Larger parts (files beyond 160 GB): as many as before, whatever their size.
+        assert_eq!(most_in_flight(100 << 20), 4);
+    }
 }

@@ -215,6 +215,23 @@ impl Version {
 }
 
 impl Remote {
+    /// `key` in a store of its own in memory, for tests of what writes to object storage.
+    #[cfg(test)]
+    pub(crate) fn in_memory(key: &str) -> Remote {
+        let mem = std::sync::Arc::new(object_store::memory::InMemory::new());
+        let store = super::remote::Store {
+            name: "s3://mem".into(),
+            objects: mem.clone(),
+            multipart: mem,
+            parts_are_objects: false,
+        };
+        Remote {
+            store: std::sync::Arc::new(store),
+            key: Key::from(key),
+            path: format!("s3://mem/{key}").into(),
+        }
+    }
+
     /// Store `bytes` as the object unless there is one (a conditional PUT, S3's and Azure's
     /// `If-None-Match: *`, GCS's `ifGenerationMatch=0`): true when this call created it. Of many
     /// callers at once, one does. Callers write bytes no other caller writes (their host,

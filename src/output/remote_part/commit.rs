@@ -8,7 +8,7 @@
 //! compose of parts still staged makes the same object again, and once any part is deleted the
 //! upload is gone as on S3.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
@@ -20,7 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
 use crate::output::OutputKind;
 use crate::plan::Plan;
-use crate::storage::{PendingPart, Remote, UploadedPart};
+use crate::storage::{Remote, UploadedPart};
 
 /// The id the store gave each upload part, by (file, part number).
 type Ids = BTreeMap<(usize, usize), String>;
@@ -164,8 +164,11 @@ impl Commit<'_> {
         let held: HashSet<&(usize, usize)> = held.iter().collect();
         let crcs: Vec<PartialCrc> = markers.iter().flat_map(|m| m.crcs.clone()).collect();
         let slots: Vec<OpenSlot> = markers.iter().flat_map(|m| m.open_slots.clone()).collect();
-        let bound = upload::in_flight(self.opts.threads);
-        let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
+        let mut sending: upload::Sending<Piece> = upload::Sending::new(self.opts.threads);
+        let mut settle = |q: Piece, sent: UploadedPart| -> Result<()> {
+            ids.insert((q.file, q.k), sent.id().to_string());
+            Ok(())
+        };
         for (p, _) in pieces.iter().filter(|(p, _)| held.contains(&(p.file, p.k))) {
             if self.opts.cancel.load(Ordering::Relaxed) {
                 return Err(Error::new(ErrorKind::Io, "interrupted"));
@@ -178,22 +181,12 @@ impl Commit<'_> {
                 .cloned()
                 .collect();
             exec::patch_crcs(&dest, &crcs, &mine, false)?;
-            if in_flight.len() >= bound {
-                if let Some((q, sent)) = in_flight.pop_front() {
-                    ids.insert((q.file, q.k), sent.wait()?.id().to_string());
-                }
-            }
             let id = upload_id(self.record, p.file)?;
             let to = &self.dests[p.file];
-            in_flight.push_back((
-                *p,
-                upload::send_part(&dest[p.file], to, id, p.k, p.at..p.end)?,
-            ));
+            let send = || upload::send_part(&dest[p.file], to, id, p.k, p.at..p.end);
+            sending.send(*p, p.end - p.at, send, &mut settle)?;
         }
-        while let Some((q, sent)) = in_flight.pop_front() {
-            ids.insert((q.file, q.k), sent.wait()?.id().to_string());
-        }
-        Ok(())
+        sending.finish(&mut settle)
     }
 
     /// Complete every upload from `ids` and put the streamed and empty files: data objects

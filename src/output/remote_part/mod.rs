@@ -30,7 +30,6 @@
 //! is under way; a committer re-reads every marker after taking the lock (as on disk, see
 //! [`super::part`]).
 
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -45,7 +44,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
 use crate::part::{FileRange, PartSpec, Share};
 use crate::plan::Plan;
-use crate::storage::{PendingPart, Remote};
+use crate::storage::{Remote, UploadedPart};
 
 mod commit;
 
@@ -541,8 +540,7 @@ fn send_share(
     let forward = Forward(opts.progress);
     let part_opts = upload::spool_options(opts, &forward);
     let inputs = exec::open_inputs(plan, opts.io)?;
-    let bound = upload::in_flight(opts.threads);
-    let mut in_flight: VecDeque<(Piece, PendingPart)> = VecDeque::new();
+    let mut sending: upload::Sending<Piece> = upload::Sending::new(opts.threads);
     let mut marker = Marker {
         fingerprint: me.fingerprint.clone(),
         run: me.run.clone(),
@@ -555,9 +553,9 @@ fn send_share(
         crcs: Vec::new(),
         open_slots: Vec::new(),
     };
-    let settle = |(p, pending): (Piece, PendingPart), marker: &mut Marker| -> Result<()> {
-        let done = pending.wait()?;
-        marker.sent.push(Sent {
+    let mut sent = Vec::new();
+    let mut settle = |p: Piece, done: UploadedPart| -> Result<()> {
+        sent.push(Sent {
             file: p.file,
             k: p.k,
             id: done.id().to_string(),
@@ -575,19 +573,12 @@ fn send_share(
             marker.held.push((p.file, p.k));
             continue;
         }
-        while in_flight.len() >= bound {
-            let oldest = in_flight
-                .pop_front()
-                .ok_or_else(|| Error::bug("an upload queue at its bound was empty"))?;
-            settle(oldest, &mut marker)?;
-        }
         let id = upload_id(record, p.file)?;
-        let pending = upload::send_part(&dest[p.file], &dests[p.file], id, p.k, p.at..p.end)?;
-        in_flight.push_back((p, pending));
+        let send = || upload::send_part(&dest[p.file], &dests[p.file], id, p.k, p.at..p.end);
+        sending.send(p, p.end - p.at, send, &mut settle)?;
     }
-    while let Some(oldest) = in_flight.pop_front() {
-        settle(oldest, &mut marker)?;
-    }
+    sending.finish(&mut settle)?;
+    marker.sent = sent;
     if opts.cancel.load(Ordering::Relaxed) {
         return Err(Error::new(ErrorKind::Io, "interrupted"));
     }
