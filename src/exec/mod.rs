@@ -617,7 +617,7 @@ fn run_files(
         }
         let clip = clip_of(fi);
         for (ri, r) in f.regions.iter().enumerate() {
-            if scattered[fi][ri] {
+            if scattered.done[fi][ri] {
                 continue;
             }
             if let Some(c) = &clip {
@@ -705,7 +705,10 @@ fn run_files(
             };
             digests.push(digest);
             let r = &f.regions[ri];
-            let crc = crc.finalize();
+            let crc = match scattered.crcs.get(&(fi, ri)) {
+                Some(&copied) => copied,
+                None => crc.finalize(),
+            };
             let Some(c) = &clip else {
                 crc_patches.extend(r.crc_slots.iter().map(|&slot| (slot, crc.to_le_bytes())));
                 continue;

@@ -10,11 +10,13 @@
 //! pieces: a piece is one or a few contiguous runs of its region (FSDP shards rows), each written
 //! with one `pwrite`. Memory is the GETs in flight, at most [`IN_FLIGHT`] x [`CHUNK_BYTES`].
 //!
-//! A region is copied here when it is written whole (no part's clip, no ZIP CRC, not computed)
-//! and every fill of it is a plain copy of an object's bytes whose runs are few or long; every
-//! other region is left to the unit-major copy.
+//! A region is copied here when it is written whole (no part's clip, not computed) and every fill
+//! of it is a plain copy of an object's bytes whose runs are few or long; every other region is
+//! left to the unit-major copy. A region a ZIP CRC covers (a torch.save record, a DCP item's
+//! data) gets the CRC-32 of each run as it is written, and its CRC is those combined in order.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
@@ -48,6 +50,8 @@ const PIPE_RUN: u64 = 64 << 10;
 struct Piece<'r> {
     /// Index of the destination in the window's files.
     file: usize,
+    /// Index of the region in its file, and the region.
+    ri: usize,
     region: &'r Region,
     fill: Fill,
     span: Span,
@@ -64,23 +68,45 @@ pub(super) struct Destinations<'a> {
     pub unflushed: &'a [AtomicU64],
 }
 
+/// What [`copy_input_major`] wrote.
+#[derive(Default)]
+pub(super) struct Scattered {
+    /// Per file of the window and region, whether it was written here.
+    pub done: Vec<Vec<bool>>,
+    /// The CRC-32 of each region written here that has CRC slots, by (file, region).
+    pub crcs: HashMap<(usize, usize), u32>,
+}
+
+/// The CRC-32 of `len` bytes written at byte `at` of region `ri` of file `file` of the window.
+struct RunCrc {
+    file: usize,
+    ri: usize,
+    at: u64,
+    len: u64,
+    crc: u32,
+}
+
 /// Copy every region of the window this module can take (see the module docs), skipping the
-/// files marked in `skip`. Returns, per file and region, whether it was written here.
+/// files marked in `skip`.
 pub(super) fn copy_input_major(
     plan: &Plan,
     to: &Destinations,
     skip: &[bool],
     sources: &[Source],
     opts: &ExecOptions,
-) -> Result<Vec<Vec<bool>>> {
+) -> Result<Scattered> {
     let mut done: Vec<Vec<bool>> = to
         .files
         .iter()
         .map(|(_, f)| vec![false; f.regions.len()])
         .collect();
     if !sources.iter().any(Source::is_remote) {
-        return Ok(done);
+        return Ok(Scattered {
+            done,
+            ..Scattered::default()
+        });
     }
+    let mut runs = Vec::new();
     let mut batch = Vec::new();
     for (fi, (i, f)) in to.files.iter().enumerate() {
         let writable = matches!(to.outputs.get(fi), Some(Some(_))) && to.dest.get(*i).is_some();
@@ -88,29 +114,59 @@ pub(super) fn copy_input_major(
             continue;
         }
         for (ri, r) in f.regions.iter().enumerate() {
-            if !r.crc_slots.is_empty() || plan.computed(r).is_some() {
+            if plan.computed(r).is_some() {
                 continue;
             }
             let fills = checked_fills(plan, r, None, sources)?;
-            let Some(pieces) = pieces_of(fi, r, &fills, sources) else {
+            let Some(pieces) = pieces_of(fi, ri, r, &fills, sources) else {
                 continue;
             };
             done[fi][ri] = true;
             batch.extend(pieces);
             if batch.len() >= BATCH_PIECES {
-                copy_batch(&batch, to, sources, opts)?;
+                copy_batch(&batch, to, sources, opts, &mut runs)?;
                 batch.clear();
             }
         }
     }
-    copy_batch(&batch, to, sources, opts)?;
-    Ok(done)
+    copy_batch(&batch, to, sources, opts, &mut runs)?;
+    let crcs = combine_crcs(runs, to)?;
+    Ok(Scattered { done, crcs })
+}
+
+/// Each region's CRC-32 from the CRCs of its runs, which tile it (its fills cover it once).
+fn combine_crcs(mut runs: Vec<RunCrc>, to: &Destinations) -> Result<HashMap<(usize, usize), u32>> {
+    runs.sort_unstable_by_key(|c| (c.file, c.ri, c.at));
+    let mut crcs = HashMap::new();
+    for region in runs.chunk_by(|a, b| (a.file, a.ri) == (b.file, b.ri)) {
+        let (file, ri) = (region[0].file, region[0].ri);
+        let nbytes = to
+            .files
+            .get(file)
+            .and_then(|(_, f)| f.regions.get(ri))
+            .map_or(0, Region::nbytes);
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = 0;
+        for c in region {
+            if c.at != at {
+                return Err(Error::bug("the runs copied into a region do not tile it"));
+            }
+            crc.combine(&crc32fast::Hasher::new_with_initial_len(c.crc, c.len));
+            at += c.len;
+        }
+        if at != nbytes {
+            return Err(Error::bug("the runs copied into a region do not cover it"));
+        }
+        crcs.insert((file, ri), crc.finalize());
+    }
+    Ok(crcs)
 }
 
 /// The pieces of region `r` (destination `file`), or `None` when a fill is not a plain copy of
 /// an object's bytes in few or long runs, or the fills do not cover the region.
 fn pieces_of<'r>(
     file: usize,
+    ri: usize,
     r: &'r Region,
     fills: &[Fill],
     sources: &[Source],
@@ -165,6 +221,7 @@ fn pieces_of<'r>(
             covered += elements;
             pieces.push(Piece {
                 file,
+                ri,
                 region: r,
                 fill: band,
                 span,
@@ -214,6 +271,7 @@ fn copy_batch(
     to: &Destinations,
     sources: &[Source],
     opts: &ExecOptions,
+    runs: &mut Vec<RunCrc>,
 ) -> Result<()> {
     // (input, bytes fetched in one GET, the pieces inside them)
     let chunks = crate::storage::gets_of(
@@ -243,7 +301,7 @@ fn copy_batch(
         for &k in ks {
             let p = &pieces[k];
             let Encoding::Saved { item_offset, .. } = p.fill.encoding else {
-                write_piece(p, &bytes, run.start, to, opts, &mut scratch)?;
+                write_piece(p, &bytes, run.start, to, opts, &mut scratch, runs)?;
                 continue;
             };
             if opened.as_ref().is_none_or(|(at, _)| *at != item_offset) {
@@ -264,14 +322,14 @@ fn copy_batch(
                 opened = Some((item_offset, decoded));
             }
             let elements = opened.as_ref().map_or(&[][..], |(_, d)| &d[..]);
-            write_piece(p, elements, 0, to, opts, &mut scratch)?;
+            write_piece(p, elements, 0, to, opts, &mut scratch, runs)?;
         }
         Ok(())
     })
 }
 
 /// Write `p`'s runs from `bytes`: the input's bytes from offset `base` on, or for an item the
-/// item's elements (`base` 0).
+/// item's elements (`base` 0). Each run's CRC-32 goes to `crcs` when a CRC covers the region.
 fn write_piece(
     p: &Piece,
     bytes: &[u8],
@@ -279,6 +337,7 @@ fn write_piece(
     to: &Destinations,
     opts: &ExecOptions,
     scratch: &mut Vec<u8>,
+    crcs: &mut Vec<RunCrc>,
 ) -> Result<()> {
     let (r, fill, sp) = (p.region, &p.fill, &p.span);
     let (Some((i, _)), Some(Some(out))) = (to.files.get(p.file), to.outputs.get(p.file)) else {
@@ -314,6 +373,15 @@ fn write_piece(
                 .map_err(|e| Error::io(path, e).at(at).tensor(&r.name))?;
         }
         written += run.len() as u64;
+        if !r.crc_slots.is_empty() {
+            crcs.push(RunCrc {
+                file: p.file,
+                ri: p.ri,
+                at: t,
+                len: run.len() as u64,
+                crc: crc32fast::hash(run),
+            });
+        }
         // Odometer over the dims that are not part of the run.
         let mut d = sp.outer;
         loop {
