@@ -4,8 +4,9 @@ Hugging Face model directory, held to what the training framework's own converte
 The inputs are real torchtitan 0.3.0 checkpoints (fixtures/generate_torchtitan.py: torchtitan's
 Trainer and CheckpointManager, FSDP2 over 2 gloo ranks, 2 AdamW steps from its seed checkpoint) of
 a Llama3 with GQA, a Qwen3 with tied embeddings and q/k norms, and a DeepSeek-V3 (MLA, a dense
-layer then an MoE layer with routed and shared experts and `expert_bias_E`),
-fixtures/torchtitan_<model>/:
+layer then an MoE layer with routed and shared experts and `expert_bias_E`), and the Llama3 and
+Qwen3 again with 2 heads of 32 (`_hd32`, the ones tests/interop/test_hf_export_vllm.py loads in
+vLLM), fixtures/torchtitan_<model>/:
 
 - `step-2/`: the DCP directory torchtitan wrote (model tensors at the top level under torchtitan's
   names, `attention.qkv_linear.wq.weight` with the RoPE rows interleaved; `optimizer.*`,
@@ -51,6 +52,9 @@ TORCHTITAN = {
     "torchtitan_llama3": ("step-2", "LlamaForCausalLM"),
     "torchtitan_qwen3": ("step-2", "Qwen3ForCausalLM"),
     "torchtitan_deepseek_v3": ("step-2", "DeepseekV3ForCausalLM"),
+    # the Llama 3 and Qwen3 with 2 heads of 32 that vLLM loads (tests/interop/test_hf_export_vllm.py)
+    "torchtitan_llama3_hd32": ("step-2", "LlamaForCausalLM"),
+    "torchtitan_qwen3_hd32": ("step-2", "Qwen3ForCausalLM"),
 }
 NAMES = sorted(TORCHTITAN)
 # config.json's fields naming the dtype of the weights (transformers 5 writes `dtype`; older
@@ -301,7 +305,8 @@ def test_export_accepts_config_json_itself(ckpt, run_ckpt, tmp_path, name):
 
 # field -> a wrong value, given the fixture's config (every one disagrees with the tensors' shapes)
 WRONG_GQA = {
-    "num_key_value_heads": lambda c: c["num_key_value_heads"] // 2,
+    # halved, or doubled where there is 1 (the hd32 fixtures): 0 would fail as not a count at all
+    "num_key_value_heads": lambda c: c["num_key_value_heads"] // 2 or 2,
     "num_attention_heads": lambda c: c["num_attention_heads"] * 2,
     "head_dim": lambda c: c["head_dim"] * 2,
     "hidden_size": lambda c: c["hidden_size"] // 2,
