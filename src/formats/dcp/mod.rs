@@ -599,15 +599,17 @@ impl<'a> Files<'a> {
     /// The bytes of one item, checked against the file's length: the whole item, or (`zip`) a
     /// view of it for the ZIP reader, which for a remote file holds only the archive's framing.
     fn bytes(&self, item: &Item, zip: bool) -> Result<View<'_>> {
-        if let Some(fetched) = self.fetched_item(item) {
-            return Ok(View::Fetched(fetched));
-        }
         let input = match self.maps.get(item.file as usize) {
             Some((_, input)) => input,
             None => {
                 return Err(Error::bug("item in a file that was not mapped").file(self.path(item)))
             }
         };
+        if input.is_remote() {
+            if let Some(fetched) = self.fetched_item(item) {
+                return Ok(View::Fetched(fetched));
+            }
+        }
         let end = item.offset.checked_add(item.length);
         match end {
             Some(end) if end <= input.len() && zip => input.zip_view(item.offset, item.length),
