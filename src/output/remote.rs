@@ -477,15 +477,21 @@ pub fn write(
             at..at + len,
         )
     };
-    for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
-        parts[i] = vec![None; part_cuts(plan, i, lens[i])?.len() - 1];
+    // Where each file uploaded in parts is cut (`[0, len]` and the cuts between), else nothing.
+    let cuts: Vec<Vec<u64>> = (0..n)
+        .map(|i| match ids[i] {
+            Some(_) => part_cuts(plan, i, lens[i]),
+            None => Ok(Vec::new()),
+        })
+        .collect::<Result<_>>()?;
+    for (i, c) in cuts.iter().enumerate() {
+        parts[i] = vec![None; c.len().saturating_sub(1)];
     }
     let mut sent = |(i, k): (usize, usize), part: UploadedPart| -> Result<()> {
         parts[i][k] = Some(part);
         Ok(())
     };
-    for i in (0..n).filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0) {
-        let cuts = part_cuts(plan, i, lens[i])?;
+    for (i, cuts) in cuts.iter().enumerate() {
         for (k, w) in cuts.windows(2).enumerate() {
             if opts.cancel.load(Ordering::Relaxed) {
                 return Err(interrupted());
