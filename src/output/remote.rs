@@ -249,16 +249,27 @@ pub(super) fn spool_options<'a>(
 }
 
 /// A sparse file per output file in the temporary directory, removed when dropped.
+///
+/// A run killed outright (SIGKILL, out of memory) cannot remove its spool, which holds up to the
+/// parts in flight of every file; the next run on the same host does, as the local output does
+/// with its temporaries ([`super::local`]). The name carries the host so that a temporary
+/// directory shared between machines is swept only of this host's dead runs.
 pub(super) struct Spool {
     dir: PathBuf,
 }
 
+const SPOOL_PREFIX: &str = "ckpt-spool-";
+
 impl Spool {
-    /// A new empty spool directory, named by process and time.
+    /// A new empty spool directory, named by host, process and time, after removing the spools
+    /// of this host's runs that are gone.
     pub(super) fn new() -> Result<Spool> {
+        let tmp = std::env::temp_dir();
+        let host = super::part::hostname();
+        remove_dead_spools(&tmp, &host);
         let spool = Spool {
-            dir: std::env::temp_dir().join(format!(
-                "ckpt-spool-{}-{}",
+            dir: tmp.join(format!(
+                "{SPOOL_PREFIX}{host}-{}-{}",
                 std::process::id(),
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
@@ -278,6 +289,27 @@ impl Spool {
 impl Drop for Spool {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Remove `ckpt-spool-HOST-PID-TIME` directories in `tmp` whose run, on `host`, is gone.
+fn remove_dead_spools(tmp: &Path, host: &str) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    let mine = format!("{SPOOL_PREFIX}{host}-");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        // PID-TIME: the host name may hold dashes, the two numbers after it do not
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&mine))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, time)| time.bytes().all(|b| b.is_ascii_digit()).then_some(pid))
+            .and_then(|pid| pid.parse::<u32>().ok());
+        if pid.is_some_and(super::local::process_is_gone) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -599,6 +631,35 @@ mod tests {
         sending.finish(&mut settle).unwrap();
         assert_eq!(settled, (0..100).collect::<Vec<_>>());
         most
+    }
+
+    #[test]
+    fn the_spools_of_this_hosts_dead_runs_are_removed_and_no_other() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let alive = std::process::id();
+        let names = [
+            format!("ckpt-spool-node-1-{dead}-17"),
+            format!("ckpt-spool-node-1-{alive}-17"),
+            format!("ckpt-spool-node-2-{dead}-17"),
+            format!("ckpt-spool-node-1-{dead}-17-not-a-spool"),
+            "ckpt-spool-node-1-x-17".to_string(),
+        ];
+        for name in &names {
+            std::fs::create_dir(tmp.path().join(name)).unwrap();
+            std::fs::write(tmp.path().join(name).join("0"), b"part").unwrap();
+        }
+        remove_dead_spools(tmp.path(), "node-1");
+        let mut left: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = names[1..].to_vec();
+        want.sort();
+        assert_eq!(left, want);
     }
 
     #[test]

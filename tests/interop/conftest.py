@@ -70,6 +70,17 @@ def fixtures_dir() -> Path:
     return FIXTURES_DIR
 
 
+@pytest.fixture
+def spools(tmp_path, monkeypatch):
+    """TMPDIR of this test's ckpt runs, where a remote output spools its parts: a test that kills
+    a run sees its spool left behind and removed by the next run, and no spool lands in /tmp.
+    Returns a function listing the spools there."""
+    tmp = tmp_path / "TMPDIR"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return lambda: sorted(p.name for p in tmp.glob("ckpt-spool-*"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -298,7 +298,7 @@ def uncommitted(c, name: str) -> int:
 
 
 @pytest.mark.parametrize("target", ["file", "dcp"])
-def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(az, big, tmp_path, target):
+def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(az, big, tmp_path, target, spools):
     """Azure has no abort: object_store's abort_multipart does nothing and the blocks a killed run
     put stay uncommitted (the service drops them after a week). They are invisible to readers:
     no blob is listed under the output name until Put Block List commits it, and the rerun's
@@ -327,6 +327,7 @@ def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(az, big, tmp_path,
 
     again = run(az, *cmd)
     assert again.returncode == 0, again.stderr
+    assert spools() == [], "the killed run's spool was not removed"
     listed = blobs(c)
     assert marker in listed and not [n for n in listed if "ckpt-uploads" in n], listed
     assert uncommitted(c, data) == 0

@@ -101,7 +101,7 @@ def test_parts_give_the_bytes_of_a_single_run(az, tmp_path, case):
     assert_same_state({k: back[k] for k in az.tensors}, az.tensors, case)
 
 
-def test_killed_part_runs_again_to_the_same_bytes(az, tmp_path):
+def test_killed_part_runs_again_to_the_same_bytes(az, tmp_path, spools):
     c = az.container()
     want = single(az, tmp_path, "split")
     dest = "killed/model"
@@ -120,6 +120,7 @@ def test_killed_part_runs_again_to_the_same_bytes(az, tmp_path):
         assert again.returncode == 0, again.stderr
     assert fetch(c, dest, tmp_path / "parts") == want
     assert all(uncommitted(c, f"{dest}/{k}") == 0 for k in want)
+    assert spools() == []
 
 
 def test_parts_of_another_plan_refuse_to_mix(az):

@@ -378,7 +378,7 @@ def wait_for(server: FakeGcs, proc, what: str, found) -> None:
 
 
 @pytest.mark.parametrize("target", ["file", "dcp"])
-def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(gcs, big, tmp_path, target):
+def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(gcs, big, tmp_path, target, spools):
     """GCS has no multipart upload to abort: the parts of a killed run stay as staged objects
     beside the output (`.NAME.ckpt-parts/`), never under its name; the next run into the same
     place deletes them from the killed run's journal."""
@@ -399,6 +399,7 @@ def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(gcs, big, tmp_path
 
     again = run(gcs, *cmd)
     assert again.returncode == 0, again.stderr
+    assert spools() == [], "the killed run's spool was not removed"
     listed = gcs.objects()
     assert marker in listed and not staged(gcs), listed
     local = tmp_path / "want" / name
@@ -527,7 +528,7 @@ def test_parts_into_gcs_at_once_commit_once(gcs, parts_in, tmp_path):
     assert gcs.objects("together/.model.ckpt-parts") == []
 
 
-def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_path):
+def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_path, spools):
     """A part killed once it has staged an upload part leaves nothing under the name and no
     marker; run again (its staged parts replaced, by name) and with the others, the bytes are a
     single run's."""
@@ -546,10 +547,11 @@ def test_killed_part_into_gcs_runs_again_to_the_same_bytes(gcs, parts_in, tmp_pa
         assert again.returncode == 0, again.stderr
     assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
     assert gcs.objects(staging) == []
+    assert spools() == []
 
 
 @pytest.mark.parametrize("when", ["composed", "cleaned"])
-def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, tmp_path, when):
+def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, tmp_path, when, spools):
     """The committer killed once its first object is composed, or once an object's staged parts
     are deleted too (the index comes last): a part run again composes again what is still staged
     and takes an upload whose parts are gone, its object in place, for done."""
@@ -582,6 +584,7 @@ def test_killed_commit_into_gcs_is_finished_by_a_part_run_again(gcs, parts_in, t
     assert f"all {N} parts done: committed" in again.stderr, again.stderr
     assert fetched(gcs, dest, tmp_path / "parts") == singles["split"]
     assert gcs.objects(staging) == []
+    assert spools() == []
 
 
 def test_parts_of_another_plan_refuse_to_mix_in_gcs(gcs, parts_in):

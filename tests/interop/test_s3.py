@@ -416,7 +416,7 @@ def wait_for_journal(client, prefix: str, proc) -> None:
 
 
 @pytest.mark.parametrize("target", ["file", "dcp"])
-def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path, target):
+def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path, target, spools):
     import signal
 
     c = s3.client()
@@ -429,6 +429,8 @@ def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path,
     wait_for_journal(c, f".{name}.ckpt-uploads/", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    left = spools()
+    assert len(left) == 1, left
     keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
     assert marker not in keys, keys
     open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
@@ -436,6 +438,7 @@ def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path,
 
     again = run(s3, *cmd)
     assert again.returncode == 0, again.stderr
+    assert spools() == [], "the killed run's spool was not removed"
     open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
     assert not any(k.startswith(name) for k in open_uploads), f"not aborted: {open_uploads}"
     keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
@@ -454,15 +457,17 @@ def test_killed_upload_leaves_no_checkpoint_and_a_rerun_works(s3, big, tmp_path,
         same_tree(local, got)
 
 
-def test_ctrl_c_aborts_its_uploads(s3, big):
+def test_ctrl_c_aborts_its_uploads(s3, big, spools):
     import signal
 
     c = s3.client()
     proc = start(s3, "consolidate", big, "-o", f"s3://{BUCKET}/interrupted.safetensors")
     wait_for_journal(c, ".interrupted.safetensors.ckpt-uploads/", proc)
+    assert len(spools()) == 1
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
+    assert spools() == [], "an interrupted run left its spool"
     keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
     assert "interrupted.safetensors" not in keys and not [k for k in keys if "interrupted" in k], keys
     open_uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]

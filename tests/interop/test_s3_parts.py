@@ -146,7 +146,7 @@ def test_parts_run_at_once_commit_once(s3, tmp_path):
     assert open_uploads(c, "together/") == []
 
 
-def test_killed_part_runs_again_to_the_same_bytes(s3, tmp_path):
+def test_killed_part_runs_again_to_the_same_bytes(s3, tmp_path, spools):
     c = s3.client()
     want = single(s3, tmp_path, "split")
     dest = "killed/model"
@@ -166,17 +166,19 @@ def test_killed_part_runs_again_to_the_same_bytes(s3, tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert len(spools()) == 1
     assert keys(c, dest) == []
     assert keys(c, f"killed/.model.ckpt-parts/done") == []
     for i in [1, 0, 2]:
         again = part(s3, "split", dest, i)
         assert again.returncode == 0, again.stderr
+    assert spools() == []
     assert fetch(c, dest, tmp_path / "parts") == want
     assert open_uploads(c, "killed/") == []
 
 
 @pytest.mark.parametrize("when", ["recorded", "completing"])
-def test_killed_commit_is_finished_by_a_part_run_again(s3, tmp_path, when):
+def test_killed_commit_is_finished_by_a_part_run_again(s3, tmp_path, when, spools):
     """The committer killed once it has recorded the upload parts' ids (`completing.json`), or
     once it has completed the first upload (the objects complete one by one, the index last): any
     part run again finishes the commit. The kill races the commit, which may finish first on an
@@ -207,6 +209,7 @@ def test_killed_commit_is_finished_by_a_part_run_again(s3, tmp_path, when):
     assert f"all {N} parts done: committed" in again.stderr, again.stderr
     assert fetch(c, dest, tmp_path / "parts") == want
     assert keys(c, staging) == [] and open_uploads(c, f"commit-killed-{when}-{attempt}/") == []
+    assert spools() == []
 
 
 def test_parts_of_another_plan_refuse_to_mix(s3):
