@@ -26,6 +26,9 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
+/// A store whose multipart calls each take a round trip, for the tests of their callers.
+#[cfg(test)]
+pub(crate) use multipart::tests::ranks as slow_uploads;
 pub(crate) use multipart::{
     abort_uploads, complete_uploads, create_uploads, PendingPart, UploadedPart,
 };

@@ -124,7 +124,9 @@ impl Remote {
 
     /// Start a multipart upload to this key; its id. Where parts are objects (GCS) they are
     /// staged under `staging` (outside the output, so that nothing is under its name before it
-    /// completes), and the id is the prefix they are staged at.
+    /// completes), and the id is the prefix they are staged at. Runs create theirs a few dozen at
+    /// once, with [`create_uploads`].
+    #[cfg(test)]
     pub(crate) fn create_upload(&self, staging: &Remote) -> Result<String> {
         block_on(self.create_upload_async(staging))?
     }
@@ -418,7 +420,7 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::PathBuf;
     use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
@@ -438,11 +440,15 @@ mod tests {
 
     /// An in-memory store whose creates and completes each take 50 ms (a round trip to S3):
     /// counts how many are under way at once, and fails those of keys containing `fail`.
-    struct Slow {
+    /// Counts the uploads created and aborted too. (Also the store of `output::remote_part`'s
+    /// tests of its starts.)
+    pub(crate) struct Slow {
         inner: Arc<InMemory>,
         running: AtomicUsize,
         most: AtomicUsize,
         fail: Option<&'static str>,
+        created: AtomicUsize,
+        aborted: AtomicUsize,
     }
 
     impl Slow {
@@ -465,15 +471,25 @@ mod tests {
         }
 
         /// How many were under way at once since the last call.
-        fn most(&self) -> usize {
+        pub(crate) fn most(&self) -> usize {
             self.most.swap(0, Ordering::SeqCst)
+        }
+
+        /// How many uploads were created, and how many aborted.
+        pub(crate) fn created_and_aborted(&self) -> (usize, usize) {
+            let created = self.created.load(Ordering::SeqCst);
+            (created, self.aborted.load(Ordering::SeqCst))
         }
     }
 
     #[async_trait::async_trait]
     impl MultipartStore for Slow {
         async fn create_multipart(&self, key: &Key) -> object_store::Result<MultipartId> {
-            self.round_trip(key, self.inner.create_multipart(key)).await
+            let id = self
+                .round_trip(key, self.inner.create_multipart(key))
+                .await?;
+            self.created.fetch_add(1, Ordering::SeqCst);
+            Ok(id)
         }
 
         async fn put_part(
@@ -497,18 +513,21 @@ mod tests {
         }
 
         async fn abort_multipart(&self, key: &Key, id: &MultipartId) -> object_store::Result<()> {
+            self.aborted.fetch_add(1, Ordering::SeqCst);
             self.inner.abort_multipart(key, id).await
         }
     }
 
     /// `n` rank files under `out/` in a [`Slow`] store.
-    fn ranks(n: usize, fail: Option<&'static str>) -> (Arc<Slow>, Vec<Remote>) {
+    pub(crate) fn ranks(n: usize, fail: Option<&'static str>) -> (Arc<Slow>, Vec<Remote>) {
         let inner = Arc::new(InMemory::new());
         let slow = Arc::new(Slow {
             inner: inner.clone(),
             running: AtomicUsize::new(0),
             most: AtomicUsize::new(0),
             fail,
+            created: AtomicUsize::new(0),
+            aborted: AtomicUsize::new(0),
         });
         let store = Arc::new(Store {
             name: "s3://mem".into(),

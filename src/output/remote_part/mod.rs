@@ -31,7 +31,7 @@
 //! [`super::part`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -207,7 +207,15 @@ pub fn write_part(
         let by = "an earlier part".to_string();
         return Ok((staging.path, 0, 0, Finished::CommittedElsewhere { by }));
     }
-    let record = join_run(&staging, plan, &dests, &lens, part, fingerprint, command)?;
+    let record = join_run(
+        &staging,
+        &dests,
+        &lens,
+        part,
+        fingerprint,
+        command,
+        opts.cancel,
+    )?;
     let me = Part {
         staging: staging.clone(),
         part,
@@ -275,12 +283,12 @@ pub fn write_part(
 /// another run's.
 fn join_run(
     staging: &Remote,
-    plan: &Plan,
     dests: &[Remote],
     lens: &[u64],
     part: PartSpec,
     fingerprint: &str,
     command: &str,
+    cancel: &AtomicBool,
 ) -> Result<RunRecord> {
     let run = staging.join(RUN)?;
     let claim = staging.join(&format!("{CLAIMS}/part-{}.json", part.index))?;
@@ -289,7 +297,7 @@ fn join_run(
         None => match started_elsewhere(staging, &run, part)? {
             Some(b) => parse_run(&run, &b)?,
             None => {
-                let uploads = start_uploads(staging, plan, dests, lens).inspect_err(|_| {
+                let uploads = start_uploads(staging, dests, lens, cancel).inspect_err(|_| {
                     // No part waits for a start that failed.
                     let _ = staging.join(STARTING).and_then(|g| g.delete());
                 })?;
@@ -385,32 +393,26 @@ fn started_elsewhere(staging: &Remote, run: &Remote, part: PartSpec) -> Result<O
     run.read_if_any()
 }
 
-/// Start the multipart upload of every file uploaded in parts, a few at a time; if one cannot
-/// be started, those that were are aborted.
+/// Start the multipart upload of every file uploaded in parts (`lens` 0 for a streamed or empty
+/// one), a few dozen at once ([`crate::storage::create_uploads`]); if one cannot be started, or
+/// the run is interrupted, those that were are aborted.
 fn start_uploads(
     staging: &Remote,
-    plan: &Plan,
     dests: &[Remote],
     lens: &[u64],
+    cancel: &AtomicBool,
 ) -> Result<Vec<Option<Started>>> {
-    let todo: Vec<usize> = (0..lens.len())
-        .filter(|&i| lens[i] > 0 && !plan.is_streamed(i))
-        .collect();
-    let started = at_once(&todo, |&i| {
-        let key = dests[i].key().to_string();
-        Ok(dests[i]
-            .create_upload(staging)
-            .map(|id| (i, Started { key, id })))
-    })?;
+    let todo: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
+    let at: Vec<Remote> = todo.iter().map(|&i| dests[i].clone()).collect();
+    let (ids, result) = crate::storage::create_uploads(&at, staging, cancel);
     let mut uploads = vec![None; lens.len()];
-    let mut failed = None;
-    for r in started {
-        match r {
-            Ok((i, s)) => uploads[i] = Some(s),
-            Err(e) => failed = Some(e),
-        }
+    for (&i, id) in todo.iter().zip(ids) {
+        uploads[i] = id.map(|id| Started {
+            key: dests[i].key().to_string(),
+            id,
+        });
     }
-    if let Some(e) = failed {
+    if let Err(e) = result {
         let ours: Vec<Started> = uploads.into_iter().flatten().collect();
         upload::abort(staging, &ours);
         return Err(e);
@@ -657,6 +659,38 @@ pub fn unfinished(path: &Path) -> Option<Unfinished> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn uploads_start_many_at_once_and_none_stays_open_after_an_interrupt_or_a_refusal() {
+        // 40 files, the third streamed or empty: each other file's upload, in file order
+        let (slow, dests) = crate::storage::slow_uploads(40, None);
+        let staging = dests[0].parent();
+        let mut lens = vec![1u64 << 20; 40];
+        lens[2] = 0;
+        let started = start_uploads(&staging, &dests, &lens, &AtomicBool::new(false)).unwrap();
+        for (i, s) in started.iter().enumerate() {
+            assert_eq!(
+                s.as_ref().map(|s| s.key.as_str()),
+                (i != 2).then(|| dests[i].key())
+            );
+        }
+        assert!(slow.most() > 8, "the creates ran one after another");
+        assert_eq!(slow.created_and_aborted(), (39, 0));
+
+        let interrupted = start_uploads(&staging, &dests, &lens, &AtomicBool::new(true));
+        assert_eq!(interrupted.unwrap_err().to_string(), "interrupted");
+        assert_eq!(slow.most(), 0, "an interrupted run began a create");
+
+        let (slow, dests) = crate::storage::slow_uploads(40, Some("__7_0"));
+        let staging = dests[0].parent();
+        let refused = start_uploads(&staging, &dests, &lens, &AtomicBool::new(false));
+        assert!(refused.unwrap_err().to_string().contains("__7_0"));
+        let (created, aborted) = slow.created_and_aborted();
+        assert!(
+            created > 0 && aborted == created,
+            "{created} created, {aborted} aborted"
+        );
+    }
 
     proptest! {
         /// Every upload part has one owner; owners run in order, so a share is a contiguous run
