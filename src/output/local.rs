@@ -217,11 +217,6 @@ pub(crate) fn remove_path(path: &Path) {
     };
 }
 
-/// True when no process `pid` runs on this host (its temporaries can go).
-pub(crate) fn process_is_gone(pid: u32) -> bool {
-    !Path::new(&format!("/proc/{pid}")).exists()
-}
-
 /// Remove `.NAME.ckpt-tmp-PID` and `.NAME.ckpt-old-PID` left by runs whose process is gone.
 fn remove_stale(parent: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
@@ -242,7 +237,7 @@ fn remove_stale(parent: &Path, name: &str) {
             .strip_prefix(TMP_MARK)
             .or_else(|| rest.strip_prefix(OLD_MARK));
         if let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) {
-            if process_is_gone(pid) {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
                 remove_path(&entry.path());
             }
         }

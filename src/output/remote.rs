@@ -251,33 +251,40 @@ pub(super) fn spool_options<'a>(
 /// A sparse file per output file in the temporary directory, removed when dropped.
 ///
 /// A run killed outright (SIGKILL, out of memory) cannot remove its spool, which holds up to the
-/// parts in flight of every file; the next run on the same host does, as the local output does
-/// with its temporaries ([`super::local`]). The name carries the host so that a temporary
-/// directory shared between machines is swept only of this host's dead runs.
+/// parts in flight of every file; the next run does. A live run holds an exclusive lock on its
+/// spool's `.lock` file, which the kernel releases when the process ends however it ends: a
+/// spool whose lock can be taken is a dead run's. (A process id would do on one host, but not in
+/// a temporary directory shared between containers, each with process ids of its own.)
 pub(super) struct Spool {
     dir: PathBuf,
+    /// Held while the run lives.
+    _lock: File,
 }
 
 const SPOOL_PREFIX: &str = "ckpt-spool-";
+const SPOOL_LOCK: &str = ".lock";
 
 impl Spool {
-    /// A new empty spool directory, named by host, process and time, after removing the spools
-    /// of this host's runs that are gone.
+    /// A new empty spool directory, named by process and time, after removing the spools of runs
+    /// that are gone.
     pub(super) fn new() -> Result<Spool> {
         let tmp = std::env::temp_dir();
-        let host = super::part::hostname();
-        remove_dead_spools(&tmp, &host);
-        let spool = Spool {
-            dir: tmp.join(format!(
-                "{SPOOL_PREFIX}{host}-{}-{}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos())
-            )),
-        };
-        std::fs::create_dir(&spool.dir).map_err(|e| Error::io(&spool.dir, e))?;
-        Ok(spool)
+        remove_dead_spools(&tmp);
+        let dir = tmp.join(format!(
+            "{SPOOL_PREFIX}{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ));
+        std::fs::create_dir(&dir).map_err(|e| Error::io(&dir, e))?;
+        // Locked under another name, then renamed: another run never finds `.lock` unlocked
+        // while this one lives.
+        let (new, lock_path) = (dir.join(".lock-new"), dir.join(SPOOL_LOCK));
+        let lock = File::create(&new).map_err(|e| Error::io(&new, e))?;
+        lock.lock().map_err(|e| Error::io(&new, e))?;
+        std::fs::rename(&new, &lock_path).map_err(|e| Error::io(&lock_path, e))?;
+        Ok(Spool { dir, _lock: lock })
     }
 
     /// Where output file `i` is spooled.
@@ -292,22 +299,23 @@ impl Drop for Spool {
     }
 }
 
-/// Remove `ckpt-spool-HOST-PID-TIME` directories in `tmp` whose run, on `host`, is gone.
-fn remove_dead_spools(tmp: &Path, host: &str) {
+/// Remove the `ckpt-spool-*` directories in `tmp` whose run is gone: their `.lock` can be locked.
+fn remove_dead_spools(tmp: &Path) {
     let Ok(entries) = std::fs::read_dir(tmp) else {
         return;
     };
-    let mine = format!("{SPOOL_PREFIX}{host}-");
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        // PID-TIME: the host name may hold dashes, the two numbers after it do not
-        let pid = name
+        let is_spool = entry
+            .file_name()
             .to_str()
-            .and_then(|n| n.strip_prefix(&mine))
-            .and_then(|rest| rest.split_once('-'))
-            .and_then(|(pid, time)| time.bytes().all(|b| b.is_ascii_digit()).then_some(pid))
-            .and_then(|pid| pid.parse::<u32>().ok());
-        if pid.is_some_and(super::local::process_is_gone) {
+            .is_some_and(|n| n.starts_with(SPOOL_PREFIX));
+        if !is_spool {
+            continue;
+        }
+        let Ok(lock) = File::open(entry.path().join(SPOOL_LOCK)) else {
+            continue;
+        };
+        if lock.try_lock().is_ok() {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -634,32 +642,34 @@ mod tests {
     }
 
     #[test]
-    fn the_spools_of_this_hosts_dead_runs_are_removed_and_no_other() {
+    fn the_spools_of_dead_runs_are_removed_and_no_other() {
         let tmp = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let alive = std::process::id();
-        let names = [
-            format!("ckpt-spool-node-1-{dead}-17"),
-            format!("ckpt-spool-node-1-{alive}-17"),
-            format!("ckpt-spool-node-2-{dead}-17"),
-            format!("ckpt-spool-node-1-{dead}-17-not-a-spool"),
-            "ckpt-spool-node-1-x-17".to_string(),
-        ];
-        for name in &names {
-            std::fs::create_dir(tmp.path().join(name)).unwrap();
-            std::fs::write(tmp.path().join(name).join("0"), b"part").unwrap();
-        }
-        remove_dead_spools(tmp.path(), "node-1");
+        let dir = |name: &str| {
+            let d = tmp.path().join(name);
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join("0"), b"part").unwrap();
+            d
+        };
+        // A dead run's: its lock released. A live run's: locked (another open file description
+        // of the same file conflicts, in one process too). One being made: no `.lock` yet.
+        std::fs::write(dir("ckpt-spool-1-1").join(SPOOL_LOCK), b"").unwrap();
+        let live = File::create(dir("ckpt-spool-2-2").join(SPOOL_LOCK)).unwrap();
+        live.lock().unwrap();
+        dir("ckpt-spool-3-3");
+        std::fs::write(dir("not-a-spool").join(SPOOL_LOCK), b"").unwrap();
+        remove_dead_spools(tmp.path());
         let mut left: Vec<String> = std::fs::read_dir(tmp.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         left.sort();
-        let mut want = names[1..].to_vec();
-        want.sort();
-        assert_eq!(left, want);
+        assert_eq!(left, ["ckpt-spool-2-2", "ckpt-spool-3-3", "not-a-spool"]);
+        // and a spool of this run's own is locked from the start
+        let spool = Spool::new().unwrap();
+        let name = spool.dir.file_name().unwrap().to_owned();
+        remove_dead_spools(spool.dir.parent().unwrap());
+        assert!(spool.dir.join(SPOOL_LOCK).is_file(), "{name:?} was removed");
+        drop(live);
     }
 
     #[test]
