@@ -282,7 +282,7 @@ impl Spool {
         // while this one lives.
         let (new, lock_path) = (dir.join(".lock-new"), dir.join(SPOOL_LOCK));
         let lock = File::create(&new).map_err(|e| Error::io(&new, e))?;
-        lock.lock().map_err(|e| Error::io(&new, e))?;
+        lock_exclusive(&lock, false).map_err(|e| Error::io(&new, e))?;
         std::fs::rename(&new, &lock_path).map_err(|e| Error::io(&lock_path, e))?;
         Ok(Spool { dir, _lock: lock })
     }
@@ -296,6 +296,18 @@ impl Spool {
 impl Drop for Spool {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Take an exclusive `flock(2)` on `file` (std's `File::lock` is newer than our MSRV, 1.85):
+/// waiting for it, or with `nowait` failing at once if another open file description holds it.
+fn lock_exclusive(file: &File, nowait: bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let op = libc::LOCK_EX | if nowait { libc::LOCK_NB } else { 0 };
+    // SAFETY: a plain syscall on a descriptor we own; no memory of ours is involved.
+    match unsafe { libc::flock(file.as_raw_fd(), op) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
     }
 }
 
@@ -315,7 +327,7 @@ fn remove_dead_spools(tmp: &Path) {
         let Ok(lock) = File::open(entry.path().join(SPOOL_LOCK)) else {
             continue;
         };
-        if lock.try_lock().is_ok() {
+        if lock_exclusive(&lock, true).is_ok() {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -654,7 +666,7 @@ mod tests {
         // of the same file conflicts, in one process too). One being made: no `.lock` yet.
         std::fs::write(dir("ckpt-spool-1-1").join(SPOOL_LOCK), b"").unwrap();
         let live = File::create(dir("ckpt-spool-2-2").join(SPOOL_LOCK)).unwrap();
-        live.lock().unwrap();
+        lock_exclusive(&live, false).unwrap();
         dir("ckpt-spool-3-3");
         std::fs::write(dir("not-a-spool").join(SPOOL_LOCK), b"").unwrap();
         remove_dead_spools(tmp.path());
