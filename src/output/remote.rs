@@ -22,7 +22,7 @@ use std::collections::{HashSet, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -219,6 +219,28 @@ impl Drop for Uploads {
             let _ = self.journal.delete();
         }
     }
+}
+
+/// Start the multipart upload of each of `dests` listed in `todo`, a few dozen at once (a round
+/// trip each: a reshard to a thousand ranks would wait for a thousand one after another): what
+/// was started, per file of `dests`, and the first failure or interrupt. What was started is
+/// known even then, so that the caller aborts it.
+pub(super) fn start_uploads(
+    staging: &Remote,
+    dests: &[Remote],
+    todo: &[usize],
+    cancel: &AtomicBool,
+) -> (Vec<Option<Started>>, Result<()>) {
+    let at: Vec<Remote> = todo.iter().map(|&i| dests[i].clone()).collect();
+    let (ids, result) = crate::storage::create_uploads(&at, staging, cancel);
+    let mut started = vec![None; dests.len()];
+    for (&i, id) in todo.iter().zip(ids) {
+        started[i] = id.map(|id| Started {
+            key: dests[i].key().to_string(),
+            id,
+        });
+    }
+    (started, result)
 }
 
 fn interrupted() -> Error {
@@ -490,23 +512,13 @@ pub fn write(
         committed: false,
     };
     let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
-    let mut ids: Vec<Option<String>> = vec![None; n];
-    // One request per file, a few dozen at once: a reshard to a thousand ranks would wait for a
-    // thousand round trips one after another. Those created before one failed are aborted.
     let todo: Vec<usize> = (0..n)
         .filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0)
         .collect();
-    let at: Vec<Remote> = todo.iter().map(|&i| dests[i].clone()).collect();
-    let (created, all_created) = crate::storage::create_uploads(&at, &parts_dir, opts.cancel);
-    for (&i, id) in todo.iter().zip(created) {
-        if let Some(id) = id {
-            uploads.started.push(Started {
-                key: dests[i].key().to_string(),
-                id: id.clone(),
-            });
-            ids[i] = Some(id);
-        }
-    }
+    // Those started before a failure are aborted with the rest, when `uploads` is dropped.
+    let (started, all_created) = start_uploads(&parts_dir, &dests, &todo, opts.cancel);
+    uploads.started = started.iter().flatten().cloned().collect();
+    let ids: Vec<Option<String>> = started.into_iter().map(|s| s.map(|s| s.id)).collect();
     all_created?;
     let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
     uploads.journal.put(journal)?;

@@ -403,15 +403,7 @@ fn start_uploads(
     cancel: &AtomicBool,
 ) -> Result<Vec<Option<Started>>> {
     let todo: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
-    let at: Vec<Remote> = todo.iter().map(|&i| dests[i].clone()).collect();
-    let (ids, result) = crate::storage::create_uploads(&at, staging, cancel);
-    let mut uploads = vec![None; lens.len()];
-    for (&i, id) in todo.iter().zip(ids) {
-        uploads[i] = id.map(|id| Started {
-            key: dests[i].key().to_string(),
-            id,
-        });
-    }
+    let (uploads, result) = upload::start_uploads(staging, dests, &todo, cancel);
     if let Err(e) = result {
         let ours: Vec<Started> = uploads.into_iter().flatten().collect();
         upload::abort(staging, &ours);
