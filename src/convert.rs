@@ -226,7 +226,7 @@ fn quantize(
         .filter(|p| p.linear)
         .map(|p| p.target.clone())
         .collect();
-    let (ckpt, q) = crate::fp8::apply(ckpt, &linear, exec_opts.io)?;
+    let (ckpt, q) = crate::fp8::apply(ckpt, &linear, job.cast, exec_opts.io)?;
     let mut kept = q.not_converted;
     // A head tied to the embedding is still a linear module of transformers' model, which
     // must not be made an FP8 one.

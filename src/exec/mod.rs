@@ -1027,10 +1027,12 @@ struct Span {
     run: u64,
 }
 
-/// The slice of `fill` inside unit `u`, or `None` when they do not meet.
-fn span(fill: &Fill, r: &Region, u: &Unit, rstrides: &[u64]) -> Option<Span> {
-    let nd = r.shape.len();
-    let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
+/// The slice of `fill` inside unit `u`, or `None` when they do not meet. `dst` is the dtype the
+/// unit's buffer holds: the region's for a copy, the tensor's for a computed tensor's source
+/// elements (an FP8 weight's region is one byte an element, its source box four).
+fn span(fill: &Fill, u: &Unit, rstrides: &[u64], dst: DType) -> Option<Span> {
+    let nd = u.start.len();
+    let (se, de) = (fill.dtype.size() as u64, dst.size() as u64);
     // Intersect the fill's box with the unit's box, in region coordinates.
     let mut lo = vec![0u64; nd];
     let mut ext = vec![0u64; nd];
@@ -1093,7 +1095,7 @@ fn fetch_remote(
         if fill.encoding != Encoding::Raw {
             continue;
         }
-        let Some(sp) = span(fill, r, u, rstrides) else {
+        let Some(sp) = span(fill, u, rstrides, r.dtype) else {
             continue;
         };
         let se = fill.dtype.size() as u64;
@@ -1195,7 +1197,7 @@ fn gather(
         ext,
         outer,
         run,
-    }) = span(fill, r, u, rstrides)
+    }) = span(fill, u, rstrides, dtype)
     else {
         return Ok(0);
     };
@@ -1246,7 +1248,7 @@ fn direct_runs<'a>(
     let de = r.dtype.size() as u64;
     let mut runs = Vec::new();
     for fill in fills {
-        let Some(sp) = span(fill, r, u, rstrides) else {
+        let Some(sp) = span(fill, u, rstrides, r.dtype) else {
             continue;
         };
         let src = sources.get(fill.input)?;
@@ -1422,6 +1424,88 @@ mod tests {
         assert_eq!(bs[0], (vec![0, 0], vec![128, 200]));
         // Many bands fit: a multiple of 128 rows.
         assert_eq!(blocks(&[1000, 10], 1, 3000, 128)[0].1, vec![256, 10]);
+    }
+
+    /// A computed tensor (as a LoRA fold) written with `--dtype`: the executor gathers the
+    /// source box in the tensor's dtype, whose elements are wider than the region's, from two
+    /// pieces; each piece's elements land where they belong in that box.
+    #[test]
+    fn computed_boxes_gather_in_the_tensors_dtype_across_pieces() {
+        use crate::model::{
+            Checkpoint, Compute, Computed, DataRef, Encoding, Format, Piece, Pieces, Tensor,
+        };
+        struct Copy;
+        impl Compute for Copy {
+            fn compute(
+                &self,
+                _: &[u64],
+                _: &[u64],
+                src: &[u8],
+                dst: &mut [u8],
+                to: DType,
+            ) -> Result<()> {
+                cast::convert(src, DType::F32, dst, to);
+                Ok(())
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let vals: Vec<f32> = (0..24).map(|k| k as f32 + 0.5).collect();
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("src.bin"), &bytes).unwrap();
+        // Rows 0..2 and 2..6 of a [6, 4] f32 tensor, each piece row-major in the file.
+        let mut pieces = Pieces::new(2);
+        for (r0, nr) in [(0u64, 2u64), (2, 4)] {
+            pieces
+                .push(Piece {
+                    offsets: vec![r0, 0],
+                    sizes: vec![nr, 4],
+                    data: DataRef {
+                        file: Path::new("src.bin").into(),
+                        offset: r0 * 16,
+                        strides: vec![4, 1],
+                        encoding: Encoding::Raw,
+                    },
+                })
+                .unwrap();
+        }
+        pieces.set_computed(Computed(std::sync::Arc::new(Copy)));
+        let ckpt = Checkpoint {
+            root: dir.path().to_path_buf(),
+            format: Format::Dcp,
+            world_size: None,
+            tensors: vec![Tensor {
+                name: "w".into(),
+                key_path: Vec::new(),
+                dtype: DType::F32,
+                shape: vec![6, 4],
+                pieces,
+            }],
+            values: Vec::new(),
+            unsupported: Vec::new(),
+            details: Vec::new(),
+        };
+        let target = crate::plan::Target::Safetensors {
+            file_name: "out.safetensors".into(),
+        };
+        let opts = crate::plan::PlanOptions {
+            cast: Some(DType::BF16),
+        };
+        let plan = crate::plan::plan(&ckpt, &target, &opts).unwrap();
+        let out = dir.path().join("out.safetensors");
+        let cancel = AtomicBool::new(false);
+        let exec_opts = ExecOptions {
+            threads: 1,
+            io: IoMode::Read,
+            progress: &NoProgress,
+            cancel: &cancel,
+            durable: false,
+        };
+        execute(&plan, std::slice::from_ref(&out), &exec_opts).unwrap();
+        let file = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        let mut want = vec![0u8; 48];
+        cast::convert(&bytes, DType::F32, &mut want, DType::BF16);
+        assert_eq!(st.tensor("w").unwrap().data(), &want[..]);
     }
 
     #[test]

@@ -200,7 +200,7 @@ fn pieces_of<'r>(
             return None;
         }
         for band in bands {
-            let Some(span) = super::span(&band, r, &whole, &rstrides) else {
+            let Some(span) = super::span(&band, &whole, &rstrides, r.dtype) else {
                 continue;
             };
             let se = band.dtype.size() as u64;

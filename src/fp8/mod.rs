@@ -51,9 +51,15 @@ pub(crate) fn quantization_config(not_converted: &[String]) -> serde_json::Value
 
 /// Quantize the tensors of `ckpt` named in `linear` (each followed by its scales); every other
 /// tensor is kept as it is, its module listed as not converted.
+///
+/// `cast` is `--dtype`: a weight is quantized from the values the export would write without
+/// `--quantize` (an f32 weight exported `--dtype bf16` from its bf16 values), so that the FP8
+/// codes and scales are those of quantizing the plain export, as a released FP8 model is made
+/// from its bf16 one.
 pub(crate) fn apply(
     ckpt: Checkpoint,
     linear: &BTreeSet<String>,
+    cast: Option<DType>,
     io: IoMode,
 ) -> Result<(Checkpoint, Quantized)> {
     let mut tensors = Vec::with_capacity(ckpt.tensors.len() + linear.len());
@@ -66,7 +72,7 @@ pub(crate) fn apply(
             tensors.push(t.clone());
             continue;
         }
-        let (weight, scales) = quantized(t, &ckpt, io)?;
+        let (weight, scales) = quantized(t, &ckpt, cast, io)?;
         tensors.push(weight);
         tensors.push(scales);
     }
@@ -74,7 +80,12 @@ pub(crate) fn apply(
 }
 
 /// The FP8 weight and the scales of `t`.
-fn quantized(t: &Tensor, ckpt: &Checkpoint, io: IoMode) -> Result<(Tensor, Tensor)> {
+fn quantized(
+    t: &Tensor,
+    ckpt: &Checkpoint,
+    cast: Option<DType>,
+    io: IoMode,
+) -> Result<(Tensor, Tensor)> {
     let &[rows, cols] = &t.shape[..] else {
         return Err(Error::usage(format!(
             "a linear weight is quantized as a 2-D tensor, and this one has shape {:?}",
@@ -101,6 +112,10 @@ fn quantized(t: &Tensor, ckpt: &Checkpoint, io: IoMode) -> Result<(Tensor, Tenso
             details: Vec::new(),
         },
         dtype: t.dtype,
+        values: match cast {
+            Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => d,
+            _ => t.dtype,
+        },
         rows,
         cols,
         io,
@@ -166,7 +181,11 @@ struct Weight {
     /// The weight alone (named as it is), with a LoRA fold's computation if it has one: bands
     /// are read as merged values.
     alone: Checkpoint,
+    /// The dtype of the weight's elements as read (after a LoRA fold).
     dtype: DType,
+    /// The dtype whose values are quantized: `--dtype` when it is a float the quantizer takes,
+    /// else [`Weight::dtype`].
+    values: DType,
     rows: u64,
     cols: u64,
     io: IoMode,
@@ -187,12 +206,24 @@ impl Weight {
         let r0 = band * TILE;
         let n = TILE.min(self.rows.saturating_sub(r0));
         let bytes = crate::exec::read_box(&self.alone, 0, &[r0, 0], &[n, self.cols], self.io)?;
+        let values = self.values_of(&bytes);
         Ok(quant::band_scales(
-            &bytes,
-            self.dtype,
+            &values,
+            self.values,
             n as usize,
             self.cols as usize,
         ))
+    }
+
+    /// Elements read as [`Weight::dtype`] as the values quantized ([`Weight::values`]).
+    fn values_of<'a>(&self, src: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        if self.values == self.dtype {
+            return std::borrow::Cow::Borrowed(src);
+        }
+        let n = src.len() / self.dtype.size();
+        let mut out = vec![0u8; n * self.values.size()];
+        crate::cast::convert(src, self.dtype, &mut out, self.values);
+        std::borrow::Cow::Owned(out)
     }
 }
 
@@ -232,6 +263,8 @@ impl Compute for Fp8Weight {
             }
             None => src,
         };
+        let values = w.values_of(src);
+        let (src, dtype) = (&values[..], w.values);
         let (b0, b1) = (r0 / TILE, (r0 + nr).div_ceil(TILE));
         // A box of whole bands, full width (as the executor cuts them: `block_rows`) holds every
         // value its scales need; any other box reads its bands again.
@@ -239,14 +272,14 @@ impl Compute for Fp8Weight {
             && ((r0 + nr) % TILE == 0 || r0 + nr == w.rows)
             && c0 == 0
             && nc == w.cols;
-        let es = w.dtype.size() as u64;
+        let es = dtype.size() as u64;
         let scales: Vec<Vec<f32>> = (b0..b1)
             .map(|b| match whole {
                 true => {
                     let lo = (b * TILE - r0) * nc * es;
                     let n = TILE.min(r0 + nr - b * TILE);
                     let band = &src[lo as usize..(lo + n * nc * es) as usize];
-                    let scales = quant::band_scales(band, w.dtype, n as usize, nc as usize);
+                    let scales = quant::band_scales(band, dtype, n as usize, nc as usize);
                     w.cache().insert(b, scales.clone());
                     Ok(scales)
                 }
@@ -255,7 +288,7 @@ impl Compute for Fp8Weight {
             .collect::<Result<_>>()?;
         quant::quantize_rows(
             src,
-            w.dtype,
+            dtype,
             nr as usize,
             nc as usize,
             c0 as usize,

@@ -27,7 +27,7 @@ fn any_box_quantizes_as_the_whole_and_scales_read_their_bands() {
     let (rows, cols) = (300usize, 200usize);
     let (ckpt, bf16) = weight(dir.path(), rows, cols);
     let linear: BTreeSet<String> = ["w".to_string()].into();
-    let (q, kept) = apply(ckpt, &linear, IoMode::Read).unwrap();
+    let (q, kept) = apply(ckpt, &linear, None, IoMode::Read).unwrap();
     assert!(kept.not_converted.is_empty());
     let names: Vec<&str> = q.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["w", "w_scale_inv"]);
@@ -141,4 +141,123 @@ fn corners_cover_the_grid_once() {
     assert_eq!(p.sizes(), &[1, 2]);
     // After the first band's two pieces of 100 rows.
     assert_eq!(p.offset(), (100 * 129 + 100 * 71) * 2 + 28 * 129 * 2);
+}
+
+/// A `[rows, cols]` weight of `dtype` (values as [`weight`]'s) stored in one raw file as
+/// `row_cuts` × `col_cuts` pieces, each row-major: the boxes of several ranks' shards, cut inside
+/// 128-row bands and 128-column tiles. Returns the checkpoint and the weight whole, row-major.
+fn pieced_weight(
+    dir: &std::path::Path,
+    dtype: DType,
+    (rows, cols): (u64, u64),
+    row_cuts: &[u64],
+    col_cuts: &[u64],
+) -> (Checkpoint, Vec<u8>) {
+    use crate::model::{DataRef, Encoding, Format, Piece};
+    let vals: Vec<f32> = (0..rows * cols)
+        .map(|k| ((k as f32) * 0.377).sin() * (1.0 + (k % 13) as f32) * 1e-2)
+        .collect();
+    let f32s: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let es = dtype.size() as u64;
+    let mut whole = vec![0u8; (rows * cols * es) as usize];
+    crate::cast::convert(&f32s, DType::F32, &mut whole, dtype);
+    let bounds = |cuts: &[u64], n: u64| -> Vec<(u64, u64)> {
+        let mut edges = vec![0];
+        edges.extend_from_slice(cuts);
+        edges.push(n);
+        edges.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+    };
+    let (mut file, mut pieces) = (Vec::new(), Pieces::new(2));
+    for (r0, nr) in bounds(row_cuts, rows) {
+        for (c0, nc) in bounds(col_cuts, cols) {
+            let at = file.len() as u64;
+            for i in r0..r0 + nr {
+                let row = ((i * cols + c0) * es) as usize;
+                file.extend_from_slice(&whole[row..row + (nc * es) as usize]);
+            }
+            pieces
+                .push(Piece {
+                    offsets: vec![r0, c0],
+                    sizes: vec![nr, nc],
+                    data: DataRef {
+                        file: std::path::Path::new("shards.bin").into(),
+                        offset: at,
+                        strides: vec![nc, 1],
+                        encoding: Encoding::Raw,
+                    },
+                })
+                .unwrap();
+        }
+    }
+    std::fs::write(dir.join("shards.bin"), &file).unwrap();
+    let ckpt = Checkpoint {
+        root: dir.to_path_buf(),
+        format: Format::Dcp,
+        world_size: None,
+        tensors: vec![Tensor {
+            name: "w".into(),
+            key_path: Vec::new(),
+            dtype,
+            shape: vec![rows, cols],
+            pieces,
+        }],
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        details: Vec::new(),
+    };
+    (ckpt, whole)
+}
+
+/// The FP8 codes and scales of a whole row-major weight of `dtype`, quantized at once.
+fn quantized_whole(w: &[u8], dtype: DType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let es = dtype.size();
+    let scales: Vec<Vec<f32>> = (0..rows.div_ceil(128))
+        .map(|b| {
+            let n = 128.min(rows - b * 128);
+            quant::band_scales(
+                &w[b * 128 * cols * es..(b * 128 + n) * cols * es],
+                dtype,
+                n,
+                cols,
+            )
+        })
+        .collect();
+    let mut codes = vec![0u8; rows * cols];
+    quant::quantize_rows(w, dtype, rows, cols, 0, |i| &scales[i / 128], &mut codes);
+    (codes, scales.concat())
+}
+
+/// Through the executor, as a consolidate runs it: the weight's pieces cut its bands (a shard
+/// boundary inside rows 128..256, another inside 256..320, a column cut inside the second tile)
+/// and the executor gathers each box from several of them. Every code and scale is the whole
+/// weight's, quantized from the values `--dtype` writes, whatever the source dtype.
+#[test]
+fn pieces_that_cut_bands_quantize_as_the_whole_weight() {
+    let (rows, cols) = (352u64, 200u64);
+    for (dtype, cast) in [
+        (DType::F32, None),
+        (DType::F32, Some(DType::BF16)),
+        (DType::BF16, None),
+        (DType::F16, Some(DType::BF16)),
+        (DType::BF16, Some(DType::F32)),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (ckpt, whole) =
+            pieced_weight(dir.path(), dtype, (rows, cols), &[117, 176, 300], &[150]);
+        let values = cast.unwrap_or(dtype);
+        let mut cast_whole = vec![0u8; (rows * cols) as usize * values.size()];
+        crate::cast::convert(&whole, dtype, &mut cast_whole, values);
+        let (want_codes, want_scales) =
+            quantized_whole(&cast_whole, values, rows as usize, cols as usize);
+
+        let linear: BTreeSet<String> = ["w".to_string()].into();
+        let (q, _) = apply(ckpt, &linear, cast, IoMode::Read).unwrap();
+        let got = crate::exec::read_tensors(&q, IoMode::Read).unwrap();
+        assert_eq!(got[0], want_codes, "{dtype:?} cast {cast:?}: codes");
+        let scales: Vec<f32> = got[1]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(scales, want_scales, "{dtype:?} cast {cast:?}: scales");
+    }
 }
