@@ -265,7 +265,8 @@ def test_fp8_block_of_a_lora_merge(tmp_path):
 def test_fp8_block_of_deepseek_v3_from_torchtitan(tmp_path):
     """DeepSeek-V3 as torchtitan saves it (routed experts stacked on a leading axis): each
     expert's, shared expert's and latent attention's linear weight is quantized from its view of
-    the stacked f32 source; the router's gate and its bias are not, and are listed by module."""
+    the stacked f32 source, as `--dtype bf16` writes it; the router's gate and its bias are not,
+    and are listed by module."""
     import test_hf_export  # a module object, so that its tests are not collected here again
 
     model = test_hf_export.build_deepseek(12)
@@ -283,7 +284,9 @@ def test_fp8_block_of_deepseek_v3_from_torchtitan(tmp_path):
     quantized = 0
     for name, w in saved.items():
         if name.endswith(linear):
-            q, s = reference(w)
+            # f32 weights exported `--dtype bf16`: quantized from the bf16 values the plain
+            # export writes
+            q, s = reference(w.to(torch.bfloat16))
             assert torch.equal(got[name + "_scale_inv"], s), name
             assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
             quantized += 1
