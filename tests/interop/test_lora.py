@@ -279,6 +279,25 @@ def test_fixtures_merge_as_peft_did(run_ckpt, tmp_path, case):
             assert torch.equal(got[k], w), k
 
 
+@pytest.mark.parametrize("case", ["llama_fsdp2", "dora"])
+def test_fixture_merged_with_dtype_is_the_merge_cast(run_ckpt, tmp_path, case):
+    """`--merge-lora --dtype bf16` of FSDP2 DCP saves (f32 and bf16): the fold computes each box
+    from both ranks' pieces, then casts, so the output is torch's merge `.to(torch.bfloat16)`
+    (an f32 source's pieces after a box's first once landed at offsets of the bf16 output)."""
+    from ckpt_helpers import FIXTURES_DIR
+
+    lora = FIXTURES_DIR / "lora" / case
+    out = tmp_path / "out.safetensors"
+    r = run_ckpt("consolidate", lora, "-o", out, "--merge-lora", lora, "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    want = torch.load(FIXTURES_DIR / "expected" / f"lora_{case}.pt", weights_only=True)
+    got = load_file(out)
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        want_k = w.to(torch.bfloat16) if w.is_floating_point() else w
+        assert torch.equal(got[k], want_k), k
+
+
 def test_fixture_resharded_with_the_merge_reads_back_bitwise(run_ckpt, tmp_path):
     from ckpt_helpers import FIXTURES_DIR
 
