@@ -617,6 +617,20 @@ fn reshard_deepspeed(args: &ReshardArgs, reading: Reading) -> Result<i32> {
             human_bytes(done.bytes),
             secs
         ));
+        let scripts = crate::formats::deepspeed::reshard::RECOVERY_SCRIPTS;
+        let missing: Vec<&str> = scripts
+            .iter()
+            .copied()
+            .filter(|s| !done.scripts.iter().any(|d| d == s))
+            .collect();
+        if !missing.is_empty() {
+            to_stderr(format_args!(
+                "note: the source has no {} beside its tags, so the output has none either \
+                 (DeepSpeed's save writes both recovery scripts; they come with the deepspeed \
+                 package, in deepspeed/utils/)",
+                missing.join(" or ")
+            ));
+        }
     }
     Ok(0)
 }

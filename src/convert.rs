@@ -406,6 +406,8 @@ pub(crate) struct DeepSpeedResharded {
     /// The ZeRO stage and the data-parallel size the input was saved at.
     pub stage: i64,
     pub from_world: usize,
+    /// The recovery scripts copied from the source (`zero_to_fp32.py`, `zero_to_torch.py`).
+    pub scripts: Vec<String>,
 }
 
 /// Write the DeepSpeed checkpoint at `input` (`tag` as `--tag`) to the directory `output` as
@@ -438,11 +440,17 @@ pub(crate) fn reshard_deepspeed(
     let bytes = crate::formats::deepspeed::reshard::write(&plan, &root)?;
     let path = staging.final_path().to_path_buf();
     staging.commit()?;
+    let scripts = crate::formats::deepspeed::reshard::RECOVERY_SCRIPTS
+        .iter()
+        .filter(|name| plan.files.iter().any(|f| f.path == Path::new(name)))
+        .map(|name| name.to_string())
+        .collect();
     Ok(DeepSpeedResharded {
         path,
         files: plan.files.len(),
         bytes,
         stage: plan.stage,
         from_world: plan.from_world,
+        scripts,
     })
 }

@@ -21,6 +21,8 @@ at M = 3, 2 and 1:
   3 -> 4 -> 2 gives the files of 3 -> 2 (the 4-rank source is ckpt's own reshard: DeepSpeed's
   fixtures are all saved on 3 ranks), ckpt's own reader (`consolidate`, `verify --deep`) finds
   in OUT what it finds in the input;
+- OUT holds DeepSpeed's recovery scripts (`zero_to_fp32.py`, `zero_to_torch.py`) as the source
+  has them, executable, and both run there and give the original's weights;
 - a missing rank file, or a rank file of another save, is an error naming it, with nothing
   written; an existing OUT is refused without --force; BF16_Optimizer and Universal inputs are
   refused as not yet; stage 0 is the same checkpoint at any size.
@@ -61,6 +63,25 @@ logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 def reshard(run_ckpt, src: Path, out: Path, world: int, *flags) -> subprocess.CompletedProcess:
     return run_ckpt("reshard", src, "-o", out, "--world-size", world, "--format", "deepspeed", *flags)
+
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def as_saved(case: str, dest: Path) -> Path:
+    """Fixture `case` with the recovery scripts beside its tags, as DeepSpeed's save leaves them
+    (`_copy_recovery_script`: copied from the installed package and made executable); the
+    committed fixtures leave them out for their size."""
+    import os
+    import stat
+
+    import deepspeed.utils
+
+    shutil.copytree(DS / case, dest)
+    for script in RECOVERY_SCRIPTS:
+        shutil.copyfile(Path(deepspeed.utils.__file__).parent / script, dest / script)
+        os.chmod(dest / script, os.stat(dest / script).st_mode | stat.S_IEXEC)
+    return dest
 
 
 def fp32_of(path: Path) -> dict:
@@ -153,7 +174,7 @@ def resumed(tmp_path_factory, run_ckpt):
             return done[(case, world)]
         tmp = tmp_path_factory.mktemp(f"{case}_{world}")
         out = tmp / "out"
-        proc = reshard(run_ckpt, DS / case, out, world)
+        proc = reshard(run_ckpt, as_saved(case, tmp / "src"), out, world)
         assert proc.returncode == 0, proc.stderr
         universal = tmp / "universal" if reference else "-"
         if reference:
@@ -242,6 +263,11 @@ def test_going_through_another_size_gives_the_same_files(run_ckpt, tmp_path, cas
 def test_files_are_what_deepspeed_writes_at_m(resumed, case, world):
     out, ref, _ = resumed(case, world)
     assert (out / "latest").read_text() == TAG
+    # Beside the tag: `latest` and both recovery scripts, as they are, executable.
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    for script in RECOVERY_SCRIPTS:
+        assert (out / script).read_bytes() == (ref / script).read_bytes(), script
+        assert (out / script).stat().st_mode == (ref / script).stat().st_mode, script
     names = sorted(p.name for p in (ref / TAG).iterdir())
     assert sorted(p.name for p in (out / TAG).iterdir()) == names
     assert len([n for n in names if "optim_states" in n]) == world
@@ -368,13 +394,46 @@ def test_zero3_sub_groups_cut_otherwise_at_m_are_refused(run_ckpt, tmp_path):
     assert not out.exists()
 
 
-def test_the_zero_to_fp32_script_beside_the_tags_is_carried(run_ckpt, tmp_path):
+def test_the_recovery_scripts_beside_the_tags_are_carried(run_ckpt, tmp_path):
+    """Whichever of the two the source has, copied as it is; a source without them gives an
+    output without them, and the summary says so."""
     src = tmp_path / "src"
     shutil.copytree(DS / "zero1_bf16", src)
-    (src / "zero_to_fp32.py").write_text("# DeepSpeed's script\n")
+    proc = reshard(run_ckpt, src, tmp_path / "none", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert not any((tmp_path / "none" / s).exists() for s in RECOVERY_SCRIPTS)
+    assert "no zero_to_fp32.py or zero_to_torch.py" in proc.stderr, proc.stderr
+    (src / "zero_to_torch.py").write_text("# DeepSpeed's script\n")
+    proc = reshard(run_ckpt, src, tmp_path / "one", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "one" / "zero_to_torch.py").read_text() == "# DeepSpeed's script\n"
+    assert not (tmp_path / "one" / "zero_to_fp32.py").exists()
+    assert "no zero_to_fp32.py beside" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("case,world", [("zero2_fp16", 2), ("zero3_bf16", 4), ("zero1_bf16", 1)])
+def test_the_recovery_scripts_run_on_the_reshard(run_ckpt, tmp_path, case, world):
+    """`python OUT/zero_to_torch.py OUT DIR --dtype fp32`, run where the save left it, gives the
+    tensors `python OUT/zero_to_fp32.py OUT DIR` gives, which are the original's in fp32."""
     out = tmp_path / "out"
-    assert reshard(run_ckpt, src, out, 2).returncode == 0
-    assert (out / "zero_to_fp32.py").read_text() == "# DeepSpeed's script\n"
+    proc = reshard(run_ckpt, as_saved(case, tmp_path / "src"), out, world)
+    assert proc.returncode == 0, proc.stderr
+    assert "note:" not in proc.stderr, proc.stderr
+    got = {}
+    for script, extra in (("zero_to_fp32.py", []), ("zero_to_torch.py", ["--dtype", "fp32"])):
+        dest = tmp_path / script
+        r = subprocess.run([sys.executable, str(out / script), str(out), str(dest), *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        files = sorted(dest.glob("pytorch_model*.bin"))
+        assert files, list(dest.iterdir())
+        got[script] = {k: v for f in files for k, v in load(f).items()}
+    # The scripts write every tensor as fp32 (a frozen fp16 parameter too).
+    want = {k: v.float() for k, v in fp32_of(DS / case).items()}
+    for state in got.values():
+        assert list(state) == list(want)
+        for k in want:
+            assert state[k].dtype == torch.float32 and torch.equal(state[k], want[k]), k
 
 
 def test_an_existing_output_needs_force(run_ckpt, tmp_path):

@@ -38,8 +38,10 @@ use source::{dict_get, entries, flat_tensor, set, Source, TensorRef};
 
 pub(crate) use write::write;
 
-/// The script DeepSpeed leaves beside the tags.
-const ZERO_TO_FP32: &str = "zero_to_fp32.py";
+/// The recovery scripts DeepSpeed 0.19's `save_checkpoint` copies beside the tags
+/// (`_copy_recovery_script`), which people run there, offline, to get the weights without
+/// DeepSpeed's engine.
+pub(crate) const RECOVERY_SCRIPTS: [&str; 2] = ["zero_to_fp32.py", "zero_to_torch.py"];
 /// What DeepSpeed pads a group to, per rank: `nccl_start_alignment_factor` in stage_1_and_2.py.
 const ALIGNMENT_PER_RANK: u64 = 2;
 const OPTIMIZER: &str = "optimizer_state_dict";
@@ -58,7 +60,8 @@ pub(crate) enum Run {
 pub(crate) enum Body {
     /// Small literal bytes (`latest`).
     Bytes(Vec<u8>),
-    /// An input copied whole (`zero_to_fp32.py`).
+    /// An input copied whole, its permissions too (the recovery scripts, which DeepSpeed
+    /// makes executable).
     Copy(usize),
     /// A torch.save archive: its records, the storage records (`{prefix}/data/{key}`) without
     /// content, each filled from runs keyed by storage key.
@@ -156,12 +159,14 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
     } else {
         Some(path)
     };
-    if let Some(script) = root.map(|r| r.join(ZERO_TO_FP32)).filter(|p| p.is_file()) {
-        inputs.push(script);
-        files.push(OutFile {
-            path: PathBuf::from(ZERO_TO_FP32),
-            body: Body::Copy(inputs.len() - 1),
-        });
+    for name in RECOVERY_SCRIPTS {
+        if let Some(script) = root.map(|r| r.join(name)).filter(|p| p.is_file()) {
+            inputs.push(script);
+            files.push(OutFile {
+                path: PathBuf::from(name),
+                body: Body::Copy(inputs.len() - 1),
+            });
+        }
     }
     Ok(Resharded {
         inputs,

@@ -48,6 +48,9 @@ pub(crate) fn write(plan: &Resharded, root: &Path) -> Result<u64> {
                     len,
                 };
                 copy(&out, &path, 0, &[run], &inputs, &plan.inputs, &mut buf)?;
+                let from = &plan.inputs[*i];
+                let mode = std::fs::metadata(from).map_err(|e| Error::io(from, e))?;
+                out.set_permissions(mode.permissions()).map_err(io)?;
                 written += len;
             }
             Body::Archive { records, runs } => {
