@@ -31,6 +31,8 @@ transformers = pytest.importorskip("transformers")
 # fixture -> (checkpoint, Hugging Face config directory), under fixtures/
 SHARDED = {
     "fsdp2_llama_fp8": ("fsdp2_llama_fp8/dcp", "fsdp2_llama_fp8/hf"),
+    "megatron_fp8_fp32": ("megatron_fp8_fp32/ckpt", "megatron_fp8_fp32/hf"),
+    "megatron_fp8_bf16": ("megatron_fp8_bf16/ckpt", "megatron_fp8_bf16/hf"),
 }
 
 
