@@ -33,6 +33,8 @@ SHARDED = {
     "fsdp2_llama_fp8": ("fsdp2_llama_fp8/dcp", "fsdp2_llama_fp8/hf"),
     "megatron_fp8_fp32": ("megatron_fp8_fp32/ckpt", "megatron_fp8_fp32/hf"),
     "megatron_fp8_bf16": ("megatron_fp8_bf16/ckpt", "megatron_fp8_bf16/hf"),
+    "torchtitan_qwen3_fp8": ("torchtitan_qwen3_fp8/step-60", "torchtitan_qwen3_fp8/hf"),
+    "torchtitan_deepseek_v3_fp8": ("torchtitan_deepseek_v3_fp8/step-60", "torchtitan_deepseek_v3_fp8/hf"),
 }
 
 
