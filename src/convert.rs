@@ -1,8 +1,10 @@
-//! One conversion as the library runs it: read, the steps between reading and planning (FSDP1
-//! LOCAL resolution, LoRA folding, selection), the checks, the plan, and the write: staged under
-//! a temporary name and renamed, one `--part` share into the shared staging area, or uploaded to
-//! an object store. The CLI turns its flags into a [`Conversion`] and prints the [`Summary`]; the
-//! library never prints.
+//! One conversion, as every command that writes runs it: **read → transform → plan → execute
+//! → output**. Read the input (and resolve an FSDP1 LOCAL checkpoint with `--shapes-from`); the
+//! steps between reading and planning (LoRA folding, selection, the export to Hugging Face names
+//! and its FP8 quantization); the target layout resolved against what is left; the plan; the
+//! write: staged under a temporary name and renamed, one `--part` share into the shared staging
+//! area, or uploaded to an object store. The CLI turns its flags into a [`Conversion`] and prints
+//! the [`Summary`]; the library never prints.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -11,6 +13,7 @@ use crate::detect::Source;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions};
+use crate::geometry::Placement;
 use crate::hf_export::config::CONFIG_JSON;
 use crate::hf_export::{HfConfig, Mapping};
 use crate::layout::ReadOptions;
@@ -18,29 +21,163 @@ use crate::model::Checkpoint;
 use crate::output::part::{Finished, PartOutput};
 use crate::output::{OutputKind, Staging};
 use crate::part::PartSpec;
-use crate::plan::{self, Plan, PlanOptions, Target};
+use crate::plan::{self, MeshSpec, Plan, PlanOptions, Target};
 use crate::select::Selection;
 
-/// Everything one conversion needs; the target comes separately because a reshard's depends on
-/// the names left after selection.
-pub(crate) struct Conversion<'a> {
-    pub input: &'a Source,
+/// How every checkpoint a command reads is read: the global flags.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Reading {
     /// `--shapes-from`: names and shapes for an FSDP1 LOCAL checkpoint.
-    pub shapes_from: Option<&'a Path>,
-    /// `--tag`: which of a DeepSpeed directory's tags.
-    pub tag: Option<&'a str>,
-    pub output: &'a Path,
-    pub kind: OutputKind,
+    pub shapes_from: Option<PathBuf>,
+    /// `--tag`: which of a directory's saved tags (DeepSpeed's, Megatron-LM's).
+    pub tag: Option<String>,
+}
+
+/// Read the checkpoint at `input` as `reading` says, an FSDP1 LOCAL one resolved with
+/// `--shapes-from`: the one way every command reads. `opts` says the rest (whether small items
+/// in object storage wait until copied, where `verify` collects what it steps past).
+pub(crate) fn read(input: &Source, reading: &Reading, opts: ReadOptions) -> Result<Checkpoint> {
+    let opts = ReadOptions {
+        tag: reading.tag.as_deref(),
+        ..opts
+    };
+    crate::fsdp_local::apply(input.read(&opts)?, reading.shapes_from.as_deref())
+}
+
+/// A FULL output's file format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FullFormat {
+    Safetensors,
+    Torch,
+}
+
+/// A SHARDED output's file format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ShardedFormat {
+    Dcp,
+    DcpSafetensors,
+}
+
+/// What a conversion writes.
+#[derive(Clone, Debug)]
+pub(crate) enum Layout {
+    /// `consolidate`: one safetensors file, Hugging Face split files or a torch.save archive;
+    /// the format, if not given, follows from the output's name.
+    Full {
+        format: Option<FullFormat>,
+        max_shard_size: Option<u64>,
+    },
+    /// `reshard`: a DCP over a mesh, the tensors `replicate`'s globs match stored whole.
+    Sharded {
+        mesh: Vec<usize>,
+        placements: Vec<Placement>,
+        replicate: Vec<String>,
+        format: ShardedFormat,
+    },
+    /// `reshard --format deepspeed`: DeepSpeed's own files at `world` data-parallel ranks.
+    DeepSpeed { world: usize },
+}
+
+/// Hugging Face's default shard size, as `save_pretrained` splits.
+const HF_SHARD_BYTES: u64 = 5_000_000_000;
+
+impl Layout {
+    /// The target and output kind of a FULL output at `output`: a model directory with
+    /// `--hf-config`; else by `--format`, `--max-shard-size` and the output's name.
+    fn full_target(
+        format: Option<FullFormat>,
+        max_shard_size: Option<u64>,
+        output: &Path,
+        hf_export: bool,
+    ) -> Result<(Target, OutputKind)> {
+        let name = output
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let torch_name = name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth");
+        Ok(match (format, max_shard_size) {
+            // A model directory, split as `save_pretrained` splits it.
+            _ if hf_export => (
+                Target::SafetensorsSplit {
+                    max_shard_bytes: max_shard_size.unwrap_or(HF_SHARD_BYTES),
+                },
+                OutputKind::Dir,
+            ),
+            (Some(FullFormat::Torch), Some(_)) => {
+                return Err(Error::usage(
+                    "--max-shard-size applies to safetensors output only",
+                ))
+            }
+            (Some(FullFormat::Torch), None) => {
+                (Target::TorchSave { file_name: name }, OutputKind::File)
+            }
+            (_, Some(max)) => (
+                Target::SafetensorsSplit {
+                    max_shard_bytes: max,
+                },
+                OutputKind::Dir,
+            ),
+            (_, None) if name.ends_with(".safetensors") => {
+                (Target::Safetensors { file_name: name }, OutputKind::File)
+            }
+            (None, None) if torch_name => (Target::TorchSave { file_name: name }, OutputKind::File),
+            (_, None) => (
+                Target::SafetensorsSplit {
+                    max_shard_bytes: HF_SHARD_BYTES,
+                },
+                OutputKind::Dir,
+            ),
+        })
+    }
+
+    /// The sharded target for `ckpt` (as transformed: `--replicate` matches the names left
+    /// after selection and renaming).
+    fn sharded_target(
+        mesh: &[usize],
+        placements: &[Placement],
+        replicate: &[String],
+        format: ShardedFormat,
+        ckpt: &Checkpoint,
+    ) -> Result<Target> {
+        let mut spec = MeshSpec {
+            shape: mesh.to_vec(),
+            placements: placements.to_vec(),
+            replicated: Default::default(),
+        };
+        if !replicate.is_empty() {
+            let names = Selection::new(replicate, &[], &[])?;
+            spec.replicated = ckpt
+                .tensors
+                .iter()
+                .filter(|t| names.keeps(&t.name))
+                .map(|t| t.name.clone())
+                .collect();
+        }
+        Ok(match format {
+            ShardedFormat::Dcp => Target::Dcp(spec),
+            ShardedFormat::DcpSafetensors => Target::DcpSafetensors(spec),
+        })
+    }
+}
+
+/// Everything one conversion needs.
+#[derive(Clone, Debug)]
+pub(crate) struct Conversion {
+    pub input: Source,
+    pub reading: Reading,
+    pub output: PathBuf,
+    pub layout: Layout,
     /// `--merge-lora CONFIG` and `--adapter NAME`.
-    pub lora: Option<(&'a Path, Option<&'a str>)>,
+    pub lora: Option<(PathBuf, Option<String>)>,
     /// `--include`, `--exclude`, `--strip-prefix`.
-    pub include: &'a [String],
-    pub exclude: &'a [String],
-    pub strip_prefix: &'a [String],
+    pub include: Vec<String>,
+    pub exclude: Vec<String>,
+    pub strip_prefix: Vec<String>,
     /// `--dtype`.
     pub cast: Option<DType>,
     /// `--hf-config`: export to this Hugging Face model's names, beside its config and tokenizer.
-    pub hf_config: Option<&'a Path>,
+    pub hf_config: Option<PathBuf>,
     /// `--quantize fp8-block`: the export's linear weights as blockwise FP8 (needs `hf_config`).
     pub fp8_block: bool,
     /// `--part I/N`: one share of the output's bytes.
@@ -49,6 +186,49 @@ pub(crate) struct Conversion<'a> {
     pub force: bool,
     /// The command line with `--part` as `I/N`, for the hints of a partitioned run.
     pub command_line: String,
+}
+
+impl Conversion {
+    /// The usage errors of the conversion's options, found before anything is read.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.fp8_block && self.hf_config.is_none() {
+            return Err(crate::fp8::needs_hf_config());
+        }
+        if let Layout::Sharded {
+            mesh, placements, ..
+        } = &self.layout
+        {
+            if mesh.len() != placements.len() || mesh.contains(&0) {
+                return Err(Error::usage(format!(
+                    "the mesh {mesh:?} needs one placement per dimension and no zero size, got {} placements",
+                    placements.len()
+                )));
+            }
+        }
+        if let Layout::DeepSpeed { .. } = self.layout {
+            let unused = [
+                (!self.include.is_empty(), "--include"),
+                (!self.exclude.is_empty(), "--exclude"),
+                (!self.strip_prefix.is_empty(), "--strip-prefix"),
+                (self.cast.is_some(), "--dtype"),
+                (self.lora.is_some(), "--merge-lora"),
+                (self.part.is_some(), "--part"),
+                (self.reading.shapes_from.is_some(), "--shapes-from"),
+            ];
+            if let Some((_, flag)) = unused.iter().find(|(given, _)| *given) {
+                return Err(Error::usage(format!(
+                    "{flag} does not apply to `--format deepspeed`, which rewrites DeepSpeed's own files"
+                ))
+                .hint("reshard to DCP (`--format dcp`) to select, rename or cast tensors"));
+            }
+            if self.input.single().is_none() {
+                return Err(Error::usage(
+                    "--format deepspeed reads one DeepSpeed checkpoint directory",
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What a conversion did, for the caller to tell.
@@ -79,28 +259,55 @@ pub(crate) enum Done {
         final_path: PathBuf,
         finished: Finished,
     },
+    /// A DeepSpeed checkpoint rewritten at another world size.
+    DeepSpeed(DeepSpeedResharded),
 }
 
-/// Read, step, plan and write `job`'s output.
-pub(crate) fn convert(
-    job: &Conversion,
-    exec_opts: &ExecOptions,
-    target_of: impl FnOnce(&Checkpoint) -> Target,
-) -> Result<Summary> {
+/// Read, transform, plan and write `job`'s output.
+pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summary> {
+    job.check()?;
+    if let Layout::DeepSpeed { world } = job.layout {
+        let done = reshard_deepspeed(
+            job.input.path(),
+            job.reading.tag.as_deref(),
+            world,
+            &job.output,
+            job.force,
+        )?;
+        return Ok(Summary {
+            tensors: 0,
+            notes: Vec::new(),
+            done: Done::DeepSpeed(done),
+        });
+    }
     // Every item read is copied: small ones in object storage are opened when copied.
-    let read_opts = ReadOptions {
+    let opts = ReadOptions {
         open_items_when_copied: true,
-        tag: job.tag,
         ..ReadOptions::default()
     };
-    let ckpt = crate::fsdp_local::apply(job.input.read(&read_opts)?, job.shapes_from)?;
+    let ckpt = read(&job.input, &job.reading, opts)?;
     let ckpt = merge_lora(ckpt, job, exec_opts)?;
-    let selection = Selection::new(job.include, job.exclude, job.strip_prefix)?;
+    let selection = Selection::new(&job.include, &job.exclude, &job.strip_prefix)?;
     let ckpt = selection.apply(ckpt)?;
     ckpt.check_supported()?;
-    let (ckpt, hf) = export_hf(ckpt, job.hf_config)?;
+    let (ckpt, hf) = export_hf(ckpt, job.hf_config.as_deref())?;
     let (ckpt, quantized) = quantize(ckpt, job, hf.as_ref(), exec_opts)?;
-    let target = target_of(&ckpt);
+    let (target, kind) = match &job.layout {
+        Layout::Full {
+            format,
+            max_shard_size,
+        } => Layout::full_target(*format, *max_shard_size, &job.output, hf.is_some())?,
+        Layout::Sharded {
+            mesh,
+            placements,
+            replicate,
+            format,
+        } => (
+            Layout::sharded_target(mesh, placements, replicate, *format, &ckpt)?,
+            OutputKind::Dir,
+        ),
+        Layout::DeepSpeed { .. } => return Err(Error::bug("a DeepSpeed layout planned as DCP")),
+    };
     let opts = PlanOptions { cast: job.cast };
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
@@ -113,22 +320,21 @@ pub(crate) fn convert(
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
         let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}\nparts {}{}",
+            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}\nparts {}{}",
             env!("CARGO_PKG_VERSION"),
-            job.kind,
             job.include,
             job.exclude,
             job.strip_prefix,
             job.cast,
             part.count,
-            crate::fsdp_local::fingerprint("shapes-from", job.shapes_from)?,
+            crate::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
         );
         let description = format!(
             "{description}{}\nfp8-block {}",
-            crate::fsdp_local::fingerprint("hf-config", job.hf_config)?,
+            crate::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
             job.fp8_block
         );
-        let description = match job.lora {
+        let description = match &job.lora {
             Some((config, adapter)) => format!(
                 "{description}\nadapter {adapter:?}{}",
                 crate::fsdp_local::fingerprint(
@@ -138,25 +344,25 @@ pub(crate) fn convert(
             ),
             None => description,
         };
-        let done = convert_part(job, part, &description, &plan, exec_opts)?;
+        let done = convert_part(job, kind, part, &description, &plan, exec_opts)?;
         return Ok(Summary {
             tensors: ckpt.tensors.len(),
             notes: plan.notes,
             done,
         });
     }
-    let path = if crate::storage::is_remote(job.output) {
+    let path = if crate::storage::is_remote(&job.output) {
         crate::output::remote::write(
             &plan,
             job.input.path(),
-            job.output,
-            job.kind,
+            &job.output,
+            kind,
             job.force,
             exec_opts,
         )?;
-        job.output.to_path_buf()
+        job.output.clone()
     } else {
-        let staging = Staging::prepare(job.output, job.input.path(), job.kind, job.force)?;
+        let staging = Staging::prepare(&job.output, job.input.path(), kind, job.force)?;
         let dest = staging.paths(&plan.paths());
         exec::execute(&plan, &dest, exec_opts)?;
         if exec_opts.cancel.load(Ordering::Relaxed) {
@@ -180,12 +386,12 @@ pub(crate) fn convert(
 /// Fold `--merge-lora`'s adapter into `ckpt`: its merged weights are computed as they are
 /// copied, so every part of a partitioned run folds only the boxes it writes.
 fn merge_lora(ckpt: Checkpoint, job: &Conversion, exec_opts: &ExecOptions) -> Result<Checkpoint> {
-    let Some((config, adapter)) = job.lora else {
+    let Some((config, adapter)) = &job.lora else {
         return Ok(ckpt);
     };
     let opts = crate::lora::LoraOptions {
         config,
-        adapter,
+        adapter: adapter.as_deref(),
         io: exec_opts.io,
     };
     crate::lora::apply(ckpt, &opts)
@@ -323,6 +529,7 @@ fn uncast_note(ckpt: &Checkpoint, cast: Option<DType>) -> Option<String> {
 /// output's bytes, which every part must agree on.
 fn convert_part(
     job: &Conversion,
+    kind: OutputKind,
     part: PartSpec,
     description: &str,
     plan: &Plan,
@@ -344,12 +551,12 @@ fn convert_part(
         true => crate::output::remote_part::fingerprint(&description, job.input.path())?,
         false => crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?,
     };
-    if crate::storage::is_remote(job.output) {
+    if crate::storage::is_remote(&job.output) {
         let (staging, bytes, files, finished) = crate::output::remote_part::write_part(
             plan,
             job.input.path(),
-            job.output,
-            job.kind,
+            &job.output,
+            kind,
             job.force,
             part,
             &fingerprint,
@@ -362,14 +569,14 @@ fn convert_part(
             total: lens.iter().sum(),
             files,
             staging,
-            final_path: job.output.to_path_buf(),
+            final_path: job.output.clone(),
             finished,
         });
     }
     let out = PartOutput::prepare(
-        job.output,
+        &job.output,
         job.input.path(),
-        job.kind,
+        kind,
         job.force,
         part,
         &fingerprint,

@@ -26,6 +26,7 @@ compile_error!(
 
 pub mod cast;
 pub mod cli;
+pub(crate) mod commands;
 pub(crate) mod convert;
 pub mod detect;
 pub mod dtype;

@@ -130,11 +130,15 @@ impl VerifyReport {
 
 /// Verify the checkpoint at `path`.
 pub fn verify(path: &Path, opts: &VerifyOptions) -> Result<VerifyReport> {
-    verify_input(&Source::one(path), opts)
+    verify_input(&Source::one(path), opts).map(|(report, _)| report)
 }
 
-/// Verify the checkpoint at `path`, or the files of a per-rank checkpoint.
-pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport> {
+/// Verify the checkpoint at `path`, or the files of a per-rank checkpoint: the report, and the
+/// checkpoint as read when it could be read (for the checks that need its data).
+pub fn verify_input(
+    input: &Source,
+    opts: &VerifyOptions,
+) -> Result<(VerifyReport, Option<Checkpoint>)> {
     let mut report = VerifyReport {
         path: input.display(),
         ..VerifyReport::default()
@@ -183,19 +187,20 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
                 ..Problem::error(format!("unfinished partitioned run: {state}")).file(staging)
             });
             report.unfinished = Some(u);
-            return Ok(report);
+            return Ok((report, None));
         }
     }
     // Readers step past a broken item or file here, so every one of them is listed.
     let problems = Problems::default();
     let read_opts = ReadOptions {
         problems: Some(&problems),
-        tag: opts.tag,
         ..ReadOptions::default()
     };
-    let read = input
-        .read(&read_opts)
-        .and_then(|ckpt| crate::fsdp_local::apply(ckpt, opts.shapes_from));
+    let reading = crate::convert::Reading {
+        shapes_from: opts.shapes_from.map(Path::to_path_buf),
+        tag: opts.tag.map(str::to_string),
+    };
+    let read = crate::convert::read(input, &reading, read_opts);
     report
         .problems
         .extend(problems.into_errors().iter().map(Problem::from_error));
@@ -207,7 +212,7 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
         }
         Err(e) => {
             report.problems.push(Problem::from_error(&e));
-            return Ok(report);
+            return Ok((report, None));
         }
     };
     report.format = Some(ckpt.format.name());
@@ -248,7 +253,7 @@ pub fn verify_input(input: &Source, opts: &VerifyOptions) -> Result<VerifyReport
             Err(e) => report.problems.push(Problem::from_error(&e)),
         }
     }
-    Ok(report)
+    Ok((report, Some(ckpt)))
 }
 
 /// Pieces saved more than once (a plain or replicated tensor in every rank's file) must hold the
