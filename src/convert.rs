@@ -14,15 +14,17 @@ use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions};
 use crate::geometry::Placement;
-use crate::hf_export::config::CONFIG_JSON;
-use crate::hf_export::{HfConfig, Mapping};
 use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
 use crate::output::part::{Finished, PartOutput};
 use crate::output::{OutputKind, Staging};
 use crate::part::PartSpec;
 use crate::plan::{self, MeshSpec, Plan, PlanOptions, Target};
-use crate::select::Selection;
+use crate::transform::fsdp_local::ResolveLocal;
+use crate::transform::hf_export::{Export, HfConfig};
+use crate::transform::lora::LoraOptions;
+use crate::transform::select::Selection;
+use crate::transform::{self, Report, Step};
 
 /// How every checkpoint a command reads is read: the global flags.
 #[derive(Clone, Debug, Default)]
@@ -41,7 +43,11 @@ pub(crate) fn read(input: &Source, reading: &Reading, opts: ReadOptions) -> Resu
         tag: reading.tag.as_deref(),
         ..opts
     };
-    crate::fsdp_local::apply(input.read(&opts)?, reading.shapes_from.as_deref())
+    let resolve = ResolveLocal {
+        shapes_from: reading.shapes_from.as_deref(),
+    };
+    // What the step would report (nothing) is not asked for by any command.
+    resolve.apply(input.read(&opts)?, &mut Report::default())
 }
 
 /// A FULL output's file format.
@@ -192,7 +198,7 @@ impl Conversion {
     /// The usage errors of the conversion's options, found before anything is read.
     pub(crate) fn check(&self) -> Result<()> {
         if self.fp8_block && self.hf_config.is_none() {
-            return Err(crate::fp8::needs_hf_config());
+            return Err(crate::transform::fp8::needs_hf_config());
         }
         if let Layout::Sharded {
             mesh, placements, ..
@@ -228,6 +234,34 @@ impl Conversion {
             }
         }
         Ok(())
+    }
+}
+
+impl Conversion {
+    /// The steps between reading and planning this conversion asks for, in order.
+    fn steps(&self, io: exec::IoMode) -> Result<Vec<Box<dyn Step + '_>>> {
+        let mut steps: Vec<Box<dyn Step + '_>> = Vec::new();
+        if let Some((config, adapter)) = &self.lora {
+            steps.push(Box::new(LoraOptions {
+                config,
+                adapter: adapter.as_deref(),
+                io,
+            }));
+        }
+        steps.push(Box::new(Selection::new(
+            &self.include,
+            &self.exclude,
+            &self.strip_prefix,
+        )?));
+        if let Some(path) = &self.hf_config {
+            steps.push(Box::new(Export {
+                cfg: HfConfig::read(path)?,
+                cast: self.cast,
+                fp8_block: self.fp8_block,
+                io,
+            }));
+        }
+        Ok(steps)
     }
 }
 
@@ -286,17 +320,18 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         ..ReadOptions::default()
     };
     let ckpt = read(&job.input, &job.reading, opts)?;
-    let ckpt = merge_lora(ckpt, job, exec_opts)?;
-    let selection = Selection::new(&job.include, &job.exclude, &job.strip_prefix)?;
-    let ckpt = selection.apply(ckpt)?;
-    ckpt.check_supported()?;
-    let (ckpt, hf) = export_hf(ckpt, job.hf_config.as_deref())?;
-    let (ckpt, quantized) = quantize(ckpt, job, hf.as_ref(), exec_opts)?;
+    let mut report = Report::default();
+    let ckpt = transform::run(&job.steps(exec_opts.io)?, ckpt, &mut report)?;
     let (target, kind) = match &job.layout {
         Layout::Full {
             format,
             max_shard_size,
-        } => Layout::full_target(*format, *max_shard_size, &job.output, hf.is_some())?,
+        } => Layout::full_target(
+            *format,
+            *max_shard_size,
+            &job.output,
+            job.hf_config.is_some(),
+        )?,
         Layout::Sharded {
             mesh,
             placements,
@@ -312,10 +347,10 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
     plan::check_dtypes(&ckpt, &target, &opts)?;
     let mut plan = plan::plan(&ckpt, &target, &opts)?;
     plan.notes.extend(uncast_note(&ckpt, job.cast));
-    if let Some((cfg, mapping)) = &hf {
-        add_model_files(&mut plan, &ckpt, cfg, job.cast, quantized)?;
-        plan.notes.extend(left_out_note(mapping));
+    for (path, bytes) in report.files {
+        plan.add_literal_file(path, bytes)?;
     }
+    plan.notes.extend(report.notes);
     if let Some(part) = job.part {
         // Everything that changes the output's bytes, and nothing that does not (threads, --io,
         // --force, the part's own index).
@@ -327,19 +362,19 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
             job.strip_prefix,
             job.cast,
             part.count,
-            crate::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
+            crate::transform::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
         );
         let description = format!(
             "{description}{}\nfp8-block {}",
-            crate::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
+            crate::transform::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
             job.fp8_block
         );
         let description = match &job.lora {
             Some((config, adapter)) => format!(
                 "{description}\nadapter {adapter:?}{}",
-                crate::fsdp_local::fingerprint(
+                crate::transform::fsdp_local::fingerprint(
                     "merge-lora",
-                    Some(&crate::lora::config_dir(config))
+                    Some(&crate::transform::lora::config_dir(config))
                 )?
             ),
             None => description,
@@ -381,121 +416,6 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         },
         notes: plan.notes,
     })
-}
-
-/// Fold `--merge-lora`'s adapter into `ckpt`: its merged weights are computed as they are
-/// copied, so every part of a partitioned run folds only the boxes it writes.
-fn merge_lora(ckpt: Checkpoint, job: &Conversion, exec_opts: &ExecOptions) -> Result<Checkpoint> {
-    let Some((config, adapter)) = &job.lora else {
-        return Ok(ckpt);
-    };
-    let opts = crate::lora::LoraOptions {
-        config,
-        adapter: adapter.as_deref(),
-        io: exec_opts.io,
-    };
-    crate::lora::apply(ckpt, &opts)
-}
-
-/// `--hf-config`: the checkpoint under the Hugging Face architecture's names and layouts, with
-/// the config and mapping that made it.
-fn export_hf(
-    ckpt: Checkpoint,
-    hf_config: Option<&Path>,
-) -> Result<(Checkpoint, Option<(HfConfig, Mapping)>)> {
-    let Some(path) = hf_config else {
-        return Ok((ckpt, None));
-    };
-    let cfg = HfConfig::read(path)?;
-    let mapping = crate::hf_export::map(&ckpt, &cfg)?;
-    let ckpt = crate::hf_export::apply(ckpt, &cfg, &mapping)?;
-    Ok((ckpt, Some((cfg, mapping))))
-}
-
-/// `--quantize fp8-block`: the export's linear weights as FP8 with their scales, and what
-/// config.json's `quantization_config` says of it.
-fn quantize(
-    ckpt: Checkpoint,
-    job: &Conversion,
-    hf: Option<&(HfConfig, Mapping)>,
-    exec_opts: &ExecOptions,
-) -> Result<(Checkpoint, Option<serde_json::Value>)> {
-    if !job.fp8_block {
-        return Ok((ckpt, None));
-    }
-    let Some((cfg, mapping)) = hf else {
-        return Err(crate::fp8::needs_hf_config());
-    };
-    let linear = mapping
-        .placed
-        .iter()
-        .filter(|p| p.linear)
-        .map(|p| p.target.clone())
-        .collect();
-    let (ckpt, q) = crate::fp8::apply(ckpt, &linear, job.cast, exec_opts.io)?;
-    let mut kept = q.not_converted;
-    // A head tied to the embedding is still a linear module of transformers' model, which
-    // must not be made an FP8 one.
-    if cfg.tied && !kept.iter().any(|m| m == "lm_head") {
-        kept.push("lm_head".to_string());
-    }
-    Ok((ckpt, Some(crate::fp8::quantization_config(&kept))))
-}
-
-/// config.json naming the dtype written (and the quantization, if any) and the model
-/// directory's other files, into `plan`.
-fn add_model_files(
-    plan: &mut Plan,
-    ckpt: &Checkpoint,
-    cfg: &HfConfig,
-    cast: Option<DType>,
-    quantization: Option<serde_json::Value>,
-) -> Result<()> {
-    let dtype = cast.unwrap_or_else(|| model_dtype(ckpt));
-    plan.add_literal_file(
-        PathBuf::from(CONFIG_JSON),
-        cfg.json_with(dtype, quantization),
-    )?;
-    for (name, bytes) in cfg.companion_files()? {
-        plan.add_literal_file(PathBuf::from(name), bytes)?;
-    }
-    Ok(())
-}
-
-/// The floating-point dtype holding most of the model's bytes (float32 if none).
-fn model_dtype(ckpt: &Checkpoint) -> DType {
-    let mut bytes: Vec<(DType, u64)> = Vec::new();
-    for t in ckpt.tensors.iter().filter(|t| t.dtype.is_float()) {
-        let n = t.nbytes().unwrap_or(u64::MAX);
-        match bytes.iter_mut().find(|(d, _)| *d == t.dtype) {
-            Some((_, sum)) => *sum = sum.saturating_add(n),
-            None => bytes.push((t.dtype, n)),
-        }
-    }
-    bytes
-        .into_iter()
-        .max_by_key(|(_, n)| *n)
-        .map_or(DType::F32, |(d, _)| d)
-}
-
-/// What the export left out, counted by why, so that nobody wonders where the optimizer went.
-fn left_out_note(mapping: &Mapping) -> Option<String> {
-    if mapping.left_out.is_empty() {
-        return None;
-    }
-    let mut why: Vec<(&str, usize)> = Vec::new();
-    for l in &mapping.left_out {
-        match why.iter_mut().find(|(w, _)| *w == l.why) {
-            Some((_, n)) => *n += 1,
-            None => why.push((l.why, 1)),
-        }
-    }
-    let parts: Vec<String> = why.iter().map(|(w, n)| format!("{n} {w}")).collect();
-    Some(format!(
-        "--hf-config left out {} entries: {} (`ckpt inspect --hf-config` lists them)",
-        mapping.left_out.len(),
-        parts.join(", ")
-    ))
 }
 
 /// The note for tensors `--dtype` leaves as they are although they hold numbers of another kind

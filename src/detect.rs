@@ -56,7 +56,7 @@ impl Source {
     }
 
     /// Read the checkpoint as its files hold it (an FSDP1 LOCAL one is resolved afterwards, see
-    /// [`crate::fsdp_local`]).
+    /// [`crate::transform::fsdp_local`]).
     pub fn read(&self, opts: &ReadOptions) -> Result<Checkpoint> {
         let listing = self.listing()?;
         let (layout, found) = detect(&listing)?;

@@ -205,7 +205,7 @@ pub struct Pieces {
 }
 
 /// How a tensor's elements are computed from the elements its pieces hold, box by box: a LoRA
-/// fold ([`crate::lora`]) computes a merged weight from its base weight's pieces.
+/// fold ([`crate::transform::lora`]) computes a merged weight from its base weight's pieces.
 ///
 /// The executor gathers a box of the pieces' elements as it would copy them (in the tensor's
 /// dtype, from files, maps or objects alike) and hands them to [`Compute::compute`] instead of
@@ -526,7 +526,7 @@ pub fn shape_key(shape: &[u64]) -> u64 {
 
 /// The name FSDP1 gives a unit's flattened parameters, after the unit's prefix: an FSDP1
 /// `LOCAL_STATE_DICT` checkpoint holds these instead of the model's parameters (see
-/// `crate::fsdp_local`).
+/// `crate::transform::fsdp_local`).
 pub const FLAT_PARAM: &str = "_flat_param";
 
 /// True for `_flat_param` and `prefix._flat_param`.

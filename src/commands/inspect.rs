@@ -7,7 +7,7 @@ use super::{terminal_safe, to_stdout};
 use crate::convert::Reading;
 use crate::detect::Source;
 use crate::error::Result;
-use crate::select::Selection;
+use crate::transform::select::Selection;
 
 /// What `inspect` was asked.
 pub(crate) struct Inspect {
@@ -28,25 +28,25 @@ pub(crate) fn run(job: Inspect) -> Result<i32> {
     let sel = Selection::new(&job.filters, &[], &[])?;
     if let Some(hf) = &job.hf_config {
         let ckpt = sel.apply(ckpt)?;
-        let cfg = crate::hf_export::HfConfig::read(hf)?;
-        let mapping = crate::hf_export::map(&ckpt, &cfg)?;
-        let report = crate::hf_export::report::report(&mapping);
+        let cfg = crate::transform::hf_export::HfConfig::read(hf)?;
+        let mapping = crate::transform::hf_export::map(&ckpt, &cfg)?;
+        let report = crate::transform::hf_export::report::report(&mapping);
         to_stdout(|out| {
             if job.json {
                 serde_json::to_writer_pretty(&mut *out, &report)?;
                 writeln!(out)
             } else {
-                let text = crate::hf_export::report::render(&report);
+                let text = crate::transform::hf_export::report::render(&report);
                 write!(out, "{}", terminal_safe(&text))
             }
         })?;
         return Ok(0);
     }
     let lora = match &job.lora_config {
-        Some(path) => Some(crate::lora::config::read(path)?.0),
+        Some(path) => Some(crate::transform::lora::config::read(path)?.0),
         None => None,
     };
-    let adapters = crate::lora::describe(&ckpt, lora.as_ref());
+    let adapters = crate::transform::lora::describe(&ckpt, lora.as_ref());
     ckpt.details.extend(adapters);
     let report = crate::inspect::report(&ckpt, &|name| sel.keeps(name));
     to_stdout(|out| {

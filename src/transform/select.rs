@@ -1,4 +1,6 @@
 //! Choosing and renaming entries before planning: `--include`, `--exclude`, `--strip-prefix`.
+//! Tensors of dtypes ckpt cannot write are checked once the selection is made, so one left out
+//! never stops a run.
 
 use std::collections::BTreeSet;
 
@@ -83,6 +85,14 @@ impl Selection {
                 );
             }
         }
+        Ok(ckpt)
+    }
+}
+
+impl super::Step for Selection {
+    fn apply(&self, ckpt: Checkpoint, _: &mut super::Report) -> Result<Checkpoint> {
+        let ckpt = Selection::apply(self, ckpt)?;
+        ckpt.check_supported()?;
         Ok(ckpt)
     }
 }

@@ -52,6 +52,17 @@ pub(crate) fn apply(ckpt: Checkpoint, reference: Option<&Path>) -> Result<Checkp
     })
 }
 
+/// The step: an FSDP1 LOCAL checkpoint resolved with `--shapes-from` ([`apply`]).
+pub(crate) struct ResolveLocal<'a> {
+    pub shapes_from: Option<&'a Path>,
+}
+
+impl super::Step for ResolveLocal<'_> {
+    fn apply(&self, ckpt: Checkpoint, _: &mut super::Report) -> Result<Checkpoint> {
+        apply(ckpt, self.shapes_from)
+    }
+}
+
 /// What a partitioned run (`--part`) must agree on about a file or directory it reads besides
 /// its input (`--shapes-from`, `--merge-lora`'s adapter), under `label`: its location, and the
 /// length and time of it and of each file it holds, so parts run with different ones never mix.

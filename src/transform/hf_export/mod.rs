@@ -17,6 +17,7 @@
 
 mod archs;
 pub(crate) mod config;
+mod export;
 pub(crate) mod report;
 pub(crate) mod tables;
 pub(crate) mod views;
@@ -26,6 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Tensor};
 pub(crate) use config::HfConfig;
+pub(crate) use export::Export;
 use tables::{Arch, Dim, Naming, Row, When};
 use views::ViewKind;
 

@@ -1,5 +1,5 @@
 //! Blockwise FP8 weights (`--quantize fp8-block`): a step after the export to Hugging Face
-//! names, like [`crate::hf_export::apply`], that turns each linear weight of attention, MLPs and
+//! names, like [`crate::transform::hf_export::apply`], that turns each linear weight of attention, MLPs and
 //! experts into an `F8_E4M3` tensor and an `F32` `<name>_scale_inv` of one scale per 128×128
 //! tile, the format DeepSeek-V3 and Qwen3-FP8 ship and vLLM, SGLang and transformers load.
 //!

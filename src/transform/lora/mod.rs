@@ -1,5 +1,5 @@
 //! LoRA adapters folded into their base weights (`--merge-lora`), as PEFT's `merge_and_unload`
-//! does: a step between reading and selection, like [`crate::fsdp_local::apply`].
+//! does: a step between reading and selection, like [`crate::transform::fsdp_local::apply`].
 //!
 //! The adapter's tensors come from the checkpoint itself (a PEFT-wrapped model saved whole or
 //! sharded: `…q_proj.base_layer.weight`, `…q_proj.lora_A.default.weight`) or, when the config's
@@ -565,6 +565,12 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
         values,
         ..ckpt
     })
+}
+
+impl super::Step for LoraOptions<'_> {
+    fn apply(&self, ckpt: Checkpoint, _: &mut super::Report) -> Result<Checkpoint> {
+        apply(ckpt, self)
+    }
 }
 
 /// One module's fold, computed box by box as the executor copies its base weight.
