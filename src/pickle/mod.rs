@@ -11,6 +11,7 @@
 //! items described one at a time to a [`Stream`] ([`write_with`]).
 
 mod graph;
+pub(crate) mod opcodes;
 mod read;
 mod scan;
 mod write;

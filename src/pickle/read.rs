@@ -29,6 +29,7 @@ use super::graph::{
     is_small_int, small_int, Batch, Chain, Graph, Id, Node, ObjectItems, ObjectNode, Origin, Span,
     MAX_NODES, NONE,
 };
+use super::opcodes as op;
 use super::{limit, malformed, Global, Globals, Limits, PickleError, Value, View};
 
 /// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into an owned value tree.
@@ -167,63 +168,6 @@ struct ClaimedBatch {
     /// An older container or object was changed inside the batch: its nodes must stay.
     dirty: bool,
 }
-
-const MARK: u8 = b'(';
-const STOP: u8 = b'.';
-const POP: u8 = b'0';
-const POP_MARK: u8 = b'1';
-const DUP: u8 = b'2';
-const INT: u8 = b'I';
-const BININT: u8 = b'J';
-const BININT1: u8 = b'K';
-const BININT2: u8 = b'M';
-const NONE_OP: u8 = b'N';
-const BINPERSID: u8 = b'Q';
-const REDUCE: u8 = b'R';
-const BINSTRING: u8 = b'T';
-const SHORT_BINSTRING: u8 = b'U';
-const BINUNICODE: u8 = b'X';
-const APPEND: u8 = b'a';
-const BUILD: u8 = b'b';
-const GLOBAL: u8 = b'c';
-const DICT: u8 = b'd';
-const EMPTY_DICT: u8 = b'}';
-const APPENDS: u8 = b'e';
-const GET: u8 = b'g';
-const BINGET: u8 = b'h';
-const LONG_BINGET: u8 = b'j';
-const LIST: u8 = b'l';
-const EMPTY_LIST: u8 = b']';
-const PUT: u8 = b'p';
-const BINPUT: u8 = b'q';
-const LONG_BINPUT: u8 = b'r';
-const SETITEM: u8 = b's';
-const TUPLE: u8 = b't';
-const EMPTY_TUPLE: u8 = b')';
-const SETITEMS: u8 = b'u';
-const BINFLOAT: u8 = b'G';
-const PROTO: u8 = 0x80;
-const NEWOBJ: u8 = 0x81;
-const TUPLE1: u8 = 0x85;
-const TUPLE2: u8 = 0x86;
-const TUPLE3: u8 = 0x87;
-const NEWTRUE: u8 = 0x88;
-const NEWFALSE: u8 = 0x89;
-const LONG1: u8 = 0x8a;
-const LONG4: u8 = 0x8b;
-const BINBYTES: u8 = b'B';
-const SHORT_BINBYTES: u8 = b'C';
-const SHORT_BINUNICODE: u8 = 0x8c;
-const BINUNICODE8: u8 = 0x8d;
-const BINBYTES8: u8 = 0x8e;
-const EMPTY_SET: u8 = 0x8f;
-const ADDITEMS: u8 = 0x90;
-const FROZENSET: u8 = 0x91;
-const NEWOBJ_EX: u8 = 0x92;
-const STACK_GLOBAL: u8 = 0x93;
-const MEMOIZE: u8 = 0x94;
-const FRAME: u8 = 0x95;
-const BYTEARRAY8: u8 = 0x96;
 
 /// The highest protocol Python knows; a higher `PROTO` is not a pickle we understand.
 const HIGHEST_PROTOCOL: u8 = 5;
@@ -413,16 +357,16 @@ impl<'a> Machine<'a, '_> {
     fn run(&mut self) -> Result<Id, PickleError> {
         loop {
             let at = self.input.pos;
-            let op = self.input.u8()?;
-            match op {
-                PROTO => {
+            let opcode = self.input.u8()?;
+            match opcode {
+                op::PROTO => {
                     let proto = self.input.u8()?;
                     if proto > HIGHEST_PROTOCOL {
                         return Err(malformed(at, format!("unknown pickle protocol {proto}")));
                     }
                     self.proto = proto;
                 }
-                FRAME => {
+                op::FRAME => {
                     // Python's unpickler reads the whole frame ahead and refuses one that runs
                     // past the data ("pickle data was truncated"); a shorter one is harmless.
                     let len = self.input.u64()?;
@@ -434,33 +378,33 @@ impl<'a> Machine<'a, '_> {
                         ));
                     }
                 }
-                STOP => return self.pop(at),
-                MARK => {
+                op::STOP => return self.pop(at),
+                op::MARK => {
                     if self.marks.len() >= self.limits.max_stack {
                         return Err(limit(at, "too many open marks"));
                     }
                     self.open_claimed_batch();
                     self.marks.push(self.stack.len());
                 }
-                POP => {
+                op::POP => {
                     if self.stack.len() > self.base() {
                         self.stack.pop();
                     } else {
                         self.pop_mark(at)?;
                     }
                 }
-                POP_MARK => {
+                op::POP_MARK => {
                     let mark = self.pop_mark(at)?;
                     self.stack.truncate(mark);
                 }
-                DUP => {
+                op::DUP => {
                     let top = self.top(at)?;
                     self.push(at, top)?;
                 }
-                NONE_OP => self.node(at, Node::None)?,
-                NEWTRUE => self.node(at, Node::Bool(true))?,
-                NEWFALSE => self.node(at, Node::Bool(false))?,
-                INT => {
+                op::NONE => self.node(at, Node::None)?,
+                op::NEWTRUE => self.node(at, Node::Bool(true))?,
+                op::NEWFALSE => self.node(at, Node::Bool(false))?,
+                op::INT => {
                     let line = self.input.line()?;
                     // Protocol 0 spells booleans as `I01` / `I00`.
                     match line {
@@ -469,94 +413,94 @@ impl<'a> Machine<'a, '_> {
                         _ => self.int(at, decimal(at, line)?)?,
                     }
                 }
-                BININT => {
+                op::BININT => {
                     let v = self.input.i32()?;
                     self.int(at, v.into())?;
                 }
-                BININT1 => {
+                op::BININT1 => {
                     let v = self.input.u8()?;
                     self.int(at, v.into())?;
                 }
-                BININT2 => {
+                op::BININT2 => {
                     let v = self.input.u16()?;
                     self.int(at, v.into())?;
                 }
-                LONG1 => {
+                op::LONG1 => {
                     let n = self.input.u8()?;
                     self.long(at, n.into())?;
                 }
-                LONG4 => {
+                op::LONG4 => {
                     let n = self.input.i32()?;
                     let n = u64::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `LONG4`"))?;
                     self.long(at, n)?;
                 }
-                BINFLOAT => {
+                op::BINFLOAT => {
                     let v = f64::from_be_bytes(self.input.array()?);
                     self.node(at, Node::Float(v.to_le_bytes()))?;
                 }
-                BINUNICODE => {
+                op::BINUNICODE => {
                     let n = self.input.u32()?;
                     self.text(at, n.into())?;
                 }
-                SHORT_BINUNICODE | SHORT_BINSTRING => {
+                op::SHORT_BINUNICODE | op::SHORT_BINSTRING => {
                     let n = self.input.u8()?;
                     self.text(at, n.into())?;
                 }
-                BINUNICODE8 => {
+                op::BINUNICODE8 => {
                     let n = self.input.u64()?;
                     self.text(at, n)?;
                 }
-                BINSTRING => {
+                op::BINSTRING => {
                     let n = self.input.i32()?;
                     let n = u64::try_from(n)
                         .map_err(|_| malformed(at, "negative length for `BINSTRING`"))?;
                     self.text(at, n)?;
                 }
-                BINBYTES => {
+                op::BINBYTES => {
                     let n = self.input.u32()?;
                     let (span, _) = self.span(n.into())?;
                     self.node(at, Node::Bytes(span))?;
                 }
-                SHORT_BINBYTES => {
+                op::SHORT_BINBYTES => {
                     let n = self.input.u8()?;
                     let (span, _) = self.span(n.into())?;
                     self.node(at, Node::Bytes(span))?;
                 }
-                BINBYTES8 | BYTEARRAY8 => {
+                op::BINBYTES8 | op::BYTEARRAY8 => {
                     let n = self.input.u64()?;
                     let (span, _) = self.span(n)?;
                     self.node(at, Node::Bytes(span))?;
                 }
-                EMPTY_TUPLE => match self.empty_tuple {
+                op::EMPTY_TUPLE => match self.empty_tuple {
                     Some(id) => self.push(at, id)?,
                     None => {
                         self.node(at, Node::Tuple(Span::EMPTY, origin(at)))?;
                         self.empty_tuple = self.stack.last().copied();
                     }
                 },
-                TUPLE => {
+                op::TUPLE => {
                     let mark = self.pop_mark(at)?;
                     let items = self.pool_from(at, mark)?;
                     self.node(at, Node::Tuple(items, origin(at)))?;
                 }
-                TUPLE1 | TUPLE2 | TUPLE3 => {
-                    let n = usize::from(op - TUPLE1) + 1;
+                op::TUPLE1 | op::TUPLE2 | op::TUPLE3 => {
+                    let n = usize::from(opcode - op::TUPLE1) + 1;
                     let start = self.last(at, n)?;
                     let items = self.pool_from(at, start)?;
                     self.node(at, Node::Tuple(items, origin(at)))?;
                 }
-                EMPTY_LIST => self.node(at, Node::List(Chain::EMPTY, origin(at)))?,
-                LIST => {
+                op::EMPTY_LIST => self.node(at, Node::List(Chain::EMPTY, origin(at)))?,
+                op::LIST => {
                     let mark = self.pop_mark(at)?;
                     let chain = self.new_chain(at, mark)?;
                     self.node(at, Node::List(chain, origin(at)))?;
                 }
-                APPEND => {
+                op::APPEND => {
                     let start = self.last(at, 1)?;
                     self.extend(at, start, "APPEND")?;
                 }
-                APPENDS => {
+                op::APPENDS => {
                     let mark = self.pop_mark(at)?;
                     let closed = self.consuming.as_mut().and_then(|c| c.closed.take());
                     match closed {
@@ -564,19 +508,19 @@ impl<'a> Machine<'a, '_> {
                         _ => self.extend(at, mark, "APPEND")?,
                     }
                 }
-                EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY, origin(at)))?,
-                DICT => {
+                op::EMPTY_DICT => self.node(at, Node::Dict(Chain::EMPTY, origin(at)))?,
+                op::DICT => {
                     let mark = self.pop_mark(at)?;
                     self.check_pairs(at, mark)?;
                     let chain = self.new_chain(at, mark)?;
                     self.node(at, Node::Dict(chain, origin(at)))?;
                 }
-                SETITEM => {
+                op::SETITEM => {
                     let start = self.last(at, 2)?;
                     self.check_hashable(at, start, 2)?;
                     self.extend(at, start, "SETITEM")?;
                 }
-                SETITEMS => {
+                op::SETITEMS => {
                     let mark = self.pop_mark(at)?;
                     self.check_pairs(at, mark)?;
                     let closed = self.consuming.as_mut().and_then(|c| c.closed.take());
@@ -585,19 +529,19 @@ impl<'a> Machine<'a, '_> {
                         _ => self.extend(at, mark, "SETITEM")?,
                     }
                 }
-                EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
-                ADDITEMS => {
+                op::EMPTY_SET => self.node(at, Node::Set(Chain::EMPTY, origin(at)))?,
+                op::ADDITEMS => {
                     let mark = self.pop_mark(at)?;
                     self.check_hashable(at, mark, 1)?;
                     self.extend(at, mark, "ADDITEMS")?;
                 }
-                FROZENSET => {
+                op::FROZENSET => {
                     let mark = self.pop_mark(at)?;
                     self.check_hashable(at, mark, 1)?;
                     let chain = self.new_chain(at, mark)?;
                     self.node(at, Node::Set(chain, origin(at)))?;
                 }
-                GLOBAL => {
+                op::GLOBAL => {
                     let module = utf8(at, self.input.line()?)?;
                     let name = utf8(at, self.input.line()?)?;
                     let module = if self.proto < 3 {
@@ -607,26 +551,26 @@ impl<'a> Machine<'a, '_> {
                     };
                     self.global(at, module, name)?;
                 }
-                STACK_GLOBAL => {
+                op::STACK_GLOBAL => {
                     let name = self.pop(at)?;
                     let module = self.pop(at)?;
                     let module = self.string(at, module, "module")?;
                     let name = self.string(at, name, "name")?;
                     self.global(at, module, name)?;
                 }
-                REDUCE => {
+                op::REDUCE => {
                     let args = self.pop(at)?;
                     let callable = self.pop(at)?;
                     let args = self.tuple(at, args, "REDUCE")?;
                     self.object(at, callable, args, false)?;
                 }
-                NEWOBJ => {
+                op::NEWOBJ => {
                     let args = self.pop(at)?;
                     let cls = self.pop(at)?;
                     let args = self.tuple(at, args, "NEWOBJ")?;
                     self.object(at, cls, args, true)?;
                 }
-                NEWOBJ_EX => {
+                op::NEWOBJ_EX => {
                     let kwargs = self.pop(at)?;
                     let args = self.pop(at)?;
                     let cls = self.pop(at)?;
@@ -635,16 +579,11 @@ impl<'a> Machine<'a, '_> {
                     // `NEWOBJ_EX` with empty ones for classes whose `__getnewargs_ex__` has none.
                     match self.graph.node(kwargs) {
                         Node::Dict(items, _) if items.head == NONE => {}
-                        _ => {
-                            return Err(PickleError::UnsupportedOpcode {
-                                opcode: op,
-                                offset: at,
-                            })
-                        }
+                        _ => return Err(PickleError::UnsupportedOpcode { opcode, offset: at }),
                     }
                     self.object(at, cls, args, true)?;
                 }
-                BUILD => {
+                op::BUILD => {
                     let state = self.pop(at)?;
                     let target = self.top(at)?;
                     self.touch(target);
@@ -656,7 +595,7 @@ impl<'a> Machine<'a, '_> {
                         }
                     }
                 }
-                BINPERSID => {
+                op::BINPERSID => {
                     if !self.globals.allows_persistent_ids() {
                         return Err(malformed(
                             at,
@@ -666,44 +605,39 @@ impl<'a> Machine<'a, '_> {
                     let pid = self.pop(at)?;
                     self.node(at, Node::PersistentId(pid, origin(at)))?;
                 }
-                PUT => {
+                op::PUT => {
                     let index = decimal(at, self.input.line()?)?;
                     let index =
                         u64::try_from(index).map_err(|_| malformed(at, "negative memo index"))?;
                     self.memo_put(at, index)?;
                 }
-                BINPUT => {
+                op::BINPUT => {
                     let index = self.input.u8()?;
                     self.memo_put(at, index.into())?;
                 }
-                LONG_BINPUT => {
+                op::LONG_BINPUT => {
                     let index = self.input.u32()?;
                     self.memo_put(at, index.into())?;
                 }
-                MEMOIZE => {
+                op::MEMOIZE => {
                     let index = self.memo.len() as u64;
                     self.memo_put(at, index)?;
                 }
-                GET => {
+                op::GET => {
                     let index = decimal(at, self.input.line()?)?;
                     let index =
                         u64::try_from(index).map_err(|_| malformed(at, "negative memo index"))?;
                     self.memo_get(at, index)?;
                 }
-                BINGET => {
+                op::BINGET => {
                     let index = self.input.u8()?;
                     self.memo_get(at, index.into())?;
                 }
-                LONG_BINGET => {
+                op::LONG_BINGET => {
                     let index = self.input.u32()?;
                     self.memo_get(at, index.into())?;
                 }
-                _ => {
-                    return Err(PickleError::UnsupportedOpcode {
-                        opcode: op,
-                        offset: at,
-                    })
-                }
+                _ => return Err(PickleError::UnsupportedOpcode { opcode, offset: at }),
             }
         }
     }

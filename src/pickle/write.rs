@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::opcodes as op;
 use super::{Object, Value};
 
 /// Items per `APPENDS`/`SETITEMS`/`ADDITEMS`, as CPython's pickler batches them (`_BATCHSIZE`).
@@ -90,8 +91,8 @@ pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
     let start = sink.stream_position()?;
     // Protocol 4's frame length is filled in once the body is known.
     let header: &[u8] = match protocol {
-        Protocol::V2 => &[0x80, 2],
-        Protocol::V4 => &[0x80, 4, 0x95, 0, 0, 0, 0, 0, 0, 0, 0],
+        Protocol::V2 => &[op::PROTO, 2],
+        Protocol::V4 => &[op::PROTO, 4, op::FRAME, 0, 0, 0, 0, 0, 0, 0, 0],
     };
     let mut writer = Stream {
         out: Vec::with_capacity(FLUSH_BYTES.min(64 << 10)),
@@ -107,7 +108,7 @@ pub fn write_to<'v, W: std::io::Write + std::io::Seek>(
     };
     writer.put(header);
     describe(&mut writer);
-    writer.op(b'.');
+    writer.op(op::STOP);
     writer.flush();
     if let Some(e) = writer.error {
         return Err(e);
@@ -205,9 +206,9 @@ impl<'v> Stream<'v, '_> {
             return false;
         };
         match u8::try_from(index) {
-            Ok(i) => self.put(&[b'h', i]),
+            Ok(i) => self.put(&[op::BINGET, i]),
             Err(_) => {
-                self.op(b'j');
+                self.op(op::LONG_BINGET);
                 self.put(&index.to_le_bytes());
             }
         }
@@ -231,11 +232,11 @@ impl<'v> Stream<'v, '_> {
         *next = after;
         match self.protocol {
             // MEMOIZE stores at `len(memo)`, which is `index` because every entry is added here.
-            Protocol::V4 => self.op(0x94),
+            Protocol::V4 => self.op(op::MEMOIZE),
             Protocol::V2 => match u8::try_from(index) {
-                Ok(i) => self.put(&[b'q', i]),
+                Ok(i) => self.put(&[op::BINPUT, i]),
                 Err(_) => {
-                    self.op(b'r');
+                    self.op(op::LONG_BINPUT);
                     self.put(&index.to_le_bytes());
                 }
             },
@@ -287,28 +288,28 @@ impl<'v> Stream<'v, '_> {
             }
             Value::PersistentId(pid) => {
                 self.value(pid);
-                self.op(b'Q');
+                self.op(op::BINPERSID);
             }
         }
     }
 
     pub fn none(&mut self) {
-        self.op(b'N');
+        self.op(op::NONE);
     }
 
     pub fn bool(&mut self, b: bool) {
-        self.op(if b { 0x88 } else { 0x89 });
+        self.op(if b { op::NEWTRUE } else { op::NEWFALSE });
     }
 
     /// The smallest integer opcode, as CPython's `save_long` picks it.
     pub fn int(&mut self, i: i64) {
         if let Ok(b) = u8::try_from(i) {
-            self.put(&[b'K', b]);
+            self.put(&[op::BININT1, b]);
         } else if let Ok(b) = u16::try_from(i) {
-            self.op(b'M');
+            self.op(op::BININT2);
             self.put(&b.to_le_bytes());
         } else if let Ok(b) = i32::try_from(i) {
-            self.op(b'J');
+            self.op(op::BININT);
             self.put(&b.to_le_bytes());
         } else {
             // LONG1 with the shortest two's complement that keeps the sign.
@@ -323,7 +324,7 @@ impl<'v> Stream<'v, '_> {
                 }
                 n -= 1;
             }
-            self.put(&[0x8a, n as u8]);
+            self.put(&[op::LONG1, n as u8]);
             self.put(&bytes[..n]);
         }
     }
@@ -332,9 +333,9 @@ impl<'v> Stream<'v, '_> {
     /// bytes (all torch's weights-only unpickler reads), `LONG4` beyond.
     pub fn long(&mut self, bytes: &[u8]) {
         match u8::try_from(bytes.len()) {
-            Ok(n) => self.put(&[0x8a, n]),
+            Ok(n) => self.put(&[op::LONG1, n]),
             Err(_) => {
-                self.op(0x8b);
+                self.op(op::LONG4);
                 self.put(&(bytes.len() as u32).to_le_bytes());
             }
         }
@@ -342,7 +343,7 @@ impl<'v> Stream<'v, '_> {
     }
 
     pub fn float(&mut self, f: f64) {
-        self.op(b'G');
+        self.op(op::BINFLOAT);
         self.put(&f.to_be_bytes());
     }
 
@@ -358,13 +359,13 @@ impl<'v> Stream<'v, '_> {
     /// A str from the bytes Python's pickle would write for it (UTF-8, `surrogatepass`).
     fn raw_text(&mut self, b: &[u8]) {
         match (self.protocol, u8::try_from(b.len()), u32::try_from(b.len())) {
-            (Protocol::V4, Ok(n), _) => self.put(&[0x8c, n]),
+            (Protocol::V4, Ok(n), _) => self.put(&[op::SHORT_BINUNICODE, n]),
             (_, _, Ok(n)) => {
-                self.op(b'X');
+                self.op(op::BINUNICODE);
                 self.put(&n.to_le_bytes());
             }
             _ => {
-                self.op(0x8d);
+                self.op(op::BINUNICODE8);
                 self.put(&(b.len() as u64).to_le_bytes());
             }
         }
@@ -373,13 +374,13 @@ impl<'v> Stream<'v, '_> {
 
     pub fn bytes(&mut self, b: &[u8]) {
         match (u8::try_from(b.len()), u32::try_from(b.len())) {
-            (Ok(n), _) => self.put(&[b'C', n]),
+            (Ok(n), _) => self.put(&[op::SHORT_BINBYTES, n]),
             (_, Ok(n)) => {
-                self.op(b'B');
+                self.op(op::BINBYTES);
                 self.put(&n.to_le_bytes());
             }
             _ => {
-                self.op(0x8e);
+                self.op(op::BINBYTES8);
                 self.put(&(b.len() as u64).to_le_bytes());
             }
         }
@@ -391,80 +392,77 @@ impl<'v> Stream<'v, '_> {
         self.shared(Shared::Global(module, name), |w| {
             let textual = !module.contains('\n') && !name.contains('\n');
             if w.protocol == Protocol::V2 && textual {
-                w.op(b'c');
+                w.op(op::GLOBAL);
                 w.put(module.as_bytes());
-                w.op(b'\n');
+                w.put(b"\n");
                 w.put(name.as_bytes());
-                w.op(b'\n');
+                w.put(b"\n");
             } else {
                 w.raw_str(module);
                 w.raw_str(name);
-                w.op(0x93);
+                w.op(op::STACK_GLOBAL);
             }
         });
     }
 
     /// A tuple of the `len` items `items` writes.
     pub fn tuple(&mut self, len: usize, items: impl FnOnce(&mut Self)) {
-        match len {
-            0 => {
-                items(self);
-                self.op(b')');
-            }
-            1..=3 => {
-                items(self);
-                self.op(0x84 + len as u8);
-            }
+        let close = match len {
+            0 => op::EMPTY_TUPLE,
+            1 => op::TUPLE1,
+            2 => op::TUPLE2,
+            3 => op::TUPLE3,
             _ => {
-                self.op(b'(');
-                items(self);
-                self.op(b't');
+                self.op(op::MARK);
+                op::TUPLE
             }
-        }
+        };
+        items(self);
+        self.op(close);
     }
 
     /// A list of `items`, each written by `each`.
     pub fn list<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
-        self.op(b']');
+        self.op(op::EMPTY_LIST);
         self.appends(items, each);
     }
 
     /// A dict of `items`, `each` writing one key and its value.
     pub fn dict<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
-        self.op(b'}');
+        self.op(op::EMPTY_DICT);
         self.setitems(items, each);
     }
 
     /// A dict of a few fixed fields (a dataclass's state), `pairs` writing each key and value:
     /// fewer than [`BATCH`], so one `SETITEMS`.
     pub fn fields(&mut self, pairs: impl FnOnce(&mut Self)) {
-        self.op(b'}');
-        self.op(b'(');
+        self.op(op::EMPTY_DICT);
+        self.op(op::MARK);
         pairs(self);
-        self.op(b'u');
+        self.op(op::SETITEMS);
     }
 
     /// A set of `items`, each written by `each`.
     pub fn set<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
-        self.op(0x8f);
-        self.batched(items, 0x90, each);
+        self.op(op::EMPTY_SET);
+        self.batched(items, op::ADDITEMS, each);
     }
 
     /// Call the callable under the argument tuple on the stack: `callable(*args)` (`REDUCE`), or
     /// `callable.__new__(callable, *args)` (`NEWOBJ`) when `new_obj`.
     pub fn call(&mut self, new_obj: bool) {
-        self.op(if new_obj { 0x81 } else { b'R' });
+        self.op(if new_obj { op::NEWOBJ } else { op::REDUCE });
     }
 
     /// `items`, each written by `each`, appended to the list (or object) on top of the stack.
     pub fn appends<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
-        self.batched(items, b'e', each);
+        self.batched(items, op::APPENDS, each);
     }
 
     /// Key-value pairs, `each` writing one key and its value, set into the dict (or object) on top
     /// of the stack.
     pub fn setitems<I: IntoIterator>(&mut self, items: I, each: impl FnMut(&mut Self, I::Item)) {
-        self.batched(items, b'u', each);
+        self.batched(items, op::SETITEMS, each);
     }
 
     /// `MARK`, at most [`BATCH`] items, then `close` (`APPENDS`, `SETITEMS`, `ADDITEMS`), as often as
@@ -482,7 +480,7 @@ impl<'v> Stream<'v, '_> {
                 if self.stopped() {
                     break;
                 }
-                self.op(b'(');
+                self.op(op::MARK);
             }
             each(self, item);
             in_batch += 1;
@@ -508,7 +506,7 @@ impl<'v> Stream<'v, '_> {
     /// The state `state` writes, given to the object on top of the stack (`BUILD`).
     pub fn build(&mut self, state: impl FnOnce(&mut Self)) {
         state(self);
-        self.op(b'b');
+        self.op(op::BUILD);
     }
 }
 

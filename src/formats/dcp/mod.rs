@@ -26,7 +26,7 @@ use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
     Blob, Checkpoint, Encoding, Format, KeyPart, NonTensor, Pieces, Tensor, Unsupported,
 };
-use crate::pickle::Value;
+use crate::pickle::{opcodes, Value};
 use crate::storage::{self, Access, Input, Stat, View};
 use metadata::DcpEntry;
 pub use metadata::{Extension, NoExtension};
@@ -813,7 +813,7 @@ impl<'a> Files<'a> {
         };
         // The item must be an archive torch.load can open: a broken frame fails the load whatever
         // the value is (a legacy pickle, first byte PROTO, has no frame to check).
-        if bytes.first() != Some(&0x80) {
+        if bytes.first() != Some(&opcodes::PROTO) {
             crate::zip::read_entries(bytes).map_err(|e| self.placed(e, item, zstd))?;
         }
         // A value that is not plain data (a custom object) is still carried byte for byte.

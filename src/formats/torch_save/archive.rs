@@ -141,8 +141,8 @@ pub(super) fn leaves_key(pkl: &[u8], entries: &[ZipEntry]) -> Vec<u8> {
 }
 
 pub(super) fn read_with(bytes: &[u8], cached: bool, extra: Option<&Extra<'_>>) -> Result<Archive> {
-    // Every pickle starts with PROTO (0x80) from protocol 2 on; the legacy format is pickles.
-    if bytes.first() == Some(&0x80) {
+    // Every pickle starts with PROTO from protocol 2 on; the legacy format is pickles.
+    if bytes.first() == Some(&pickle::opcodes::PROTO) {
         return read_legacy(bytes);
     }
     let mut entries = zip::read_entries(bytes)?;

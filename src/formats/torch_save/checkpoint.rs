@@ -8,6 +8,7 @@ use crate::layout::{Found, Layout, Listing, ReadOptions};
 use crate::model::{
     Checkpoint, DataRef, Encoding, Format, KeyPart, NonTensor, Piece, Pieces, Tensor, Unsupported,
 };
+use crate::pickle::opcodes;
 use crate::storage::{self, Access};
 
 /// Names a directory's one torch.save file goes by.
@@ -46,7 +47,7 @@ fn is_torch_save(path: &Path) -> Result<bool> {
         return Ok(false);
     }
     input.read_at(0, &mut magic)?;
-    Ok(magic.starts_with(b"PK") || magic[0] == 0x80)
+    Ok(magic.starts_with(b"PK") || magic[0] == opcodes::PROTO)
 }
 
 /// A full `torch.save` file: every tensor one piece, every other leaf a value.

@@ -3,6 +3,7 @@
 //! checks (and the Python codec tables `_codecs.encode` needs), and `BUILD`s it can apply.
 
 use super::*;
+use crate::pickle::opcodes as op;
 
 /// The first opcode of `pkl` outside the set torch's weights-only unpickler runs
 /// (`torch/_weights_only_unpickler.py`), with its offset: `FRAME`, `MEMOIZE`, `SHORT_BINUNICODE`,
@@ -12,33 +13,45 @@ use super::*;
 pub(super) fn opcode_torch_refuses(pkl: &[u8]) -> Option<(u8, usize)> {
     let mut at = 0;
     loop {
-        let op = *pkl.get(at)?;
-        let args = match op {
-            // NEWOBJ REDUCE BUILD APPEND APPENDS SETITEM SETITEMS MARK TUPLE TUPLE1-3 NONE
-            // NEWFALSE NEWTRUE EMPTY_TUPLE EMPTY_LIST EMPTY_DICT EMPTY_SET BINPERSID
-            0x81 | b'R' | b'b' | b'a' | b'e' | b's' | b'u' | b'(' | b't' | 0x85 | 0x86 | 0x87
-            | b'N' | 0x89 | 0x88 | b')' | b']' | b'}' | 0x8f | b'Q' => 0,
-            b'.' => return None,            // STOP
-            0x80 | b'K' | b'h' | b'q' => 1, // PROTO BININT1 BINGET BINPUT
-            b'M' => 2,                      // BININT2
-            b'J' | b'j' | b'r' => 4,        // BININT LONG_BINGET LONG_BINPUT
-            b'G' => 8,                      // BINFLOAT
-            b'X' => {
-                // BINUNICODE
-                let len = pkl.get(at + 1..at + 5)?;
-                4 + u32::from_le_bytes(len.try_into().ok()?) as usize
-            }
-            b'U' | 0x8a => 1 + usize::from(*pkl.get(at + 1)?), // SHORT_BINSTRING LONG1
-            b'c' => {
-                // GLOBAL: module and name, each ending in a newline
-                let rest = pkl.get(at + 1..)?;
-                let first = rest.iter().position(|&b| b == b'\n')?;
-                let second = rest.get(first + 1..)?.iter().position(|&b| b == b'\n')?;
-                first + second + 2
-            }
-            _ => return Some((op, at)),
-        };
-        at = at.checked_add(1 + args)?;
+        let opcode = *pkl.get(at)?;
+        match opcode {
+            op::STOP => return None,
+            op::PROTO
+            | op::MARK
+            | op::NONE
+            | op::NEWTRUE
+            | op::NEWFALSE
+            | op::BININT
+            | op::BININT1
+            | op::BININT2
+            | op::LONG1
+            | op::BINFLOAT
+            | op::SHORT_BINSTRING
+            | op::BINUNICODE
+            | op::EMPTY_TUPLE
+            | op::TUPLE
+            | op::TUPLE1
+            | op::TUPLE2
+            | op::TUPLE3
+            | op::EMPTY_LIST
+            | op::APPEND
+            | op::APPENDS
+            | op::EMPTY_DICT
+            | op::SETITEM
+            | op::SETITEMS
+            | op::EMPTY_SET
+            | op::BINPUT
+            | op::LONG_BINPUT
+            | op::BINGET
+            | op::LONG_BINGET
+            | op::GLOBAL
+            | op::REDUCE
+            | op::NEWOBJ
+            | op::BUILD
+            | op::BINPERSID => {}
+            _ => return Some((opcode, at)),
+        }
+        at += 1 + op::argument(pkl, at)?.len();
     }
 }
 
