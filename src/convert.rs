@@ -218,7 +218,6 @@ impl Conversion {
                 (!self.strip_prefix.is_empty(), "--strip-prefix"),
                 (self.cast.is_some(), "--dtype"),
                 (self.lora.is_some(), "--merge-lora"),
-                (self.part.is_some(), "--part"),
                 (self.reading.shapes_from.is_some(), "--shapes-from"),
             ];
             if let Some((_, flag)) = unused.iter().find(|(given, _)| *given) {
@@ -267,8 +266,7 @@ impl Conversion {
 
 /// What a conversion did, for the caller to tell.
 pub(crate) struct Summary {
-    /// Tensors written (after selection).
-    pub tensors: usize,
+    pub written: Written,
     /// Things the user should hear about (skipped entries, tensors `--dtype` left alone).
     pub notes: Vec<String>,
     pub done: Done,
@@ -293,26 +291,22 @@ pub(crate) enum Done {
         final_path: PathBuf,
         finished: Finished,
     },
-    /// A DeepSpeed checkpoint rewritten at another world size.
-    DeepSpeed(DeepSpeedResharded),
+}
+
+/// What the output holds.
+pub(crate) enum Written {
+    /// Tensors (after selection).
+    Tensors(usize),
+    /// A DeepSpeed checkpoint rewritten at another world size, from ZeRO `stage` saved at
+    /// `from_world` ranks.
+    DeepSpeed { stage: i64, from_world: usize },
 }
 
 /// Read, transform, plan and write `job`'s output.
 pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summary> {
     job.check()?;
     if let Layout::DeepSpeed { world } = job.layout {
-        let done = reshard_deepspeed(
-            job.input.path(),
-            job.reading.tag.as_deref(),
-            world,
-            &job.output,
-            job.force,
-        )?;
-        return Ok(Summary {
-            tensors: 0,
-            notes: Vec::new(),
-            done: Done::DeepSpeed(done),
-        });
+        return convert_deepspeed(job, world, exec_opts);
     }
     // Every item read is copied: small ones in object storage are opened when copied.
     let opts = ReadOptions {
@@ -351,44 +345,103 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         plan.add_literal_file(path, bytes)?;
     }
     plan.notes.extend(report.notes);
+    // Everything that changes the output's bytes, and nothing that does not (threads, --io,
+    // --force, the part's own index): what the parts of a partitioned run must agree on.
+    let description = format!(
+        "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}{}{}\nfp8-block {}",
+        env!("CARGO_PKG_VERSION"),
+        job.include,
+        job.exclude,
+        job.strip_prefix,
+        job.cast,
+        crate::transform::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
+        crate::transform::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
+        job.fp8_block
+    );
+    let description = match &job.lora {
+        Some((config, adapter)) => format!(
+            "{description}\nadapter {adapter:?}{}",
+            crate::transform::fsdp_local::fingerprint(
+                "merge-lora",
+                Some(&crate::transform::lora::config_dir(config))
+            )?
+        ),
+        None => description,
+    };
+    let done = write(job, &plan, kind, &description, exec_opts)?;
+    Ok(Summary {
+        written: Written::Tensors(ckpt.tensors.len()),
+        notes: plan.notes,
+        done,
+    })
+}
+
+/// `reshard --format deepspeed`: DeepSpeed's own files at `world` data-parallel ranks (ZeRO
+/// stages 0-3; see [`crate::formats::deepspeed::reshard`]), planned from the input's files and
+/// written like any plan.
+fn convert_deepspeed(job: &Conversion, world: usize, exec_opts: &ExecOptions) -> Result<Summary> {
+    let input = job.input.path();
+    if !matches!(
+        crate::storage::stat(input)?,
+        Some(crate::storage::Stat::Dir)
+    ) {
+        return Err(Error::usage(
+            "`--format deepspeed` rewrites a DeepSpeed checkpoint directory, and this is not a directory",
+        )
+        .file(input)
+        .hint("point ckpt at the directory `engine.save_checkpoint` wrote, or at one tag's directory"));
+    }
+    let tag = job.reading.tag.as_deref();
+    let resharded = crate::formats::deepspeed::reshard::plan(input, tag, world)?;
+    // The recovery scripts DeepSpeed's save leaves beside the tags, which the source lacks.
+    let missing: Vec<&str> = crate::formats::deepspeed::reshard::RECOVERY_SCRIPTS
+        .iter()
+        .copied()
+        .filter(|name| !resharded.files.iter().any(|f| f.path == Path::new(name)))
+        .collect();
+    let mut notes = Vec::new();
+    if !missing.is_empty() {
+        notes.push(format!(
+            "the source has no {} beside its tags, so the output has none either (DeepSpeed's \
+             save writes both recovery scripts; they come with the deepspeed package, in \
+             deepspeed/utils/)",
+            missing.join(" or ")
+        ));
+    }
+    let written = Written::DeepSpeed {
+        stage: resharded.stage,
+        from_world: resharded.from_world,
+    };
+    let description = format!(
+        "ckpt {}\ndeepspeed world {world}\ntag {tag:?}",
+        env!("CARGO_PKG_VERSION")
+    );
+    let plan = resharded.into_plan()?;
+    let done = write(job, &plan, OutputKind::Dir, &description, exec_opts)?;
+    Ok(Summary {
+        written,
+        notes,
+        done,
+    })
+}
+
+/// Write `plan` where `job` says: staged under a temporary name and renamed, uploaded into an
+/// object store, or one `--part` share of either. `description` is everything that changes the
+/// output's bytes, which the parts of a partitioned run must agree on.
+fn write(
+    job: &Conversion,
+    plan: &Plan,
+    kind: OutputKind,
+    description: &str,
+    exec_opts: &ExecOptions,
+) -> Result<Done> {
     if let Some(part) = job.part {
-        // Everything that changes the output's bytes, and nothing that does not (threads, --io,
-        // --force, the part's own index).
-        let description = format!(
-            "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}\nparts {}{}",
-            env!("CARGO_PKG_VERSION"),
-            job.include,
-            job.exclude,
-            job.strip_prefix,
-            job.cast,
-            part.count,
-            crate::transform::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
-        );
-        let description = format!(
-            "{description}{}\nfp8-block {}",
-            crate::transform::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
-            job.fp8_block
-        );
-        let description = match &job.lora {
-            Some((config, adapter)) => format!(
-                "{description}\nadapter {adapter:?}{}",
-                crate::transform::fsdp_local::fingerprint(
-                    "merge-lora",
-                    Some(&crate::transform::lora::config_dir(config))
-                )?
-            ),
-            None => description,
-        };
-        let done = convert_part(job, kind, part, &description, &plan, exec_opts)?;
-        return Ok(Summary {
-            tensors: ckpt.tensors.len(),
-            notes: plan.notes,
-            done,
-        });
+        let description = format!("{description}\nparts {}", part.count);
+        return convert_part(job, kind, part, &description, plan, exec_opts);
     }
     let path = if crate::storage::is_remote(&job.output) {
         crate::output::remote::write(
-            &plan,
+            plan,
             job.input.path(),
             &job.output,
             kind,
@@ -399,7 +452,7 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
     } else {
         let staging = Staging::prepare(&job.output, job.input.path(), kind, job.force)?;
         let dest = staging.paths(&plan.paths());
-        exec::execute(&plan, &dest, exec_opts)?;
+        exec::execute(plan, &dest, exec_opts)?;
         if exec_opts.cancel.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Io, "interrupted"));
         }
@@ -407,14 +460,10 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         staging.commit()?;
         final_path
     };
-    Ok(Summary {
-        tensors: ckpt.tensors.len(),
-        done: Done::Whole {
-            path,
-            files: plan.file_count(),
-            bytes: plan.data_bytes(),
-        },
-        notes: plan.notes,
+    Ok(Done::Whole {
+        path,
+        files: plan.file_count(),
+        bytes: plan.data_bytes(),
     })
 }
 
@@ -521,63 +570,5 @@ fn convert_part(
         staging,
         final_path,
         finished,
-    })
-}
-
-/// What [`reshard_deepspeed`] wrote.
-#[derive(Clone, Debug)]
-pub(crate) struct DeepSpeedResharded {
-    pub path: PathBuf,
-    pub files: usize,
-    pub bytes: u64,
-    /// The ZeRO stage and the data-parallel size the input was saved at.
-    pub stage: i64,
-    pub from_world: usize,
-    /// The recovery scripts copied from the source (`zero_to_fp32.py`, `zero_to_torch.py`).
-    pub scripts: Vec<String>,
-}
-
-/// Write the DeepSpeed checkpoint at `input` (`tag` as `--tag`) to the directory `output` as
-/// DeepSpeed's `save_checkpoint` writes it on `world` data-parallel ranks (ZeRO stages 0-3; see
-/// `crate::formats::deepspeed::reshard`). Nothing appears at `output` unless all of it is written; an
-/// existing `output` is replaced only with `force`.
-pub(crate) fn reshard_deepspeed(
-    input: &Path,
-    tag: Option<&str>,
-    world: usize,
-    output: &Path,
-    force: bool,
-) -> Result<DeepSpeedResharded> {
-    if crate::storage::is_remote(input) || crate::storage::is_remote(output) {
-        return Err(Error::usage(
-            "not yet: `--format deepspeed` reads and writes local directories",
-        )
-        .hint("copy the checkpoint to a local disk first"));
-    }
-    if !input.is_dir() {
-        return Err(Error::usage(
-            "`--format deepspeed` rewrites a DeepSpeed checkpoint directory, and this is not a directory",
-        )
-        .file(input)
-        .hint("point ckpt at the directory `engine.save_checkpoint` wrote, or at one tag's directory"));
-    }
-    let plan = crate::formats::deepspeed::reshard::plan(input, tag, world)?;
-    let staging = Staging::prepare(output, input, OutputKind::Dir, force)?;
-    let root = staging.paths(&[PathBuf::new()]).remove(0);
-    let bytes = crate::formats::deepspeed::reshard::write(&plan, &root)?;
-    let path = staging.final_path().to_path_buf();
-    staging.commit()?;
-    let scripts = crate::formats::deepspeed::reshard::RECOVERY_SCRIPTS
-        .iter()
-        .filter(|name| plan.files.iter().any(|f| f.path == Path::new(name)))
-        .map(|name| name.to_string())
-        .collect();
-    Ok(DeepSpeedResharded {
-        path,
-        files: plan.files.len(),
-        bytes,
-        stage: plan.stage,
-        from_world: plan.from_world,
-        scripts,
     })
 }

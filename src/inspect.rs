@@ -131,6 +131,7 @@ impl Serialize for Pieces<'_> {
                     Encoding::Zstd { .. } => Some("zstd"),
                     Encoding::Deflate { .. } => Some("deflate"),
                     Encoding::Saved { .. } => Some("torch.save item"),
+                    Encoding::Zeros => Some("zeros"),
                 },
             }
         }))

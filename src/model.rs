@@ -182,6 +182,9 @@ pub enum Encoding {
         numel: u64,
         shape: u64,
     },
+    /// No bytes stored: every element is zero. Not a reader's: what a writer adds as padding
+    /// (DeepSpeed's partitions padded to equal sizes), planned as a fill like any other.
+    Zeros,
 }
 
 /// The pieces of one tensor, as columns: per piece its box (offsets then sizes), its file and the

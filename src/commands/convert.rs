@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::{terminal_safe, to_stderr, Bar, Run};
-use crate::convert::{Conversion, Done};
+use crate::convert::{Conversion, Done, Layout, Written};
 use crate::error::{Error, Result};
 use crate::exec::ExecOptions;
 use crate::inspect::human_bytes;
@@ -37,10 +37,21 @@ pub(crate) fn run(
         to_stderr(format_args!("note: {}", terminal_safe(note)));
     }
     let secs = started.elapsed().as_secs_f64();
+    let what = match &summary.written {
+        Written::Tensors(n) => format!("{n} tensors"),
+        Written::DeepSpeed {
+            stage, from_world, ..
+        } => {
+            let world = match job.layout {
+                Layout::DeepSpeed { world } => world,
+                _ => return Err(Error::bug("a DeepSpeed summary of another layout")),
+            };
+            format!("ZeRO stage {stage} from {from_world} to {world} data-parallel ranks")
+        }
+    };
     match summary.done {
         Done::Whole { path, files, bytes } => to_stderr(format_args!(
-            "wrote {} tensors to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
-            summary.tensors,
+            "wrote {what} to `{}`: {} file{}, {} copied in {:.2} s ({}/s)",
             terminal_safe(&path.display().to_string()),
             files,
             if files == 1 { "" } else { "s" },
@@ -69,9 +80,8 @@ pub(crate) fn run(
                         .join(", ")
                 ),
                 Finished::Committed => format!(
-                    "all {} parts done: committed {} tensors to `{}`",
+                    "all {} parts done: committed {what} to `{}`",
                     part.count,
-                    summary.tensors,
                     final_path.display()
                 ),
                 Finished::CommittedElsewhere { by } => {
@@ -87,34 +97,6 @@ pub(crate) fn run(
                 terminal_safe(&staging.display().to_string()),
                 terminal_safe(&status)
             ));
-        }
-        Done::DeepSpeed(done) => {
-            let crate::convert::Layout::DeepSpeed { world } = job.layout else {
-                return Err(Error::bug("a DeepSpeed summary of another layout"));
-            };
-            to_stderr(format_args!(
-                "wrote ZeRO stage {} from {} to {world} data-parallel ranks at `{}`: {} files, {} in {:.2} s",
-                done.stage,
-                done.from_world,
-                terminal_safe(&done.path.display().to_string()),
-                done.files,
-                human_bytes(done.bytes),
-                secs
-            ));
-            let scripts = crate::formats::deepspeed::reshard::RECOVERY_SCRIPTS;
-            let missing: Vec<&str> = scripts
-                .iter()
-                .copied()
-                .filter(|s| !done.scripts.iter().any(|d| d == s))
-                .collect();
-            if !missing.is_empty() {
-                to_stderr(format_args!(
-                    "note: the source has no {} beside its tags, so the output has none either \
-                     (DeepSpeed's save writes both recovery scripts; they come with the deepspeed \
-                     package, in deepspeed/utils/)",
-                    missing.join(" or ")
-                ));
-            }
         }
     }
     Ok(0)

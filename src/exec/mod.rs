@@ -341,10 +341,16 @@ fn run_on(
                         let Some(p) = dest.get(*i) else {
                             return Ok(None);
                         };
-                        match share {
-                            None => create_output(p, f.len).map(Some),
-                            Some(_) => open_shared_output(p, f.len).map(Some),
+                        let out = match share {
+                            None => create_output(p, f.len)?,
+                            Some(_) => open_shared_output(p, f.len)?,
+                        };
+                        if let Some(mode) = f.mode {
+                            use std::os::unix::fs::PermissionsExt;
+                            let mode = std::fs::Permissions::from_mode(mode);
+                            out.set_permissions(mode).map_err(|e| Error::io(p, e))?;
                         }
+                        Ok(Some(out))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let clips: Vec<Option<Range<u64>>> = files
@@ -799,13 +805,19 @@ fn checked_fills<'r>(
 
 /// Check that every byte a fill reads lies inside its source file.
 fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
+    if fill.encoding == Encoding::Zeros {
+        return Ok(());
+    }
     let src = sources
         .get(fill.input)
         .ok_or_else(|| Error::bug("bad input index"))?;
     let limit = match fill.encoding {
         Encoding::Raw => src.len(),
         // The decoded length is checked when the item is decompressed or opened.
-        Encoding::Zstd { .. } | Encoding::Deflate { .. } | Encoding::Saved { .. } => u64::MAX,
+        Encoding::Zstd { .. }
+        | Encoding::Deflate { .. }
+        | Encoding::Saved { .. }
+        | Encoding::Zeros => u64::MAX,
     };
     let end = fill_end(fill);
     match end {
@@ -1306,15 +1318,20 @@ fn copy_direct(
     })
 }
 
-/// Where a fill's bytes are read from: the file itself, or a decompressed item.
+/// Where a fill's bytes are read from: the file itself, a decompressed item, or nowhere (zeros).
 enum FillSource<'a> {
     File(&'a Source),
     Decoded(&'a Source, u64),
+    Zeros,
 }
 
 impl FillSource<'_> {
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         match self {
+            FillSource::Zeros => {
+                dst.fill(0);
+                Ok(())
+            }
             FillSource::File(s) => s.read_at(offset, dst),
             FillSource::Decoded(s, item) => DECODED.with(|cell| {
                 let cell = cell.borrow();
@@ -1339,11 +1356,15 @@ impl FillSource<'_> {
 }
 
 fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
+    if fill.encoding == Encoding::Zeros {
+        return Ok(FillSource::Zeros);
+    }
     let src = sources
         .get(fill.input)
         .ok_or_else(|| Error::bug("bad input index"))?;
     let (item_offset, item_length) = match fill.encoding {
         Encoding::Raw => return Ok(FillSource::File(src)),
+        Encoding::Zeros => return Ok(FillSource::Zeros),
         Encoding::Zstd {
             item_offset,
             item_length,

@@ -18,7 +18,7 @@ pub(crate) fn decode(
     dtype: DType,
 ) -> Result<Vec<u8>> {
     match *encoding {
-        Encoding::Raw => Err(Error::bug("plain bytes handed to the decoder")),
+        Encoding::Raw | Encoding::Zeros => Err(Error::bug("plain bytes handed to the decoder")),
         Encoding::Zstd { .. } => super::dcp::zstd_prefix(item, needed),
         Encoding::Deflate { .. } => crate::zip::inflate_prefix(item, needed),
         Encoding::Saved { numel, shape, .. } => {

@@ -33,6 +33,7 @@ use crate::zip;
 
 pub use dcp::DcpFiles;
 use sourcing::Sourcing;
+pub(crate) use torch_save::archive_into;
 
 /// Everything needed to write one output: files, and where each byte comes from.
 ///
@@ -57,6 +58,9 @@ enum PlannedFiles<'a> {
     },
     /// A DCP target: its rank files, planned when asked for, then its streamed `.metadata`.
     Dcp(Box<DcpFiles<'a>>),
+    /// Files planned by a format of its own from its input's bytes, not from a checkpoint's
+    /// tensors (DeepSpeed's rank files at another world size): every region's fills listed.
+    Listed(Vec<FilePlan>),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -73,6 +77,10 @@ pub struct FilePlan {
     pub regions: Vec<Region>,
     /// What the file is to the output; an output backend orders its writes by it.
     pub role: FileRole,
+    /// Permission bits to give the file where the output has them, when it is a copy of an
+    /// input file that has its own (DeepSpeed's recovery scripts, which it makes executable);
+    /// `None` for the default.
+    pub mode: Option<u32>,
 }
 
 /// What a destination file is to the output.
@@ -219,15 +227,34 @@ impl Plan<'_> {
     /// for with [`Plan::file`]).
     pub fn whole_files(&self) -> &[FilePlan] {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files,
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files,
             PlannedFiles::Dcp(_) => &[],
         }
+    }
+
+    /// A plan of files a format planned itself from `inputs`' bytes (every region's
+    /// [`RegionSource::Fills`] listed), not from a checkpoint's tensors.
+    pub fn listed(inputs: Vec<PathBuf>, files: Vec<FilePlan>) -> Result<Plan<'static>> {
+        for f in &files {
+            if let Some(r) = f
+                .regions
+                .iter()
+                .find(|r| !matches!(r.source, RegionSource::Fills(_)))
+            {
+                return Err(Error::bug("a listed plan's region has no fills").tensor(&r.name));
+            }
+        }
+        Ok(Plan {
+            inputs,
+            notes: Vec::new(),
+            files: PlannedFiles::Listed(files),
+        })
     }
 
     /// Number of destination files.
     pub fn file_count(&self) -> usize {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files.len(),
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files.len(),
             PlannedFiles::Dcp(dcp) => dcp.file_count(),
         }
     }
@@ -235,7 +262,7 @@ impl Plan<'_> {
     /// Path of destination file `i`, relative to the output root.
     pub fn path(&self, i: usize) -> PathBuf {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => {
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
                 files.get(i).map(|f| f.path.clone()).unwrap_or_default()
             }
             PlannedFiles::Dcp(dcp) => dcp.path(i),
@@ -252,7 +279,7 @@ impl Plan<'_> {
     pub fn file(&self, i: usize) -> Result<std::borrow::Cow<'_, FilePlan>> {
         use std::borrow::Cow;
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files
                 .get(i)
                 .map(Cow::Borrowed)
                 .ok_or_else(|| Error::bug(format!("no destination file {i} in the plan"))),
@@ -264,7 +291,9 @@ impl Plan<'_> {
     /// length is known only once it is written): what a partitioned run lays out its shares by.
     pub fn file_len(&self, i: usize) -> u64 {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files.get(i).map_or(0, |f| f.len),
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
+                files.get(i).map_or(0, |f| f.len)
+            }
             PlannedFiles::Dcp(dcp) => dcp.file_len(i),
         }
     }
@@ -272,7 +301,9 @@ impl Plan<'_> {
     /// What destination file `i` is to the output.
     pub fn role(&self, i: usize) -> FileRole {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files.get(i).map_or(FileRole::Data, |f| f.role),
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
+                files.get(i).map_or(FileRole::Data, |f| f.role)
+            }
             PlannedFiles::Dcp(dcp) => dcp.role(i),
         }
     }
@@ -312,6 +343,9 @@ impl Plan<'_> {
                 let src = match &self.files {
                     PlannedFiles::Whole { src, .. } => src,
                     PlannedFiles::Dcp(dcp) => dcp.sourcing(),
+                    PlannedFiles::Listed(_) => {
+                        return Err(Error::bug("a listed plan's region names a tensor"))
+                    }
                 };
                 src.fills(*tensor, b, within).map(Cow::Owned)
             }
@@ -331,6 +365,7 @@ impl Plan<'_> {
         let src = match &self.files {
             PlannedFiles::Whole { src, .. } => src,
             PlannedFiles::Dcp(dcp) => dcp.sourcing(),
+            PlannedFiles::Listed(_) => return None,
         };
         let t = src.ckpt.tensors.get(*tensor)?;
         t.pieces
@@ -341,7 +376,8 @@ impl Plan<'_> {
     /// Add a file of known bytes to a plan of whole files: what an export writes beside the
     /// weights (config.json, the tokenizer's files), staged and committed with them.
     pub fn add_literal_file(&mut self, path: PathBuf, bytes: Vec<u8>) -> Result<()> {
-        let PlannedFiles::Whole { files, .. } = &mut self.files else {
+        let (PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files)) = &mut self.files
+        else {
             return Err(Error::bug("a literal file added to a DCP plan"));
         };
         if files.iter().any(|f| f.path == path) {
@@ -368,7 +404,7 @@ impl Plan<'_> {
     /// Bytes of tensor data the plan copies.
     pub fn data_bytes(&self) -> u64 {
         match &self.files {
-            PlannedFiles::Whole { files, .. } => files
+            PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files
                 .iter()
                 .flat_map(|f| &f.regions)
                 .map(Region::nbytes)

@@ -102,6 +102,15 @@ pub enum Stat {
     Dir,
 }
 
+/// The permission bits of the local file at `path`; `None` for an object, which has none.
+pub(crate) fn mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    match remote(path) {
+        Some(_) => None,
+        None => std::fs::metadata(path).ok().map(|m| m.permissions().mode()),
+    }
+}
+
 /// What is at `path`: a file (object) and its length, a directory (a prefix with objects below
 /// it), or nothing. Errors other than "not found" (credentials, a missing bucket, a refused
 /// connection) are errors.

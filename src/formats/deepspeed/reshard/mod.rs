@@ -19,11 +19,11 @@
 //! buffers, frozen parameters, lr scheduler, client state, loss scaler, `step`, param groups) is
 //! carried as saved.
 
+mod planned;
 mod source;
 mod stage3;
 #[cfg(test)]
 mod tests;
-mod write;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -35,8 +35,6 @@ use crate::pickle::{self, Protocol, Value};
 use crate::storage;
 use crate::zip::ZipRecord;
 use source::{dict_get, entries, flat_tensor, set, Source, TensorRef};
-
-pub(crate) use write::write;
 
 /// The recovery scripts DeepSpeed 0.19's `save_checkpoint` copies beside the tags
 /// (`_copy_recovery_script`), which people run there, offline, to get the weights without
@@ -160,7 +158,8 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
         Some(path)
     };
     for name in RECOVERY_SCRIPTS {
-        if let Some(script) = root.map(|r| r.join(name)).filter(|p| p.is_file()) {
+        let is_file = |p: &PathBuf| matches!(storage::stat(p), Ok(Some(storage::Stat::File(_))));
+        if let Some(script) = root.map(|r| r.join(name)).filter(is_file) {
             inputs.push(script);
             files.push(OutFile {
                 path: PathBuf::from(name),
