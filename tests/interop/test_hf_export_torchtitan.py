@@ -55,6 +55,10 @@ TORCHTITAN = {
     # the Llama 3 and Qwen3 with 2 heads of 32 that vLLM loads (tests/interop/test_hf_export_vllm.py)
     "torchtitan_llama3_hd32": ("step-2", "LlamaForCausalLM"),
     "torchtitan_qwen3_hd32": ("step-2", "Qwen3ForCausalLM"),
+    # trained until decisive, dims over 128, model-only BF16 saves (3 and 2 ranks), for the FP8
+    # export (tests/interop/test_fp8_sharded.py)
+    "torchtitan_qwen3_fp8": ("step-60", "Qwen3ForCausalLM"),
+    "torchtitan_deepseek_v3_fp8": ("step-60", "DeepseekV3ForCausalLM"),
 }
 NAMES = sorted(TORCHTITAN)
 # config.json's fields naming the dtype of the weights (transformers 5 writes `dtype`; older
@@ -264,7 +268,9 @@ def test_export_loads_in_transformers_with_the_training_logits(ckpt, run_ckpt, t
 def test_export_config_is_hfs_but_for_its_dtype(ckpt, run_ckpt, tmp_path, name):
     out = export_ok(run_ckpt, name, tmp_path / "out")
     assert config_without_dtype(out / "config.json") == config_without_dtype(fixture(name) / "hf" / "config.json")
-    assert written_dtype(out / "config.json") == "float32"
+    # what the checkpoint holds: F32 training saves, BF16 model-only ones (the `_fp8` fixtures)
+    saved = {t.dtype for t in load_file(fixture(name) / "expected" / "model.safetensors").values()}
+    assert written_dtype(out / "config.json") == ("bfloat16" if saved == {torch.bfloat16} else "float32")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
 
