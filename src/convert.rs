@@ -7,19 +7,17 @@
 //! the [`Summary`]; the library never prints.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 
 use crate::detect::Source;
 use crate::dtype::DType;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions};
 use crate::geometry::Placement;
 use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
-use crate::output::part::{Finished, PartOutput};
-use crate::output::{OutputKind, Staging};
+use crate::output::{Destination, Done, OutputKind, PartRun};
 use crate::part::PartSpec;
-use crate::plan::{self, MeshSpec, Plan, PlanOptions, Target};
+use crate::plan::{self, MeshSpec, PlanOptions, Target};
 use crate::transform::fsdp_local::ResolveLocal;
 use crate::transform::hf_export::{Export, HfConfig};
 use crate::transform::lora::LoraOptions;
@@ -237,6 +235,22 @@ impl Conversion {
 }
 
 impl Conversion {
+    /// Where the output goes, as `kind`; `description` is everything that changes its bytes,
+    /// which the parts of a partitioned run must agree on.
+    fn destination(&self, kind: OutputKind, description: String) -> Destination<'_> {
+        Destination {
+            path: &self.output,
+            input: self.input.path(),
+            kind,
+            force: self.force,
+            part: self.part.map(|spec| PartRun {
+                spec,
+                description,
+                command_line: &self.command_line,
+            }),
+        }
+    }
+
     /// The steps between reading and planning this conversion asks for, in order.
     fn steps(&self, io: exec::IoMode) -> Result<Vec<Box<dyn Step + '_>>> {
         let mut steps: Vec<Box<dyn Step + '_>> = Vec::new();
@@ -270,27 +284,6 @@ pub(crate) struct Summary {
     /// Things the user should hear about (skipped entries, tensors `--dtype` left alone).
     pub notes: Vec<String>,
     pub done: Done,
-}
-
-/// How the output stands.
-pub(crate) enum Done {
-    /// Written whole at `path`: `files` files, `bytes` of tensor data.
-    Whole {
-        path: PathBuf,
-        files: usize,
-        bytes: u64,
-    },
-    /// One part's share written into `staging`.
-    Part {
-        part: PartSpec,
-        /// Bytes of this share, of all shares, and the files it touched.
-        bytes: u64,
-        total: u64,
-        files: usize,
-        staging: PathBuf,
-        final_path: PathBuf,
-        finished: Finished,
-    },
 }
 
 /// What the output holds.
@@ -368,7 +361,7 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         ),
         None => description,
     };
-    let done = write(job, &plan, kind, &description, exec_opts)?;
+    let done = crate::output::write(&plan, &job.destination(kind, description), exec_opts)?;
     Ok(Summary {
         written: Written::Tensors(ckpt.tensors.len()),
         notes: plan.notes,
@@ -417,53 +410,15 @@ fn convert_deepspeed(job: &Conversion, world: usize, exec_opts: &ExecOptions) ->
         env!("CARGO_PKG_VERSION")
     );
     let plan = resharded.into_plan()?;
-    let done = write(job, &plan, OutputKind::Dir, &description, exec_opts)?;
+    let done = crate::output::write(
+        &plan,
+        &job.destination(OutputKind::Dir, description),
+        exec_opts,
+    )?;
     Ok(Summary {
         written,
         notes,
         done,
-    })
-}
-
-/// Write `plan` where `job` says: staged under a temporary name and renamed, uploaded into an
-/// object store, or one `--part` share of either. `description` is everything that changes the
-/// output's bytes, which the parts of a partitioned run must agree on.
-fn write(
-    job: &Conversion,
-    plan: &Plan,
-    kind: OutputKind,
-    description: &str,
-    exec_opts: &ExecOptions,
-) -> Result<Done> {
-    if let Some(part) = job.part {
-        let description = format!("{description}\nparts {}", part.count);
-        return convert_part(job, kind, part, &description, plan, exec_opts);
-    }
-    let path = if crate::storage::is_remote(&job.output) {
-        crate::output::remote::write(
-            plan,
-            job.input.path(),
-            &job.output,
-            kind,
-            job.force,
-            exec_opts,
-        )?;
-        job.output.clone()
-    } else {
-        let staging = Staging::prepare(&job.output, job.input.path(), kind, job.force)?;
-        let dest = staging.paths(&plan.paths());
-        exec::execute(plan, &dest, exec_opts)?;
-        if exec_opts.cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(ErrorKind::Io, "interrupted"));
-        }
-        let final_path = staging.final_path().to_path_buf();
-        staging.commit()?;
-        final_path
-    };
-    Ok(Done::Whole {
-        path,
-        files: plan.file_count(),
-        bytes: plan.data_bytes(),
     })
 }
 
@@ -491,84 +446,4 @@ fn uncast_note(ckpt: &Checkpoint, cast: Option<DType>) -> Option<String> {
         kept.len(),
         kept[..shown].join(", ")
     ))
-}
-
-/// One part of a partitioned run: its share of the bytes into the shared staging area, a marker,
-/// and the commit if it is the last part done. `description` is everything that changes the
-/// output's bytes, which every part must agree on.
-fn convert_part(
-    job: &Conversion,
-    kind: OutputKind,
-    part: PartSpec,
-    description: &str,
-    plan: &Plan,
-    exec_opts: &ExecOptions,
-) -> Result<Done> {
-    let mut description = description.to_string();
-    let lens: Vec<u64> = (0..plan.file_count())
-        .map(|i| {
-            let len = if plan.is_streamed(i) {
-                0
-            } else {
-                plan.file_len(i)
-            };
-            description.push_str(&format!("\nfile {} {len}", plan.path(i).display()));
-            len
-        })
-        .collect();
-    let fingerprint = match crate::storage::is_remote(job.input.path()) {
-        true => crate::output::remote_part::fingerprint(&description, job.input.path())?,
-        false => crate::output::part::fingerprint(&description, &plan.inputs, job.input.path())?,
-    };
-    if crate::storage::is_remote(&job.output) {
-        let (staging, bytes, files, finished) = crate::output::remote_part::write_part(
-            plan,
-            job.input.path(),
-            &job.output,
-            kind,
-            job.force,
-            part,
-            &fingerprint,
-            &job.command_line,
-            exec_opts,
-        )?;
-        return Ok(Done::Part {
-            part,
-            bytes,
-            total: lens.iter().sum(),
-            files,
-            staging,
-            final_path: job.output.clone(),
-            finished,
-        });
-    }
-    let out = PartOutput::prepare(
-        &job.output,
-        job.input.path(),
-        kind,
-        job.force,
-        part,
-        &fingerprint,
-        &job.command_line,
-    )?;
-    let share = crate::part::share(&lens, part);
-    let dest = out.paths(&plan.paths());
-    let outcome = exec::execute_share(plan, &dest, &share, exec_opts)?;
-    if exec_opts.cancel.load(Ordering::Relaxed) {
-        return Err(Error::new(ErrorKind::Io, "interrupted"));
-    }
-    let staging = out.staging().to_path_buf();
-    let final_path = out.final_path().to_path_buf();
-    let finished = out.finish(share.len(), outcome, &dest, || {
-        exec::write_streamed_files(plan, &dest, true, exec_opts.cancel)
-    })?;
-    Ok(Done::Part {
-        part,
-        bytes: share.len(),
-        total: lens.iter().sum(),
-        files: share.ranges.len(),
-        staging,
-        final_path,
-        finished,
-    })
 }

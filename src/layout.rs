@@ -45,33 +45,16 @@ pub enum Listing {
 impl Listing {
     /// What is at `path`, listed once: a directory's entries, or the file itself.
     pub fn of(path: &Path) -> Result<Listing> {
-        // In an object store a directory is a prefix: one LIST tells it and lists it, where a
-        // HEAD (is it an object?) and a LIST (is anything below it?) would come first.
-        if storage::is_remote(path) {
-            let entries = storage::listing(path)?;
-            if !entries.is_empty() {
-                return Ok(Listing::Dir {
-                    path: path.to_path_buf(),
-                    entries,
-                });
-            }
-        }
-        match storage::stat(path)? {
-            Some(stat @ Stat::File(_)) => Ok(Listing::File(Entry {
+        Ok(match storage::look(path)? {
+            storage::Look::Dir(entries) => Listing::Dir {
                 path: path.to_path_buf(),
-                stat,
-            })),
-            Some(Stat::Dir) => Ok(Listing::Dir {
+                entries,
+            },
+            storage::Look::File(len) => Listing::File(Entry {
                 path: path.to_path_buf(),
-                entries: storage::listing(path)?,
+                stat: Stat::File(len),
             }),
-            None if storage::is_remote(path) => {
-                let hint = "no object has this key and none lies under it: check the key (keys \
-                            are case-sensitive) against a listing of the bucket";
-                Err(Error::usage(format!("`{}` does not exist", path.display())).hint(hint))
-            }
-            None => Err(Error::usage(format!("`{}` does not exist", path.display()))),
-        }
+        })
     }
 
     /// The directory's entry named `name`, if it is a file.

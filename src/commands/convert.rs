@@ -4,11 +4,12 @@
 use std::time::Instant;
 
 use super::{terminal_safe, to_stderr, Bar, Run};
-use crate::convert::{Conversion, Done, Layout, Written};
+use crate::convert::{Conversion, Layout, Written};
 use crate::error::{Error, Result};
 use crate::exec::ExecOptions;
 use crate::inspect::human_bytes;
 use crate::output::part::Finished;
+use crate::output::Done;
 
 /// Run a conversion (consolidate, reshard) with a progress bar unless `quiet`, and tell how it
 /// went on stderr.

@@ -1,7 +1,7 @@
 //! `ckpt verify`: the checkpoint's problems, then (if it is sound) the comparisons and manifests
 //! that need its data. Exit 1 when anything was found.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use super::{terminal_safe, to_stdout, Run};
 use crate::convert::Reading;
@@ -45,11 +45,7 @@ pub(crate) fn run(job: Verify) -> Result<i32> {
         if let Some(file) = &job.write_manifest {
             let m = verify::manifest(&ckpt, &opts)?;
             let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
-            if crate::storage::is_remote(file) {
-                crate::storage::put(file, text.into_bytes())?;
-            } else {
-                write_small_file(file, text.as_bytes())?;
-            }
+            crate::storage::write_small(file, text.into_bytes())?;
         }
         if let Some(file) = &job.manifest {
             let text = crate::storage::read(file)?;
@@ -102,28 +98,4 @@ pub(crate) fn run(job: Verify) -> Result<i32> {
         }
     })?;
     Ok(if report.is_sound() { 0 } else { 1 })
-}
-
-/// Write a small file (a manifest) under a temporary name, then rename it into place.
-fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("manifest");
-    let tmp = path.with_file_name(format!(".{name}.ckpt-tmp-{}", std::process::id()));
-    // `create_new` never follows a symlink planted under the temporary name.
-    let _ = std::fs::remove_file(&tmp);
-    let result = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .and_then(|mut f| {
-            std::io::Write::write_all(&mut f, bytes)?;
-            f.sync_all()
-        })
-        .and_then(|_| std::fs::rename(&tmp, path));
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
 }

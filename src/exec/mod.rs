@@ -673,7 +673,7 @@ fn run_files(
         opts.progress.advance(result.len);
         Ok(result)
     };
-    let results: Vec<UnitResult> = if sources.iter().any(Source::is_remote) {
+    let results: Vec<UnitResult> = if sources.iter().any(Source::reads_by_request) {
         in_order(&units, run_one)?
     } else {
         units.par_iter().map(run_one).collect::<Result<Vec<_>>>()?
@@ -1265,7 +1265,7 @@ fn direct_runs<'a>(
         };
         let src = sources.get(fill.input)?;
         let plain = sp.outer == 0 && fill.dtype == r.dtype && fill.encoding == Encoding::Raw;
-        if !plain || src.is_remote() {
+        if !plain || src.reads_by_request() {
             return None;
         }
         runs.push((src, sp.src0, sp.dst0, sp.run * de));

@@ -100,7 +100,7 @@ pub(super) fn copy_input_major(
         .iter()
         .map(|(_, f)| vec![false; f.regions.len()])
         .collect();
-    if !sources.iter().any(Source::is_remote) {
+    if !sources.iter().any(Source::reads_by_request) {
         return Ok(Scattered {
             done,
             ..Scattered::default()

@@ -102,6 +102,74 @@ pub enum Stat {
     Dir,
 }
 
+/// What [`look`] found at a path.
+pub(crate) enum Look {
+    /// A directory (a prefix with objects below it) and its entries.
+    Dir(Vec<Entry>),
+    /// A file (an object) of this many bytes.
+    File(u64),
+}
+
+/// What is at `path`, listed once: a directory's entries, or the file; nothing there is a usage
+/// error naming it.
+pub(crate) fn look(path: &Path) -> Result<Look> {
+    // In an object store a directory is a prefix: one LIST tells it and lists it, where a HEAD
+    // (is it an object?) and a LIST (is anything below it?) would come first.
+    if is_remote(path) {
+        let entries = listing(path)?;
+        if !entries.is_empty() {
+            return Ok(Look::Dir(entries));
+        }
+    }
+    match stat(path)? {
+        Some(Stat::File(len)) => Ok(Look::File(len)),
+        Some(Stat::Dir) => Ok(Look::Dir(listing(path)?)),
+        None if is_remote(path) => {
+            let hint = "no object has this key and none lies under it: check the key (keys are \
+                        case-sensitive) against a listing of the bucket";
+            Err(Error::usage(format!("`{}` does not exist", path.display())).hint(hint))
+        }
+        None => Err(Error::usage(format!("`{}` does not exist", path.display()))),
+    }
+}
+
+/// `path` made absolute: a local path against the working directory, an object store URL as
+/// it is. What names an input for good (a partitioned run's fingerprint).
+pub(crate) fn absolute(path: &Path) -> PathBuf {
+    if is_remote(path) {
+        return path.to_path_buf();
+    }
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Write a small file (a manifest) whole: a local one under a temporary name, then renamed into
+/// place; an object with one PUT, which an object store makes visible whole.
+pub(crate) fn write_small(path: &Path, bytes: Vec<u8>) -> Result<()> {
+    if let Some(r) = remote(path) {
+        return r?.put(bytes);
+    }
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("manifest");
+    let tmp = path.with_file_name(format!(".{name}.ckpt-tmp-{}", std::process::id()));
+    // `create_new` never follows a symlink planted under the temporary name.
+    let _ = std::fs::remove_file(&tmp);
+    let result = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, &bytes)?;
+            f.sync_all()
+        })
+        .and_then(|_| std::fs::rename(&tmp, path));
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
 /// The permission bits of the local file at `path`; `None` for an object, which has none.
 pub(crate) fn mode(path: &Path) -> Option<u32> {
     use std::os::unix::fs::PermissionsExt;
@@ -204,13 +272,6 @@ pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
     }
 }
 
-/// Store a small object (a manifest) at remote location `path` in one PUT: it appears whole or
-/// not at all.
-pub(crate) fn put(path: &Path, bytes: Vec<u8>) -> Result<()> {
-    let r = remote(path).ok_or_else(|| Error::usage("internal: not a remote location"))??;
-    r.put(bytes)
-}
-
 /// Map `file` read-only.
 ///
 /// # Safety
@@ -290,7 +351,10 @@ impl Input {
         self.len == 0
     }
 
-    pub fn is_remote(&self) -> bool {
+    /// Whether each read of this input is a request with a round trip of its own (a ranged GET
+    /// of an object), rather than a read of a file the kernel holds: callers then fetch ahead,
+    /// batch and order their reads, and cannot hand byte ranges to the kernel to copy.
+    pub fn reads_by_request(&self) -> bool {
         matches!(self.inner, Inner::Remote(_))
     }
 

@@ -1,5 +1,6 @@
 //! Objects behind object_store: stores built from the environment, one tokio runtime, ranged
-//! GETs through a bounded block cache, and sparse images of ZIP archives.
+//! GETs through a bounded block cache, and sparse images of ZIP archives (holding the bytes
+//! [`crate::zip::framing`] names).
 //!
 //! object_store is async; ckpt's workers are rayon threads. Each blocking call runs its future
 //! on the calling thread with [`block_on`], while the runtime's two threads drive the sockets,
@@ -20,7 +21,6 @@ use object_store::path::Path as Key;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::zip::{CentralHeader, EndRecord, LocalHeader, Zip64End, Zip64Locator};
 
 /// Size of a cached block: small reads (headers, ZIP framing, small tensors) fetch whole blocks,
 /// so the framing of neighbouring DCP items and neighbouring small pieces come in one GET. GETs,
@@ -1041,9 +1041,9 @@ impl Object {
         self.prefetch(ranges)
     }
 
-    /// An image of the ZIP archive of `len` bytes at `base`: its end records, central
-    /// directory, local headers, data descriptors and records of at most [`SMALL_RECORD`] bytes
-    /// are fetched (in three rounds of concurrent GETs); other bytes are zeros. An archive whose
+    /// An image of the ZIP archive of `len` bytes at `base`: its framing and small records
+    /// ([`crate::zip::framing`]) are fetched, in three rounds of concurrent GETs; other bytes are
+    /// zeros. An archive whose
     /// framing does not parse gets what was found, and the ZIP reader reports the problem.
     pub(crate) fn zip_image(&self, base: u64, len: u64) -> Result<Option<Mmap>> {
         if len == 0 {
@@ -1057,84 +1057,22 @@ impl Object {
             .file(&self.at.path)
             .at(base));
         }
-        let mut found: Vec<(u64, Vec<u8>)> = Vec::new();
         if len <= BLOCK_BYTES && self.crowded() {
             // A small archive among many objects: one GET of all of it beats rounds of small
             // ones, and blocks would be evicted before its neighbours are read.
-            found.push((0, self.read_framing(base..base + len)?));
-            return image_of(len, found, &self.at.path);
+            let whole = vec![(0, self.read_framing(base..base + len)?)];
+            return image_of(len, whole, &self.at.path);
         }
-        let tail_len = len.min(TAIL_BYTES);
-        let tail = self.read_framing(base + len - tail_len..base + len)?;
-        let end = EndRecord::find(&tail).map(|(at, end)| (len - tail_len + at, end));
-        found.push((len - tail_len, tail));
-        if let Some((eocd_at, end)) = end {
-            let mut wide = None;
-            if end.needs_zip64() {
-                if let Some(loc) = eocd_at.checked_sub(Zip64Locator::LEN) {
-                    let l = self.read_framing(base + loc..base + loc + Zip64Locator::LEN)?;
-                    let at = Zip64Locator::parse(&l)
-                        .map(|l| l.end_at)
-                        .filter(|at| at.saturating_add(Zip64End::LEN) <= loc);
-                    if let Some(at) = at {
-                        let r = self.read_framing(base + at..base + at + Zip64End::LEN)?;
-                        wide = Zip64End::parse(&r).map(|z| (z.entries, z.cd_size, z.cd_offset));
-                        found.push((loc, l));
-                        found.push((at, r));
-                    }
-                }
-            }
-            let (entries, cd_size, cd_offset) =
-                wide.unwrap_or((end.entries, end.cd_size, end.cd_offset));
-            if cd_offset.checked_add(cd_size).is_some_and(|e| e <= len) && cd_size <= MAX_CD {
-                let cd = self.read_framing(base + cd_offset..base + cd_offset + cd_size)?;
-                let centrals = parse_central(&cd, entries);
-                found.push((cd_offset, cd));
-                // Round 2: local headers, with room for torch's alignment padding.
-                let heads: Vec<Range<u64>> = centrals
-                    .iter()
-                    .map(|c| {
-                        c.local
-                            ..(c.local + LocalHeader::LEN + c.name_len + LOCAL_EXTRA).min(cd_offset)
-                    })
-                    .filter(|r| r.start < r.end)
-                    .collect();
-                self.prefetch_framing(
-                    &heads
-                        .iter()
-                        .map(|r| base + r.start..base + r.end)
-                        .collect::<Vec<_>>(),
-                )?;
-                let mut rest = Vec::new();
-                for (c, r) in centrals.iter().zip(&heads) {
-                    let head = self.read_framing(base + r.start..base + r.end)?;
-                    let Some(local) = LocalHeader::parse(&head) else {
-                        continue;
-                    };
-                    let data = c.local + local.data_start();
-                    if local.data_start() > head.len() as u64 {
-                        rest.push(c.local + head.len() as u64..data.min(cd_offset));
-                    }
-                    found.push((r.start, head));
-                    let data_end = data.saturating_add(c.size);
-                    if c.size <= SMALL_RECORD {
-                        rest.push(data.min(cd_offset)..data_end.min(cd_offset));
-                    }
-                    rest.push(data_end.min(cd_offset)..data_end.saturating_add(24).min(cd_offset));
-                }
-                // Round 3: what the headers lead to.
-                rest.retain(|r| r.start < r.end);
-                let small: Vec<Range<u64>> = rest
-                    .iter()
-                    .filter(|r| r.end - r.start <= BLOCK_BYTES)
-                    .map(|r| base + r.start..base + r.end)
-                    .collect();
-                self.prefetch_framing(&small)?;
-                for r in rest {
-                    found.push((r.start, self.read_framing(base + r.start..base + r.end)?));
-                }
-            }
-        }
+        let mut read = |r: Range<u64>| self.read_framing(base + r.start..base + r.end);
+        let mut ahead = |ranges: &[Range<u64>]| {
+            let small: Vec<Range<u64>> = ranges
+                .iter()
+                .filter(|r| r.end - r.start <= BLOCK_BYTES)
+                .map(|r| base + r.start..base + r.end)
+                .collect();
+            self.prefetch_framing(&small)
+        };
+        let found = crate::zip::framing(len, &mut read, &mut ahead)?;
         image_of(len, found, &self.at.path)
     }
 }
@@ -1156,52 +1094,6 @@ fn image_of(len: u64, found: Vec<(u64, Vec<u8>)>, path: &Path) -> Result<Option<
         .make_read_only()
         .map(Some)
         .map_err(|e| Error::io(path, e))
-}
-
-/// Bytes read from the end of an archive to find its end records: the classic record and the
-/// longest comment it can announce, and the zip64 locator before it.
-const TAIL_BYTES: u64 = 22 + 0xFFFF + 20;
-/// Records up to this size are fetched with the framing (`data.pkl`, `byteorder`, `version`);
-/// larger ones are tensor data, which the reader does not look at.
-const SMALL_RECORD: u64 = 1 << 20;
-/// Longest local extra field fetched with a header in the second round (torch pads data to
-/// 64 bytes and may add a zip64 field); a longer one costs a third-round read.
-const LOCAL_EXTRA: u64 = 256;
-/// Largest central directory fetched (a torch.save archive has one entry per storage).
-const MAX_CD: u64 = 1 << 30;
-
-struct Central {
-    local: u64,
-    size: u64,
-    name_len: u64,
-}
-
-/// Each central header's local header offset, compressed size and name length (zip64 fields
-/// resolved), as far as `cd` parses: a header the strict reader would refuse still leads to what
-/// it names, so that reader sees the archive as it is and reports the problem.
-fn parse_central(cd: &[u8], entries: u64) -> Vec<Central> {
-    let mut out = Vec::new();
-    let mut pos = 0u64;
-    for _ in 0..entries {
-        let Some(h) = cd.get(pos as usize..).and_then(CentralHeader::parse) else {
-            break;
-        };
-        let extra_at = pos + CentralHeader::LEN + h.entry.name_len;
-        let extra = cd
-            .get(extra_at as usize..(extra_at + h.entry.extra_len) as usize)
-            .unwrap_or_default();
-        let (size, local) = match h.wide(extra) {
-            Ok((_, size, local)) => (size, local),
-            Err(_) => (u64::from(h.entry.compressed32), u64::from(h.local32)),
-        };
-        out.push(Central {
-            local,
-            size,
-            name_len: h.entry.name_len,
-        });
-        pos += h.total_len();
-    }
-    out
 }
 
 #[cfg(test)]

@@ -21,10 +21,12 @@
 
 use crate::error::{Error, Result};
 
+mod framing;
 mod read;
 mod records;
 mod write;
 
+pub(crate) use framing::framing;
 pub use read::{check_inflates, inflate, inflate_prefix, read_entries, ZipEntry};
 pub use records::{CentralHeader, EndRecord, LocalHeader, Zip64End, Zip64Locator};
 pub use write::{build, layout, ZipLayout, ZipRecord};

@@ -477,7 +477,7 @@ impl<'a> Files<'a> {
     /// entry is read. Memory: the GETs in flight, and what was found of each chunk until its
     /// entry takes it (about what the entry's pieces then hold).
     fn open_ahead(&self, slots: &[Slot]) {
-        if self.unopened || !self.maps.iter().any(|(_, input)| input.is_remote()) {
+        if self.unopened || !self.maps.iter().any(|(_, input)| input.reads_by_request()) {
             return;
         }
         // (item, entry, chunk) of every small item in a remote file, by file and offset.
@@ -546,7 +546,7 @@ impl<'a> Files<'a> {
         let end = item.offset.checked_add(item.length);
         item.length <= UNOPENED_ITEM_BYTES
             && self.maps.get(item.file as usize).is_some_and(|(_, input)| {
-                input.is_remote() && end.is_some_and(|end| end <= input.len())
+                input.reads_by_request() && end.is_some_and(|end| end <= input.len())
             })
     }
 
@@ -605,7 +605,7 @@ impl<'a> Files<'a> {
                 return Err(Error::bug("item in a file that was not mapped").file(self.path(item)))
             }
         };
-        if input.is_remote() {
+        if input.reads_by_request() {
             if let Some(fetched) = self.fetched_item(item) {
                 return Ok(View::Fetched(fetched));
             }
@@ -722,7 +722,7 @@ impl<'a> Files<'a> {
             || zstd
             || item.length > UNOPENED_ITEM_BYTES
             || !self.saved.iter().any(|s| s.get().is_some())
-            || !self.maps.get(file)?.1.is_remote()
+            || !self.maps.get(file)?.1.reads_by_request()
         {
             return None;
         }

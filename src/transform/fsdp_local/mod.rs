@@ -71,11 +71,7 @@ pub(crate) fn fingerprint(label: &str, reference: Option<&Path>) -> Result<Strin
     let Some(path) = reference else {
         return Ok(String::new());
     };
-    let abs = if storage::is_remote(path) {
-        path.to_path_buf()
-    } else {
-        std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
-    };
+    let abs = storage::absolute(path);
     let mut line = format!("\n{label} {}", abs.display());
     let mut entries = Vec::new();
     match storage::stat(path)? {
