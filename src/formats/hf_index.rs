@@ -6,14 +6,14 @@
 //! Writing produces the index bytes exactly as `transformers`' `save_pretrained` does.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::formats::safetensors::{
     self, first_duplicate, json_error, python_json_string, Entries, MAX_HEADER_SIZE,
 };
 use crate::layout::{Found, Layout, Listing, ReadOptions};
-use crate::model::{Checkpoint, Format};
+use crate::model::{Checkpoint, Format, Tensor, Unsupported};
 use crate::storage::{self, Stat};
 
 /// The index file name `transformers` and `huggingface_hub` write.
@@ -74,53 +74,10 @@ const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 /// Read a split checkpoint. `path` is the directory holding [`INDEX_NAME`], or an index file
 /// itself (any name, e.g. `diffusion_pytorch_model.safetensors.index.json`).
 pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
-    let stat = storage::stat(path)?;
-    let index_path = if stat == Some(Stat::Dir) {
-        let index = path.join(INDEX_NAME);
-        if !storage::is_file(&index) {
-            let err = Error::usage(format!("directory has no `{INDEX_NAME}`")).file(path);
-            return Err(if storage::is_file(&path.join(BIN_INDEX_NAME)) {
-                err.hint(format!(
-                    "`{BIN_INDEX_NAME}` indexes torch.save files; only safetensors indexes are read, \
-                     so pass each `.bin` file on its own"
-                ))
-            } else {
-                err
-            });
-        }
-        index
-    } else if matches!(stat, Some(Stat::File(_))) {
-        path.to_path_buf()
-    } else {
-        return Err(Error::usage("no such file or directory").file(path));
-    };
+    let index_path = find_index(path)?;
     let (root, _) = safetensors::split_path(&index_path)?;
-
     let weight_map = read_weight_map(&index_path)?;
-
-    // Group the index by file; BTreeMap keeps files in name order, which is numeric order for
-    // `model-0000i-of-0000n` names.
-    let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (tensor, file) in &weight_map {
-        check_file_name(file).map_err(|e| e.file(&index_path).tensor(tensor))?;
-        by_file
-            .entry(file.as_str())
-            .or_default()
-            .push(tensor.as_str());
-    }
-    // A split file the index forgets would silently drop its tensors: every
-    // `model-0000i-of-0000n.safetensors` of the set in the directory must be indexed.
-    if let Some(unlisted) = split_files_in(&root)
-        .into_iter()
-        .find(|name| !by_file.contains_key(name.as_str()))
-    {
-        return Err(Error::invalid(format!(
-            "`{unlisted}` is in the directory but `{}` names none of its tensors",
-            index_name(&index_path)
-        ))
-        .file(&index_path)
-        .hint("the index and the files come from different saves, or the index was edited"));
-    }
+    let by_file = group_by_file(&weight_map, &index_path, &root)?;
     let mapped: HashMap<&str, &str> = weight_map
         .iter()
         .map(|(t, f)| (t.as_str(), f.as_str()))
@@ -129,61 +86,14 @@ pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
     let mut tensors = Vec::with_capacity(weight_map.len());
     let mut unsupported = Vec::new();
     for (file, names) in &by_file {
-        // One broken file is a problem of its own; `verify` goes on to the next one.
-        let mut read_file = || -> Result<()> {
-            let file_path = root.join(file);
-            if !storage::is_file(&file_path) {
-                return Err(Error::invalid(format!(
-                    "the index names `{file}`, which does not exist"
-                ))
-                .file(&file_path)
-                .tensor(names.first().copied().unwrap_or_default())
-                .hint("the checkpoint is incomplete: copy or download the missing file"));
-            }
-            let header = safetensors::read_header(&file_path)?;
-            let all_names = header.tensors.iter().map(|t| t.name.as_str());
-            let all_names = all_names.chain(header.unsupported.iter().map(|u| u.name.as_str()));
-            for t_name in all_names.clone() {
-                match mapped.get(t_name) {
-                    Some(f) if f == file => {}
-                    Some(f) => {
-                        return Err(Error::invalid(format!(
-                            "tensor is in `{file}` but `{}` maps it to `{f}`",
-                            index_name(&index_path)
-                        ))
-                        .file(&file_path)
-                        .tensor(t_name)
-                        .hint("the index and the files come from different saves"))
-                    }
-                    None => {
-                        return Err(Error::invalid(format!(
-                            "tensor is in `{file}` but missing from `{}`",
-                            index_name(&index_path)
-                        ))
-                        .file(&file_path)
-                        .tensor(t_name)
-                        .hint("the index and the files come from different saves"))
-                    }
-                }
-            }
-            let present: HashSet<&str> = all_names.collect();
-            if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
-                return Err(Error::invalid(format!(
-                    "`{}` maps this tensor to `{file}`, which does not hold it",
-                    index_name(&index_path)
-                ))
-                .file(&file_path)
-                .tensor(*missing)
-                .hint("the index and the files come from different saves"));
-            }
-            let file_name: std::sync::Arc<Path> = Path::new(file).into();
-            unsupported.extend(safetensors::unsupported(&header, &file_name));
-            for t in &header.tensors {
-                tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
-            }
-            Ok(())
+        let split = SplitFile {
+            root: &root,
+            index_path: &index_path,
+            file,
+            names,
         };
-        if let Err(e) = read_file() {
+        // One broken file is a problem of its own; `verify` goes on to the next one.
+        if let Err(e) = split.read(&mapped, &mut tensors, &mut unsupported) {
             opts.step_past(e)?;
         }
     }
@@ -197,6 +107,133 @@ pub(crate) fn read(path: &Path, opts: &ReadOptions) -> Result<Checkpoint> {
         unsupported,
         details: Vec::new(),
     })
+}
+
+/// The index file `path` names: `path` itself, or the [`INDEX_NAME`] in the directory `path`.
+fn find_index(path: &Path) -> Result<PathBuf> {
+    let stat = storage::stat(path)?;
+    if stat == Some(Stat::Dir) {
+        let index = path.join(INDEX_NAME);
+        if !storage::is_file(&index) {
+            let err = Error::usage(format!("directory has no `{INDEX_NAME}`")).file(path);
+            return Err(if storage::is_file(&path.join(BIN_INDEX_NAME)) {
+                err.hint(format!(
+                    "`{BIN_INDEX_NAME}` indexes torch.save files; only safetensors indexes are read, \
+                     so pass each `.bin` file on its own"
+                ))
+            } else {
+                err
+            });
+        }
+        Ok(index)
+    } else if matches!(stat, Some(Stat::File(_))) {
+        Ok(path.to_path_buf())
+    } else {
+        Err(Error::usage("no such file or directory").file(path))
+    }
+}
+
+/// The index's tensor names by the file it maps them to, once every split file in `root` is
+/// among those files.
+fn group_by_file<'a>(
+    weight_map: &'a [(String, String)],
+    index_path: &Path,
+    root: &Path,
+) -> Result<BTreeMap<&'a str, Vec<&'a str>>> {
+    // BTreeMap keeps files in name order, which is numeric order for `model-0000i-of-0000n`
+    // names.
+    let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (tensor, file) in weight_map {
+        check_file_name(file).map_err(|e| e.file(index_path).tensor(tensor))?;
+        by_file
+            .entry(file.as_str())
+            .or_default()
+            .push(tensor.as_str());
+    }
+    // A split file the index forgets would silently drop its tensors: every
+    // `model-0000i-of-0000n.safetensors` of the set in the directory must be indexed.
+    if let Some(unlisted) = split_files_in(root)
+        .into_iter()
+        .find(|name| !by_file.contains_key(name.as_str()))
+    {
+        return Err(Error::invalid(format!(
+            "`{unlisted}` is in the directory but `{}` names none of its tensors",
+            index_name(index_path)
+        ))
+        .file(index_path)
+        .hint("the index and the files come from different saves, or the index was edited"));
+    }
+    Ok(by_file)
+}
+
+/// One file the index names, with the tensor names it maps to it.
+struct SplitFile<'a> {
+    root: &'a Path,
+    index_path: &'a Path,
+    file: &'a str,
+    names: &'a [&'a str],
+}
+
+impl SplitFile<'_> {
+    /// Add the file's tensors to `tensors` and `unsupported`, once the file and the index
+    /// (`mapped`: tensor name to file) agree on what it holds.
+    fn read(
+        &self,
+        mapped: &HashMap<&str, &str>,
+        tensors: &mut Vec<Tensor>,
+        unsupported: &mut Vec<Unsupported>,
+    ) -> Result<()> {
+        let (file, names) = (self.file, self.names);
+        let file_path = self.root.join(file);
+        if !storage::is_file(&file_path) {
+            return Err(
+                Error::invalid(format!("the index names `{file}`, which does not exist"))
+                    .file(&file_path)
+                    .tensor(names.first().copied().unwrap_or_default())
+                    .hint("the checkpoint is incomplete: copy or download the missing file"),
+            );
+        }
+        let header = safetensors::read_header(&file_path)?;
+        let all_names = header.tensors.iter().map(|t| t.name.as_str());
+        let all_names = all_names.chain(header.unsupported.iter().map(|u| u.name.as_str()));
+        for t_name in all_names.clone() {
+            self.check_mapped_here(t_name, mapped)
+                .map_err(|e| e.file(&file_path).tensor(t_name))?;
+        }
+        let present: HashSet<&str> = all_names.collect();
+        if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
+            return Err(Error::invalid(format!(
+                "`{}` maps this tensor to `{file}`, which does not hold it",
+                index_name(self.index_path)
+            ))
+            .file(&file_path)
+            .tensor(*missing)
+            .hint("the index and the files come from different saves"));
+        }
+        let file_name: std::sync::Arc<Path> = Path::new(file).into();
+        unsupported.extend(safetensors::unsupported(&header, &file_name));
+        for t in &header.tensors {
+            tensors.push(safetensors::full_tensor(t, &file_name, header.data_start)?);
+        }
+        Ok(())
+    }
+
+    /// An error unless the index maps `t_name`, a tensor this file holds, to this file.
+    fn check_mapped_here(&self, t_name: &str, mapped: &HashMap<&str, &str>) -> Result<()> {
+        let file = self.file;
+        let why = match mapped.get(t_name) {
+            Some(&f) if f == file => return Ok(()),
+            Some(f) => format!(
+                "tensor is in `{file}` but `{}` maps it to `{f}`",
+                index_name(self.index_path)
+            ),
+            None => format!(
+                "tensor is in `{file}` but missing from `{}`",
+                index_name(self.index_path)
+            ),
+        };
+        Err(Error::invalid(why).hint("the index and the files come from different saves"))
+    }
 }
 
 /// The file name part of the index path, for messages.

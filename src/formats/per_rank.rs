@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::formats::torch_save::{self, Leaf, SavedTensor};
+use crate::formats::torch_save::{self, Leaf, SavedTensor, Sharding};
 
 use crate::layout::{Found, Listing, ReadOptions};
 use crate::model::{
@@ -157,106 +157,21 @@ pub(crate) fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         .unwrap_or_default();
     let mut world_size = world_size(&files)?;
     let mut merged = Merged::default();
-    // Per file, where its saver sat in a process group smaller than the job, if it says so.
-    let mut subgroups: Vec<Option<(u64, u64, u64)>> = vec![None; files.len()];
-    // The highest rank a mesh or process group names, with the entry and file that name it.
-    let mut last_needed: Option<(u64, String, PathBuf)> = None;
+    let mut ranks = SavedRanks {
+        subgroups: vec![None; files.len()],
+        last_needed: None,
+    };
     for (k, f) in files.iter().enumerate() {
-        let name = PathBuf::from(f.path.file_name().unwrap_or_default());
-        let file: Arc<Path> = name.as_path().into();
-        let input = storage::Input::open(&f.path, Access::Map)?;
-        let bytes = input.zip_view(0, input.len())?;
-        let archive = torch_save::read(&bytes).map_err(|e| {
-            e.file(&f.path).hint(
-                "every file of a per-rank checkpoint is read; pass the others as a list of files to leave this one out",
-            )
-        })?;
-        for (key_path, leaf) in &archive.leaves {
-            let mut path = Vec::with_capacity(key_path.len() + 1);
-            if !f.prefix.is_empty() {
-                path.push(KeyPart::Key(f.prefix.clone()));
-            }
-            path.extend(key_path.iter().cloned());
-            let name = KeyPart::flat_name(&path);
-            let err = |e: Error| e.file(&f.path).tensor(&name);
-            match leaf {
-                Leaf::Tensor(t) => {
-                    let piece = piece(&archive, t, &file, vec![0; t.shape.len()]).map_err(err)?;
-                    if let Some(column) =
-                        merged.tensor(name.clone(), path, t.dtype, &t.shape, false, &f.path)?
-                    {
-                        column.push(piece).map_err(err)?;
-                    }
-                }
-                Leaf::Sharded(s) => {
-                    if !s.sharding.saved_by(f.rank as u64) {
-                        return Err(Error::invalid(format!(
-                            "the file is named as rank {}'s, but rank {} saved it",
-                            f.rank,
-                            s.sharding.rank().unwrap_or_default()
-                        ))
-                        .file(&f.path)
-                        .tensor(&name)
-                        .hint("rename the files after the ranks that saved them"));
-                    }
-                    subgroups[k] = subgroups[k].or(s.sharding.subgroup());
-                    if let Some(r) = s.sharding.last_rank() {
-                        if last_needed.as_ref().is_none_or(|(l, ..)| r > *l) {
-                            last_needed = Some((r, name.clone(), f.path.clone()));
-                        }
-                    }
-                    let pieces = s
-                        .pieces
-                        .iter()
-                        .map(|p| piece(&archive, &p.tensor, &file, p.offsets.clone()))
-                        .collect::<Result<Vec<_>>>()
-                        .map_err(err)?;
-                    if let Some(column) =
-                        merged.tensor(name.clone(), path, s.dtype, &s.shape, true, &f.path)?
-                    {
-                        for p in pieces {
-                            column.push(p).map_err(err)?;
-                        }
-                    }
-                }
-                Leaf::Value(v) => {
-                    let mut flat = Vec::new();
-                    flatten_value(path, v, &mut flat);
-                    for (path, v) in flat {
-                        let name = KeyPart::flat_name(&path);
-                        merged.value(name, path, &v, &f.path)?;
-                    }
-                }
-                Leaf::Unsupported { dtype } => merged.unsupported(name, dtype, &file),
-            }
-        }
+        read_rank_file(k, f, &mut merged, &mut ranks)?;
     }
     // Files named by job rank, saved by one process group smaller than the job: every member's
     // file is there though the names skip the job ranks outside the group, and the world the
     // pieces are placed in is the group's.
-    match one_group_saved_all(&files, &subgroups)? {
+    match one_group_saved_all(&files, &ranks.subgroups)? {
         Some(group_size) => world_size = group_size,
         None => check_every_rank(&files, world_size)?,
     }
-    // A mesh or process group that names a rank beyond the files: that rank's file is missing.
-    if let Some((r, name, by)) = last_needed.filter(|(r, ..)| *r >= world_size as u64) {
-        let missing: Vec<String> = prefixes(&files)
-            .into_iter()
-            .map(|f| format!("`{}`", f.sibling(world_size)))
-            .collect();
-        let which = if r == world_size as u64 {
-            format!("rank {r}'s file is missing")
-        } else {
-            format!("the files of ranks {world_size} to {r} are missing, the first")
-        };
-        return Err(Error::invalid(format!(
-            "{which}: {} (the files go up to rank {}, but `{name}` in this file is placed on rank {r})",
-            missing.join(", "),
-            world_size.saturating_sub(1)
-        ))
-        .file(by)
-        .hint("pass every rank's file, or the directory that holds them"));
-    }
+    check_no_rank_beyond(&files, world_size, ranks.last_needed)?;
     // FSDP1 LOCAL_STATE_DICT with use_orig_params=True saves each parameter's name with the rank's
     // own 1-D slice of it, of another length on each rank: beside flat parameters, the first
     // file's slice is kept (as DCP keeps one rank's), for `--shapes-from` to replace
@@ -279,6 +194,131 @@ pub(crate) fn read(paths: &[PathBuf]) -> Result<Checkpoint> {
         unsupported: merged.unsupported,
         details: Vec::new(),
     })
+}
+
+/// What the files' sharded values say of the ranks that saved them and of the ranks they are
+/// placed on.
+struct SavedRanks {
+    /// Per file, where its saver sat in a process group smaller than the job, if it says so.
+    subgroups: Vec<Option<(u64, u64, u64)>>,
+    /// The highest rank a mesh or process group names, with the entry and file that name it.
+    last_needed: Option<(u64, String, PathBuf)>,
+}
+
+impl SavedRanks {
+    /// Note what entry `name`'s `sharding` in file `k` (`f`) says of the ranks, after checking
+    /// that the rank the file is named after saved it.
+    fn note(&mut self, k: usize, f: &RankFile, sharding: &Sharding, name: &str) -> Result<()> {
+        if !sharding.saved_by(f.rank as u64) {
+            return Err(Error::invalid(format!(
+                "the file is named as rank {}'s, but rank {} saved it",
+                f.rank,
+                sharding.rank().unwrap_or_default()
+            ))
+            .file(&f.path)
+            .tensor(name)
+            .hint("rename the files after the ranks that saved them"));
+        }
+        self.subgroups[k] = self.subgroups[k].or(sharding.subgroup());
+        if let Some(r) = sharding.last_rank() {
+            if self.last_needed.as_ref().is_none_or(|(l, ..)| r > *l) {
+                self.last_needed = Some((r, name.to_string(), f.path.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Merge the entries of rank file `f` (the `k`th) into `merged`, noting in `ranks` what its
+/// sharded values say of the ranks.
+fn read_rank_file(
+    k: usize,
+    f: &RankFile,
+    merged: &mut Merged,
+    ranks: &mut SavedRanks,
+) -> Result<()> {
+    let name = PathBuf::from(f.path.file_name().unwrap_or_default());
+    let file: Arc<Path> = name.as_path().into();
+    let input = storage::Input::open(&f.path, Access::Map)?;
+    let bytes = input.zip_view(0, input.len())?;
+    let archive = torch_save::read(&bytes).map_err(|e| {
+        e.file(&f.path).hint(
+            "every file of a per-rank checkpoint is read; pass the others as a list of files to leave this one out",
+        )
+    })?;
+    for (key_path, leaf) in &archive.leaves {
+        let mut path = Vec::with_capacity(key_path.len() + 1);
+        if !f.prefix.is_empty() {
+            path.push(KeyPart::Key(f.prefix.clone()));
+        }
+        path.extend(key_path.iter().cloned());
+        let name = KeyPart::flat_name(&path);
+        let err = |e: Error| e.file(&f.path).tensor(&name);
+        match leaf {
+            Leaf::Tensor(t) => {
+                let piece = piece(&archive, t, &file, vec![0; t.shape.len()]).map_err(err)?;
+                if let Some(column) =
+                    merged.tensor(name.clone(), path, t.dtype, &t.shape, false, &f.path)?
+                {
+                    column.push(piece).map_err(err)?;
+                }
+            }
+            Leaf::Sharded(s) => {
+                ranks.note(k, f, &s.sharding, &name)?;
+                let pieces = s
+                    .pieces
+                    .iter()
+                    .map(|p| piece(&archive, &p.tensor, &file, p.offsets.clone()))
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(err)?;
+                if let Some(column) =
+                    merged.tensor(name.clone(), path, s.dtype, &s.shape, true, &f.path)?
+                {
+                    for p in pieces {
+                        column.push(p).map_err(err)?;
+                    }
+                }
+            }
+            Leaf::Value(v) => {
+                let mut flat = Vec::new();
+                flatten_value(path, v, &mut flat);
+                for (path, v) in flat {
+                    let name = KeyPart::flat_name(&path);
+                    merged.value(name, path, &v, &f.path)?;
+                }
+            }
+            Leaf::Unsupported { dtype } => merged.unsupported(name, dtype, &file),
+        }
+    }
+    Ok(())
+}
+
+/// An error when a mesh or process group names a rank beyond the files (`last_needed`): that
+/// rank's file is missing.
+fn check_no_rank_beyond(
+    files: &[RankFile],
+    world_size: usize,
+    last_needed: Option<(u64, String, PathBuf)>,
+) -> Result<()> {
+    let Some((r, name, by)) = last_needed.filter(|(r, ..)| *r >= world_size as u64) else {
+        return Ok(());
+    };
+    let missing: Vec<String> = prefixes(files)
+        .into_iter()
+        .map(|f| format!("`{}`", f.sibling(world_size)))
+        .collect();
+    let which = if r == world_size as u64 {
+        format!("rank {r}'s file is missing")
+    } else {
+        format!("the files of ranks {world_size} to {r} are missing, the first")
+    };
+    Err(Error::invalid(format!(
+        "{which}: {} (the files go up to rank {}, but `{name}` in this file is placed on rank {r})",
+        missing.join(", "),
+        world_size.saturating_sub(1)
+    ))
+    .file(by)
+    .hint("pass every rank's file, or the directory that holds them"))
 }
 
 /// A value as DCP's `flatten_state_dict` flattens it: a list that holds a dict is walked, its

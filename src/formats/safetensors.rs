@@ -149,6 +149,18 @@ fn check_header_len(header_len: u64, file_len: u64) -> Result<usize> {
 /// Errors carry byte offsets but no file; the caller adds it.
 pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let data_start = LEN_PREFIX + json.len() as u64;
+    let raw = parse_raw_header(json)?;
+    let mut header = header_from_raw(raw, data_start)?;
+    // The crate sorts by (begin, end) before checking that the offsets tile the buffer, so an
+    // empty tensor at the start of another one's range is fine.
+    header.tensors.sort_by_key(|t| (t.begin, t.end));
+    let data_len = check_tiling(&header)?;
+    check_file_len(data_start, data_len, file_len)?;
+    Ok(header)
+}
+
+/// The header's members as JSON gives them, after the checks the crate makes of the text.
+fn parse_raw_header(json: &[u8]) -> Result<RawHeader> {
     // JSON whitespace may come first: the crate's parser skips it (0.4 and 0.8 alike).
     let start = json
         .iter()
@@ -165,7 +177,7 @@ pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     // The member being read when the JSON turns out bad, to name the tensor in the error.
     let mut current = None;
     let mut de = serde_json::Deserializer::from_str(text);
-    let raw = HeaderSeed {
+    HeaderSeed {
         current: &mut current,
     }
     .deserialize(&mut de)
@@ -176,8 +188,12 @@ pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
             Some(name) if e.is_data() => err.tensor(name),
             _ => err,
         }
-    })?;
+    })
+}
 
+/// The header's members as tensors, unsupported entries and metadata, in file order; each
+/// name once.
+fn header_from_raw(raw: RawHeader, data_start: u64) -> Result<Header> {
     let mut seen = HashSet::new();
     let mut metadata = None;
     let mut tensors = Vec::with_capacity(raw.0.len());
@@ -206,15 +222,25 @@ pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
             },
         }
     }
+    Ok(Header {
+        data_start,
+        tensors,
+        metadata: metadata.unwrap_or_default(),
+        unsupported,
+    })
+}
 
-    // The crate sorts by (begin, end) before checking that the offsets tile the buffer, so an
-    // empty tensor at the start of another one's range is fine.
-    tensors.sort_by_key(|t| (t.begin, t.end));
-    let mut spans: Vec<(u64, u64, &str)> = tensors
+/// The length of the data buffer, once the entries' offsets cover it exactly: no overlap, no
+/// gap.
+fn check_tiling(header: &Header) -> Result<u64> {
+    let data_start = header.data_start;
+    let mut spans: Vec<(u64, u64, &str)> = header
+        .tensors
         .iter()
         .map(|t| (t.begin, t.end, t.name.as_str()))
         .chain(
-            unsupported
+            header
+                .unsupported
                 .iter()
                 .map(|u| (u.begin, u.end, u.name.as_str())),
         )
@@ -244,8 +270,13 @@ pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
         expected = end;
         previous = Some(name);
     }
+    Ok(expected)
+}
 
-    let Some(needed) = data_start.checked_add(expected) else {
+/// An error unless the file is exactly as long as the header and `data_len` bytes of data
+/// after it.
+fn check_file_len(data_start: u64, data_len: u64, file_len: u64) -> Result<()> {
+    let Some(needed) = data_start.checked_add(data_len) else {
         return Err(Error::invalid("data_offsets overflow a 64-bit file size").at(LEN_PREFIX));
     };
     if file_len < needed {
@@ -264,13 +295,7 @@ pub(crate) fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
         .at(needed)
         .hint("safetensors does not allow bytes after the last tensor; the file may have been appended to"));
     }
-
-    Ok(Header {
-        data_start,
-        tensors,
-        metadata: metadata.unwrap_or_default(),
-        unsupported,
-    })
+    Ok(())
 }
 
 /// Interpret one `name: {...}` entry of the header: a dtype ckpt knows (or an unsupported

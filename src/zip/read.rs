@@ -370,6 +370,40 @@ fn read_central(bytes: &[u8], at: u64, cd_end: u64) -> Result<Central> {
 fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEntry, u64)> {
     let at = central.local_offset;
     let name = &central.name;
+    let local = check_local_header(bytes, central)?;
+    let stored_len = central.deflated.unwrap_or(central.len);
+    let data_offset = at + LOCAL_HEADER_LEN + local.name_len + local.extra_len;
+    let data_end = data_offset
+        .checked_add(stored_len)
+        .filter(|&e| e <= cd_offset)
+        .ok_or_else(|| {
+            invalid(format!(
+                "zip entry `{name}` ({stored_len} bytes at {data_offset}) runs into the central directory"
+            ))
+            .at(at)
+        })?;
+    let end = if local.flags & FLAG_DESCRIPTOR != 0 {
+        check_descriptor(bytes, central, &local, data_end, cd_offset)?
+    } else {
+        data_end
+    };
+    Ok((
+        ZipEntry {
+            name: name.clone(),
+            data_offset,
+            len: central.len,
+            flags: central.flags,
+            deflated: central.deflated,
+        },
+        end,
+    ))
+}
+
+/// The fields of `central`'s local header, once its name, method, sizes and CRC agree with
+/// the central directory's.
+fn check_local_header(bytes: &[u8], central: &Central) -> Result<records::EntryFields> {
+    let at = central.local_offset;
+    let name = &central.name;
     let header = slice(bytes, at, LOCAL_HEADER_LEN, "local header").map_err(|_| {
         invalid(format!(
             "zip entry `{name}` points past the end of the archive"
@@ -389,7 +423,7 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         compressed32,
         len32,
         name_len,
-        extra_len,
+        ..
     } = local.entry;
 
     if slice(bytes, at + LOCAL_HEADER_LEN, name_len, "entry name")? != central.name_bytes.as_slice()
@@ -431,64 +465,54 @@ fn read_local(bytes: &[u8], central: &Central, cd_offset: u64) -> Result<(ZipEnt
         ))
         .at(at));
     }
+    Ok(local.entry)
+}
 
-    let data_offset = at + LOCAL_HEADER_LEN + name_len + extra_len;
-    let data_end = data_offset
-        .checked_add(stored_len)
-        .filter(|&e| e <= cd_offset)
-        .ok_or_else(|| {
-            invalid(format!(
-                "zip entry `{name}` ({stored_len} bytes at {data_offset}) runs into the central directory"
-            ))
-            .at(at)
-        })?;
-    let mut end = data_end;
-    if descriptor {
-        // torch's local headers hold zeros, so the descriptor is the only other witness of the
-        // size: a central directory that claims more or less than was written is caught here.
-        let extra = slice(
-            bytes,
-            at + LOCAL_HEADER_LEN + name_len,
-            extra_len,
-            "extra field",
-        )?;
-        let wide = find_extra(extra, ZIP64_EXTRA_ID).is_some();
-        let descriptor_len = if wide { 24 } else { 16 };
-        let bad = || {
-            invalid(format!(
-                "zip entry `{name}`: data descriptor disagrees with the central directory (size {}, CRC {:08x})",
-                central.len, central.crc
-            ))
-            .at(data_end)
-        };
-        let window = (data_end + descriptor_len).min(cd_offset) - data_end;
-        let mut f = Fields::new(slice(bytes, data_end, window, "data descriptor")?);
-        // The signature is optional in the spec; miniz always writes it.
-        let has_sig = f.bytes.get(..4) == Some(&DESCRIPTOR_SIG.to_le_bytes()[..]);
-        if has_sig {
-            f.pos = 4;
-        }
-        let crc = f.u32().ok_or_else(bad)?;
-        let (len, compressed) = if wide {
-            (f.u64(), f.u64())
-        } else {
-            (f.u32().map(u64::from), f.u32().map(u64::from))
-        };
-        if crc != central.crc || len != Some(central.len) || compressed != Some(stored_len) {
-            return Err(bad());
-        }
-        end = data_end + f.pos as u64;
+/// Where the data descriptor after `central`'s data (ending at `data_end`) ends, once it agrees
+/// with the central directory.
+fn check_descriptor(
+    bytes: &[u8],
+    central: &Central,
+    local: &records::EntryFields,
+    data_end: u64,
+    cd_offset: u64,
+) -> Result<u64> {
+    let name = &central.name;
+    let stored_len = central.deflated.unwrap_or(central.len);
+    // torch's local headers hold zeros, so the descriptor is the only other witness of the
+    // size: a central directory that claims more or less than was written is caught here.
+    let extra = slice(
+        bytes,
+        central.local_offset + LOCAL_HEADER_LEN + local.name_len,
+        local.extra_len,
+        "extra field",
+    )?;
+    let wide = find_extra(extra, ZIP64_EXTRA_ID).is_some();
+    let descriptor_len = if wide { 24 } else { 16 };
+    let bad = || {
+        invalid(format!(
+            "zip entry `{name}`: data descriptor disagrees with the central directory (size {}, CRC {:08x})",
+            central.len, central.crc
+        ))
+        .at(data_end)
+    };
+    let window = (data_end + descriptor_len).min(cd_offset) - data_end;
+    let mut f = Fields::new(slice(bytes, data_end, window, "data descriptor")?);
+    // The signature is optional in the spec; miniz always writes it.
+    let has_sig = f.bytes.get(..4) == Some(&DESCRIPTOR_SIG.to_le_bytes()[..]);
+    if has_sig {
+        f.pos = 4;
     }
-    Ok((
-        ZipEntry {
-            name: name.clone(),
-            data_offset,
-            len: central.len,
-            flags: central.flags,
-            deflated: central.deflated,
-        },
-        end,
-    ))
+    let crc = f.u32().ok_or_else(bad)?;
+    let (len, compressed) = if wide {
+        (f.u64(), f.u64())
+    } else {
+        (f.u32().map(u64::from), f.u32().map(u64::from))
+    };
+    if crc != central.crc || len != Some(central.len) || compressed != Some(stored_len) {
+        return Err(bad());
+    }
+    Ok(data_end + f.pos as u64)
 }
 
 fn entry_name(bytes: &[u8]) -> Result<String> {

@@ -46,117 +46,172 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
     let mut out = Literals::default();
     let mut data_offsets = Vec::with_capacity(records.len());
     let mut crc_slots = Vec::with_capacity(records.len());
-    // (name, local header offset, length, crc, filled later) for the central directory.
     let mut placed = Vec::with_capacity(records.len());
-
     for record in records {
-        let local_offset = out.pos;
-        let len = record
-            .content
-            .as_ref()
-            .map_or(record.len, |c| c.len() as u64);
-        let zip64 = zip64_fields(len, local_offset, true);
-        let name = record.name.as_bytes();
-
-        // torch pads so that data starts on an alignment boundary, counting the zip64 field that
-        // miniz puts before the padding and the padding field's own 4-byte header (`getPadding`
-        // in inline_container.cc).
-        let unpadded = local_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64.len() as u64 + 4;
-        let padding = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
-
-        let flags = record_flags(len);
-        let mut header = Vec::new();
-        put32(&mut header, LOCAL_SIG);
-        put16(&mut header, 0); // version needed
-        put16(&mut header, flags);
-        put16(&mut header, 0); // method: stored
-        put16(&mut header, 0); // time
-        put16(&mut header, 0); // date
-        put32(&mut header, 0); // crc, in the descriptor
-        put32(&mut header, 0); // compressed size, in the descriptor
-        put32(&mut header, 0); // uncompressed size, in the descriptor
-        put16(&mut header, len16(name.len()));
-        put16(&mut header, len16(zip64.len() + 4 + padding as usize));
-        header.extend_from_slice(name);
-        header.extend_from_slice(&zip64);
-        header.extend_from_slice(PADDING_EXTRA_ID);
-        put16(&mut header, padding as u16);
-        header.resize(header.len() + padding as usize, b'Z');
-        out.emit(&header);
-
-        let data_offset = out.pos;
+        let (local, data_offset, slots) = place_local(&mut out, record);
         data_offsets.push(data_offset);
-        let crc = match &record.content {
-            Some(content) => {
-                out.emit(content);
-                crc32fast::hash(content)
-            }
-            None => {
-                out.skip(len);
-                0
-            }
-        };
-        let mut slots = Vec::new();
-        if flags & FLAG_DESCRIPTOR == 0 {
-            // miniz writes no descriptor for an empty record; its CRC is 0, already in place.
-            crc_slots.push(slots);
-            placed.push((name, local_offset, len, crc, false));
-            continue;
-        }
-
-        let mut descriptor = Vec::with_capacity(24);
-        put32(&mut descriptor, DESCRIPTOR_SIG);
-        put32(&mut descriptor, crc);
-        // miniz widens the descriptor's sizes whenever the local header has a zip64 field.
-        if zip64.is_empty() {
-            put32(&mut descriptor, len as u32);
-            put32(&mut descriptor, len as u32);
-        } else {
-            put64(&mut descriptor, len);
-            put64(&mut descriptor, len);
-        }
-        if record.content.is_none() {
-            slots.push(out.pos + 4);
-        }
         crc_slots.push(slots);
-        out.emit(&descriptor);
-        placed.push((name, local_offset, len, crc, record.content.is_none()));
+        placed.push(local);
     }
 
     let cd_offset = out.pos;
-    for (index, &(name, local_offset, len, crc, filled_later)) in placed.iter().enumerate() {
-        let zip64 = zip64_fields(len, local_offset, false);
-        if filled_later {
+    for (index, local) in placed.iter().enumerate() {
+        if local.filled_later {
             if let Some(slots) = crc_slots.get_mut(index) {
                 slots.push(out.pos + 16);
             }
         }
-        let mut header = Vec::with_capacity(CENTRAL_HEADER_LEN as usize + name.len() + zip64.len());
-        put32(&mut header, CENTRAL_SIG);
-        put16(&mut header, 0); // version made by
-        put16(&mut header, 0); // version needed
-        put16(&mut header, record_flags(len));
-        put16(&mut header, 0); // method: stored
-        put16(&mut header, 0); // time
-        put16(&mut header, 0); // date
-        put32(&mut header, crc);
-        put32(&mut header, len.min(U32_LIMIT) as u32);
-        put32(&mut header, len.min(U32_LIMIT) as u32);
-        put16(&mut header, len16(name.len()));
-        put16(&mut header, len16(zip64.len()));
-        put16(&mut header, 0); // comment length
-        put16(&mut header, 0); // disk
-        put16(&mut header, 0); // internal attributes
-        put32(&mut header, 0); // external attributes
-        put32(&mut header, local_offset.min(U32_LIMIT) as u32);
-        header.extend_from_slice(name);
-        header.extend_from_slice(&zip64);
-        out.emit(&header);
+        out.emit(&central_header(local));
     }
     let cd_size = out.pos - cd_offset;
-    let count = records.len() as u64;
-
     let zip64_eocd_offset = out.pos;
+    out.emit(&end_records(
+        records.len() as u64,
+        cd_size,
+        cd_offset,
+        zip64_eocd_offset,
+    ));
+
+    ZipLayout {
+        len: out.pos,
+        data_offsets,
+        literals: out.runs,
+        crc_slots,
+    }
+}
+
+/// What the central directory repeats of a record laid out before it.
+struct Placed<'a> {
+    name: &'a [u8],
+    local_offset: u64,
+    len: u64,
+    crc: u32,
+    /// The caller writes the data, and the CRC once it is known.
+    filled_later: bool,
+}
+
+/// Lay out `record` at `out`'s end: its local header, its data (or room for it) and its data
+/// descriptor. Gives what the central directory needs, where the data starts and where the
+/// record's CRC is to be written so far.
+fn place_local<'a>(out: &mut Literals, record: &'a ZipRecord) -> (Placed<'a>, u64, Vec<u64>) {
+    let local_offset = out.pos;
+    let len = record
+        .content
+        .as_ref()
+        .map_or(record.len, |c| c.len() as u64);
+    let zip64 = zip64_fields(len, local_offset, true);
+    let name = record.name.as_bytes();
+    out.emit(&local_header(name, len, local_offset, &zip64));
+
+    let data_offset = out.pos;
+    let crc = match &record.content {
+        Some(content) => {
+            out.emit(content);
+            crc32fast::hash(content)
+        }
+        None => {
+            out.skip(len);
+            0
+        }
+    };
+    let mut placed = Placed {
+        name,
+        local_offset,
+        len,
+        crc,
+        filled_later: false,
+    };
+    let mut slots = Vec::new();
+    if record_flags(len) & FLAG_DESCRIPTOR == 0 {
+        // miniz writes no descriptor for an empty record; its CRC is 0, already in place.
+        return (placed, data_offset, slots);
+    }
+
+    let mut descriptor = Vec::with_capacity(24);
+    put32(&mut descriptor, DESCRIPTOR_SIG);
+    put32(&mut descriptor, crc);
+    // miniz widens the descriptor's sizes whenever the local header has a zip64 field.
+    if zip64.is_empty() {
+        put32(&mut descriptor, len as u32);
+        put32(&mut descriptor, len as u32);
+    } else {
+        put64(&mut descriptor, len);
+        put64(&mut descriptor, len);
+    }
+    if record.content.is_none() {
+        slots.push(out.pos + 4);
+    }
+    out.emit(&descriptor);
+    placed.filled_later = record.content.is_none();
+    (placed, data_offset, slots)
+}
+
+/// The local header of a record named `name`, of `len` bytes, at `local_offset`, padded so
+/// that its data starts on an alignment boundary.
+fn local_header(name: &[u8], len: u64, local_offset: u64, zip64: &[u8]) -> Vec<u8> {
+    // torch pads so that data starts on an alignment boundary, counting the zip64 field that
+    // miniz puts before the padding and the padding field's own 4-byte header (`getPadding`
+    // in inline_container.cc).
+    let unpadded = local_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64.len() as u64 + 4;
+    let padding = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
+
+    let mut header = Vec::new();
+    put32(&mut header, LOCAL_SIG);
+    put16(&mut header, 0); // version needed
+    put16(&mut header, record_flags(len));
+    put16(&mut header, 0); // method: stored
+    put16(&mut header, 0); // time
+    put16(&mut header, 0); // date
+    put32(&mut header, 0); // crc, in the descriptor
+    put32(&mut header, 0); // compressed size, in the descriptor
+    put32(&mut header, 0); // uncompressed size, in the descriptor
+    put16(&mut header, len16(name.len()));
+    put16(&mut header, len16(zip64.len() + 4 + padding as usize));
+    header.extend_from_slice(name);
+    header.extend_from_slice(zip64);
+    header.extend_from_slice(PADDING_EXTRA_ID);
+    put16(&mut header, padding as u16);
+    header.resize(header.len() + padding as usize, b'Z');
+    header
+}
+
+/// The central directory header of a record laid out as `local` says.
+fn central_header(local: &Placed) -> Vec<u8> {
+    let Placed {
+        name,
+        local_offset,
+        len,
+        crc,
+        ..
+    } = *local;
+    let zip64 = zip64_fields(len, local_offset, false);
+    let mut header = Vec::with_capacity(CENTRAL_HEADER_LEN as usize + name.len() + zip64.len());
+    put32(&mut header, CENTRAL_SIG);
+    put16(&mut header, 0); // version made by
+    put16(&mut header, 0); // version needed
+    put16(&mut header, record_flags(len));
+    put16(&mut header, 0); // method: stored
+    put16(&mut header, 0); // time
+    put16(&mut header, 0); // date
+    put32(&mut header, crc);
+    put32(&mut header, len.min(U32_LIMIT) as u32);
+    put32(&mut header, len.min(U32_LIMIT) as u32);
+    put16(&mut header, len16(name.len()));
+    put16(&mut header, len16(zip64.len()));
+    put16(&mut header, 0); // comment length
+    put16(&mut header, 0); // disk
+    put16(&mut header, 0); // internal attributes
+    put32(&mut header, 0); // external attributes
+    put32(&mut header, local_offset.min(U32_LIMIT) as u32);
+    header.extend_from_slice(name);
+    header.extend_from_slice(&zip64);
+    header
+}
+
+/// The zip64 end of central directory record, its locator and the classic end record, for a
+/// central directory of `count` records and `cd_size` bytes at `cd_offset`, followed by the
+/// zip64 record at `zip64_eocd_offset`.
+fn end_records(count: u64, cd_size: u64, cd_offset: u64, zip64_eocd_offset: u64) -> Vec<u8> {
     let mut tail = Vec::with_capacity((ZIP64_EOCD_LEN + ZIP64_LOCATOR_LEN + EOCD_LEN) as usize);
     put32(&mut tail, ZIP64_EOCD_SIG);
     put64(&mut tail, ZIP64_EOCD_LEN - 12); // size of the rest of the record
@@ -180,14 +235,7 @@ pub fn layout(records: &[ZipRecord]) -> ZipLayout {
     put32(&mut tail, cd_size.min(U32_LIMIT) as u32);
     put32(&mut tail, cd_offset.min(U32_LIMIT) as u32);
     put16(&mut tail, 0); // comment length
-    out.emit(&tail);
-
-    ZipLayout {
-        len: out.pos,
-        data_offsets,
-        literals: out.runs,
-        crc_slots,
-    }
+    tail
 }
 
 /// Write a whole archive to memory. `fill` supplies, in order, the data of each record whose

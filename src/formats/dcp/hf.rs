@@ -17,7 +17,7 @@ use crate::formats::safetensors::{
     self, first_duplicate, python_json_string, Entries, DCP_SHARDING_INFO,
 };
 use crate::layout::{Found, Layout, Listing, ReadOptions};
-use crate::model::{Checkpoint, Format, Pieces, Tensor, Unsupported};
+use crate::model::{Checkpoint, Format, Piece, Pieces, Tensor, Unsupported};
 use crate::storage;
 
 /// `__metadata__` key torch writes with the value [`DCP_VERSION`].
@@ -134,6 +134,33 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         return Err(Error::usage("not a directory").file(dir));
     }
     let files = list_files(dir)?;
+    check_one_save(dir, &files)?;
+    let mut gathered = Gathered::default();
+    for (name, _) in &files {
+        gathered.read_file(dir, name)?;
+    }
+    let Gathered {
+        mut tensors,
+        unsupported,
+        ..
+    } = gathered;
+    set_global_shapes(dir, &mut tensors)?;
+
+    let mut ranks: Vec<usize> = files.iter().map(|(_, s)| s.rank).collect();
+    ranks.dedup();
+    Ok(Checkpoint {
+        root: dir.to_path_buf(),
+        format: Format::DcpSafetensors,
+        world_size: Some(ranks.len()),
+        tensors,
+        values: Vec::new(),
+        unsupported,
+        details: Vec::new(),
+    })
+}
+
+/// An error unless `dir` holds rank files and they agree on the number of model files.
+fn check_one_save(dir: &Path, files: &[(String, ShardName)]) -> Result<()> {
     let Some((first_name, first)) = files.first() else {
         return Err(Error::invalid(
             "directory has no `shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors` files",
@@ -147,96 +174,136 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         .file(dir)
         .hint("the directory mixes files from different saves"));
     }
+    Ok(())
+}
 
-    let mut tensors: Vec<Tensor> = Vec::new();
-    let mut by_name: HashMap<String, usize> = HashMap::new();
-    let mut unsupported: Vec<Unsupported> = Vec::new();
-    for (name, _) in &files {
+/// The tensors of the rank files read so far, each with every piece the files hold.
+#[derive(Default)]
+struct Gathered {
+    tensors: Vec<Tensor>,
+    /// Index of each tensor in `tensors`.
+    by_name: HashMap<String, usize>,
+    unsupported: Vec<Unsupported>,
+}
+
+impl Gathered {
+    /// Add the pieces of rank file `name` in `dir`.
+    fn read_file(&mut self, dir: &Path, name: &str) -> Result<()> {
         let path = dir.join(name);
         let header = safetensors::read_header(&path)?;
         let sharding = sharding_info(&header).map_err(|e| e.file(&path))?;
         let file: Arc<Path> = Path::new(name).into();
         // Every rank holds a piece of it: one entry per name is enough to refuse or drop it.
         for u in safetensors::unsupported(&header, &file) {
-            if !unsupported.iter().any(|seen| seen.name == u.name) {
-                unsupported.push(u);
+            if !self.unsupported.iter().any(|seen| seen.name == u.name) {
+                self.unsupported.push(u);
             }
         }
         for t in &header.tensors {
             let at = header.data_start.saturating_add(t.begin);
-            let offsets = match &sharding {
-                // torch's reader takes offsets of zero only when a file has no sharding info at
-                // all; a tensor left out of it is a KeyError there, and an error here.
-                None => vec![0; t.shape.len()],
-                Some(map) => match map.get(t.name.as_str()) {
-                    Some(offsets) => offsets.clone(),
-                    None => {
-                        return Err(Error::invalid(format!("tensor is missing from `{DCP_SHARDING_INFO}`"))
-                            .file(&path)
-                            .tensor(&t.name)
-                            .at(at)
-                            .hint("its place in the global tensor is unknown; the file is corrupt or was not written by DCP"))
-                    }
-                },
-            };
-            if offsets.len() != t.shape.len() {
-                return Err(Error::invalid(format!(
-                    "`saved_offsets` {offsets:?} has {} dimensions, the tensor's shape {:?} has {}",
-                    offsets.len(),
-                    t.shape,
-                    t.shape.len()
-                ))
-                .file(&path)
-                .tensor(&t.name)
-                .at(at));
-            }
+            let offsets = saved_offsets(sharding.as_ref(), t, &path, at)?;
             let piece = safetensors::piece(t, offsets, &file, header.data_start);
-            match by_name.get(&t.name).and_then(|&i| tensors.get_mut(i)) {
-                Some(tensor) => {
-                    let other = tensor
-                        .pieces
-                        .iter()
-                        .next()
-                        .map(|p| p.file().display().to_string())
-                        .unwrap_or_default();
-                    if tensor.dtype != t.dtype {
-                        return Err(Error::invalid(format!(
-                            "piece is {} but the piece in `{other}` is {}",
-                            t.dtype, tensor.dtype
-                        ))
-                        .file(&path)
-                        .tensor(&t.name)
-                        .at(at));
-                    }
-                    if tensor.shape.len() != t.shape.len() {
-                        return Err(Error::invalid(format!(
-                            "piece has {} dimensions but the piece in `{other}` has {}",
-                            t.shape.len(),
-                            tensor.shape.len()
-                        ))
-                        .file(&path)
-                        .tensor(&t.name)
-                        .at(at));
-                    }
-                    tensor.pieces.push(piece).map_err(|e| e.tensor(&t.name))?;
-                }
-                None => {
-                    by_name.insert(t.name.clone(), tensors.len());
-                    tensors.push(Tensor {
-                        name: t.name.clone(),
-                        key_path: Vec::new(),
-                        dtype: t.dtype,
-                        // Rank only, for now: the extent comes from all pieces below.
-                        shape: vec![0; t.shape.len()],
-                        pieces: Pieces::from_vec(t.shape.len(), vec![piece])
-                            .map_err(|e| e.tensor(&t.name))?,
-                    });
-                }
-            }
+            self.add(t, piece, &path, at)?;
         }
+        Ok(())
     }
 
-    for tensor in &mut tensors {
+    /// Add `piece` of tensor `t` (at byte `at` of `path`): a new tensor, or one more piece of a
+    /// tensor of the same dtype and rank.
+    fn add(
+        &mut self,
+        t: &safetensors::HeaderTensor,
+        piece: Piece,
+        path: &Path,
+        at: u64,
+    ) -> Result<()> {
+        let Some(tensor) = self
+            .by_name
+            .get(&t.name)
+            .and_then(|&i| self.tensors.get_mut(i))
+        else {
+            self.by_name.insert(t.name.clone(), self.tensors.len());
+            self.tensors.push(Tensor {
+                name: t.name.clone(),
+                key_path: Vec::new(),
+                dtype: t.dtype,
+                // Rank only, for now: `set_global_shapes` gives the extent, from all pieces.
+                shape: vec![0; t.shape.len()],
+                pieces: Pieces::from_vec(t.shape.len(), vec![piece])
+                    .map_err(|e| e.tensor(&t.name))?,
+            });
+            return Ok(());
+        };
+        let other = tensor
+            .pieces
+            .iter()
+            .next()
+            .map(|p| p.file().display().to_string())
+            .unwrap_or_default();
+        if tensor.dtype != t.dtype {
+            return Err(Error::invalid(format!(
+                "piece is {} but the piece in `{other}` is {}",
+                t.dtype, tensor.dtype
+            ))
+            .file(path)
+            .tensor(&t.name)
+            .at(at));
+        }
+        if tensor.shape.len() != t.shape.len() {
+            return Err(Error::invalid(format!(
+                "piece has {} dimensions but the piece in `{other}` has {}",
+                t.shape.len(),
+                tensor.shape.len()
+            ))
+            .file(path)
+            .tensor(&t.name)
+            .at(at));
+        }
+        tensor.pieces.push(piece).map_err(|e| e.tensor(&t.name))
+    }
+}
+
+/// Where the piece of `t` (at byte `at` of `path`) lies in its global tensor, by the file's
+/// `DCP_SHARDING_INFO` (`sharding`).
+fn saved_offsets(
+    sharding: Option<&HashMap<String, Vec<u64>>>,
+    t: &safetensors::HeaderTensor,
+    path: &Path,
+    at: u64,
+) -> Result<Vec<u64>> {
+    let offsets = match sharding {
+        // torch's reader takes offsets of zero only when a file has no sharding info at
+        // all; a tensor left out of it is a KeyError there, and an error here.
+        None => vec![0; t.shape.len()],
+        Some(map) => match map.get(t.name.as_str()) {
+            Some(offsets) => offsets.clone(),
+            None => {
+                return Err(Error::invalid(format!("tensor is missing from `{DCP_SHARDING_INFO}`"))
+                    .file(path)
+                    .tensor(&t.name)
+                    .at(at)
+                    .hint("its place in the global tensor is unknown; the file is corrupt or was not written by DCP"))
+            }
+        },
+    };
+    if offsets.len() != t.shape.len() {
+        return Err(Error::invalid(format!(
+            "`saved_offsets` {offsets:?} has {} dimensions, the tensor's shape {:?} has {}",
+            offsets.len(),
+            t.shape,
+            t.shape.len()
+        ))
+        .file(path)
+        .tensor(&t.name)
+        .at(at));
+    }
+    Ok(offsets)
+}
+
+/// Each tensor's shape set to the largest `offset + size` over its pieces, as torch's
+/// `HuggingFaceStorageReader` infers it.
+fn set_global_shapes(dir: &Path, tensors: &mut [Tensor]) -> Result<()> {
+    for tensor in tensors {
         for piece in tensor.pieces.iter() {
             for ((dim, &offset), &size) in tensor
                 .shape
@@ -256,18 +323,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             }
         }
     }
-
-    let mut ranks: Vec<usize> = files.iter().map(|(_, s)| s.rank).collect();
-    ranks.dedup();
-    Ok(Checkpoint {
-        root: dir.to_path_buf(),
-        format: Format::DcpSafetensors,
-        world_size: Some(ranks.len()),
-        tensors,
-        values: Vec::new(),
-        unsupported,
-        details: Vec::new(),
-    })
+    Ok(())
 }
 
 /// The rank files of `dir`, sorted by (rank, index). Any other `.safetensors` file is an error:

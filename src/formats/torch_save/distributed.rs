@@ -260,10 +260,113 @@ pub(super) fn dtensor(
             }
         }
     }
-    let mesh = fields_of(
-        field(spec, "mesh", "DTensorSpec")?,
-        ("torch.distributed.device_mesh", "DeviceMesh"),
-    )?;
+    let mesh = DeviceMesh::read(field(spec, "mesh", "DTensorSpec")?)?;
+    let placements = field(spec, "placements", "DTensorSpec")?
+        .as_seq()
+        .ok_or_else(|| bad("DTensor placements are not a tuple"))?;
+    if placements.len() != mesh.sizes.len() {
+        return Err(bad(format!(
+            "{} placements on a {}-dimensional mesh",
+            placements.len(),
+            mesh.sizes.len()
+        )));
+    }
+    let placements = placements
+        .iter()
+        .map(|p| placement(p, shape.len()))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(order) = spec_field(spec, "shard_order") {
+        check_shard_order(order)?;
+    }
+    let coordinate = mesh.coordinate;
+    let b = local_box_at(&shape, &mesh.sizes, &placements, &coordinate);
+    if tensor.shape != b.sizes {
+        return Err(Error::invalid(format!(
+            "the DTensor's local tensor has shape {:?}, but torch.chunk geometry gives mesh coordinate {coordinate:?} a piece of {:?} at {:?}",
+            tensor.shape, b.sizes, b.offsets
+        ))
+        .hint("ckpt reads DTensors whose local tensors are torch.chunk pieces (FSDP2, distribute_tensor)"));
+    }
+    Ok(ShardedLeaf {
+        dtype,
+        shape,
+        pieces: vec![LocalPiece {
+            offsets: b.offsets,
+            sizes: b.sizes,
+            tensor,
+        }],
+        sharding: Sharding::DTensor {
+            mesh: mesh.sizes,
+            placements,
+            coordinate,
+            rank: mesh.rank,
+            mesh_ranks: mesh.ranks,
+        },
+    })
+}
+
+/// What a DTensor's `DeviceMesh` says: its shape and where the saving rank sits in it.
+struct DeviceMesh {
+    /// Size of each mesh dimension.
+    sizes: Vec<usize>,
+    /// The saving rank's coordinate.
+    coordinate: Vec<usize>,
+    /// The saving rank (global), when recorded.
+    rank: Option<u64>,
+    /// Global ranks of the mesh, row-major; empty when not recorded.
+    ranks: Vec<u64>,
+}
+
+impl DeviceMesh {
+    /// The mesh pickled as `value`, once the saving rank's coordinate and rank agree with it.
+    fn read(value: &Value) -> Result<DeviceMesh> {
+        let mesh = fields_of(value, ("torch.distributed.device_mesh", "DeviceMesh"))?;
+        let sizes = mesh_sizes(mesh)?;
+        let coordinate = match field(mesh, "_coordinate_on_dim", "DeviceMesh")? {
+            Value::None => {
+                return Err(Error::invalid(
+                    "the rank that saved this DTensor is not in its device mesh",
+                ))
+            }
+            v => ints(Some(v), "mesh coordinate")?,
+        };
+        let coordinate: Vec<usize> = coordinate.iter().map(|&c| c as usize).collect();
+        if coordinate.len() != sizes.len() || coordinate.iter().zip(&sizes).any(|(c, s)| c >= s) {
+            return Err(bad(format!(
+                "mesh coordinate {coordinate:?} is not in a mesh of shape {sizes:?}"
+            )));
+        }
+        let rank = spec_field(mesh, "_rank").and_then(Value::as_int);
+        let rank = rank
+            .map(|r| u64::try_from(r).map_err(|_| bad("negative rank")))
+            .transpose()?;
+        let ranks = match spec_field(mesh, "_flatten_rank_map") {
+            Some(v) => ints(Some(v), "mesh rank map")?,
+            None => Vec::new(),
+        };
+        let numel = sizes.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
+        if !ranks.is_empty() {
+            // coordinates are below their sizes, so this stays below `numel`
+            let at = coordinate.iter().zip(&sizes).fold(0usize, |acc, (&c, &s)| {
+                acc.saturating_mul(s).saturating_add(c)
+            });
+            if numel != Some(ranks.len()) || rank.is_some_and(|r| ranks.get(at) != Some(&r)) {
+                return Err(bad(format!(
+                    "mesh of shape {sizes:?} with ranks {ranks:?} does not place rank {rank:?} at {coordinate:?}"
+                )));
+            }
+        }
+        Ok(DeviceMesh {
+            sizes,
+            coordinate,
+            rank,
+            ranks,
+        })
+    }
+}
+
+/// The size of each dimension of a `DeviceMesh` (its fields `mesh`), from its `_MeshLayout`.
+fn mesh_sizes(mesh: &[(Value, Value)]) -> Result<Vec<usize>> {
     let layout = fields_of(
         field(mesh, "_layout", "DeviceMesh")?,
         ("torch.distributed._mesh_layout", "_MeshLayout"),
@@ -285,82 +388,7 @@ pub(super) fn dtensor(
             .ok_or_else(|| bad("mesh size overflows"))?;
         sizes.push(size);
     }
-    let coordinate = match field(mesh, "_coordinate_on_dim", "DeviceMesh")? {
-        Value::None => {
-            return Err(Error::invalid(
-                "the rank that saved this DTensor is not in its device mesh",
-            ))
-        }
-        v => ints(Some(v), "mesh coordinate")?,
-    };
-    let coordinate: Vec<usize> = coordinate.iter().map(|&c| c as usize).collect();
-    if coordinate.len() != sizes.len() || coordinate.iter().zip(&sizes).any(|(c, s)| c >= s) {
-        return Err(bad(format!(
-            "mesh coordinate {coordinate:?} is not in a mesh of shape {sizes:?}"
-        )));
-    }
-    let rank = spec_field(mesh, "_rank").and_then(Value::as_int);
-    let rank = rank
-        .map(|r| u64::try_from(r).map_err(|_| bad("negative rank")))
-        .transpose()?;
-    let mesh_ranks = match spec_field(mesh, "_flatten_rank_map") {
-        Some(v) => ints(Some(v), "mesh rank map")?,
-        None => Vec::new(),
-    };
-    let numel = sizes.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
-    if !mesh_ranks.is_empty() {
-        // coordinates are below their sizes, so this stays below `numel`
-        let at = coordinate.iter().zip(&sizes).fold(0usize, |acc, (&c, &s)| {
-            acc.saturating_mul(s).saturating_add(c)
-        });
-        if numel != Some(mesh_ranks.len()) || rank.is_some_and(|r| mesh_ranks.get(at) != Some(&r)) {
-            return Err(bad(format!(
-                "mesh of shape {sizes:?} with ranks {mesh_ranks:?} does not place rank {rank:?} at {coordinate:?}"
-            )));
-        }
-    }
-
-    let placements = field(spec, "placements", "DTensorSpec")?
-        .as_seq()
-        .ok_or_else(|| bad("DTensor placements are not a tuple"))?;
-    if placements.len() != sizes.len() {
-        return Err(bad(format!(
-            "{} placements on a {}-dimensional mesh",
-            placements.len(),
-            sizes.len()
-        )));
-    }
-    let placements = placements
-        .iter()
-        .map(|p| placement(p, shape.len()))
-        .collect::<Result<Vec<_>>>()?;
-    if let Some(order) = spec_field(spec, "shard_order") {
-        check_shard_order(order)?;
-    }
-    let b = local_box_at(&shape, &sizes, &placements, &coordinate);
-    if tensor.shape != b.sizes {
-        return Err(Error::invalid(format!(
-            "the DTensor's local tensor has shape {:?}, but torch.chunk geometry gives mesh coordinate {coordinate:?} a piece of {:?} at {:?}",
-            tensor.shape, b.sizes, b.offsets
-        ))
-        .hint("ckpt reads DTensors whose local tensors are torch.chunk pieces (FSDP2, distribute_tensor)"));
-    }
-    Ok(ShardedLeaf {
-        dtype,
-        shape,
-        pieces: vec![LocalPiece {
-            offsets: b.offsets,
-            sizes: b.sizes,
-            tensor,
-        }],
-        sharding: Sharding::DTensor {
-            mesh: sizes,
-            placements,
-            coordinate,
-            rank,
-            mesh_ranks,
-        },
-    })
+    Ok(sizes)
 }
 
 pub(super) fn placement(value: &Value, ndim: usize) -> Result<Placement> {

@@ -356,45 +356,148 @@ fn place(
     tensors: &[Tensor],
     by_name: &HashMap<&str, usize>,
 ) -> Result<Vec<Slot>> {
-    let total = flat.shape[0];
-    let unit_err = |msg: String| {
+    let p = Placing::new(unit, flat, reference, tensors, by_name);
+    let (members, ambiguous) = p.members();
+    if members.is_empty() {
+        if p.total == 0 {
+            return Ok(Vec::new());
+        }
+        return Err(p
+            .error(format!(
+                "the reference names no parameter under `{}`",
+                unit.prefix
+            ))
+            .hint(
+                "--shapes-from must describe the model the checkpoint was saved from, with the same names",
+            ));
+    }
+    p.check_dtypes(&members)?;
+    let as_params = p.fit(&members)?;
+    // A 1-D buffer saved whole looks like a parameter's slice: the other reading is tried too,
+    // and when both fill the flat parameter the files cannot tell which is right.
+    let as_buffers = if ambiguous.is_empty() {
+        None
+    } else {
+        let rest: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|i| !ambiguous.contains(i))
+            .collect();
+        p.fit(&rest)?
+    };
+    match (as_params, as_buffers) {
+        (Some(slots), None) | (None, Some(slots)) => Ok(slots),
+        (Some(_), Some(_)) => Err(p
+            .error(format!(
+                "the 1-D tensors {} fit both as parameters and as buffers",
+                p.joined_names(&ambiguous)
+            ))
+            .hint("pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers")),
+        (None, None) => Err(p.mismatch(&members, &ambiguous)?),
+    }
+}
+
+/// One unit's flat parameter and the reference's names under it, while [`place`] places them.
+struct Placing<'a> {
+    unit: &'a Unit,
+    flat: &'a Tensor,
+    reference: &'a [RefEntry],
+    tensors: &'a [Tensor],
+    by_name: &'a HashMap<&'a str, usize>,
+    /// The unit's names that may be parameters: FSDP refuses 0-dim parameters, so a 0-dim name
+    /// is a buffer.
+    names: Vec<usize>,
+    /// use_orig_params=True: every parameter is in the file too, as a rank's 1-D slice of it.
+    orig_params: bool,
+    /// Elements of the flat parameter, padding included.
+    total: u64,
+    /// Elements per rank.
+    shard: u64,
+    /// The alignments (in elements) to try, the stored dtype's first.
+    aligns: Vec<u64>,
+}
+
+impl<'a> Placing<'a> {
+    /// The unit, with what its names and the files say of how it was saved.
+    fn new(
+        unit: &'a Unit,
+        flat: &'a Tensor,
+        reference: &'a [RefEntry],
+        tensors: &'a [Tensor],
+        by_name: &'a HashMap<&'a str, usize>,
+    ) -> Self {
+        let names: Vec<usize> = unit
+            .names
+            .iter()
+            .copied()
+            .filter(|&i| !reference[i].shape.is_empty())
+            .collect();
+        let mut p = Placing {
+            unit,
+            flat,
+            reference,
+            tensors,
+            by_name,
+            names,
+            orig_params: false,
+            total: flat.shape[0],
+            shard: shard_numel(flat),
+            aligns: vec![1],
+        };
+        // use_orig_params=False keeps the parameters out of the file, so a name the file lacks
+        // is a parameter, and one it holds is a buffer; with True, every parameter is in the file
+        // too.
+        p.orig_params = p.names.iter().all(|&i| p.saved(i).is_some());
+        if p.orig_params {
+            // Alignment is by the dtype FSDP computes in (a MixedPrecision param_dtype may differ
+            // from the stored one), so the stored dtype's comes first and the others after it.
+            let own = 16 / flat.dtype.size().max(1) as u64;
+            p.aligns = vec![own.max(1)];
+            p.aligns
+                .extend([8, 16, 4, 2, 1].into_iter().filter(|&x| x != own));
+        }
+        p
+    }
+
+    /// An error about the unit.
+    fn error(&self, msg: String) -> Error {
         Error::invalid(format!(
-            "FSDP unit `{}` (`{}`, {total} elements): {msg}",
-            unit_name(&unit.prefix),
-            flat.name
+            "FSDP unit `{}` (`{}`, {} elements): {msg}",
+            unit_name(&self.unit.prefix),
+            self.flat.name,
+            self.total
         ))
-        .tensor(&flat.name)
-    };
-    // FSDP refuses 0-dim parameters: a 0-dim name is a buffer.
-    let names: Vec<usize> = unit
-        .names
-        .iter()
-        .copied()
-        .filter(|&i| !reference[i].shape.is_empty())
-        .collect();
-    let saved = |i: usize| {
-        by_name
-            .get(reference[i].name.as_str())
-            .map(|&j| &tensors[j])
-    };
-    // use_orig_params=False keeps the parameters out of the file, so a name the file lacks is a
-    // parameter, and one it holds is a buffer; with True, every parameter is in the file too.
-    let absent: Vec<usize> = names
-        .iter()
-        .copied()
-        .filter(|&i| saved(i).is_none())
-        .collect();
-    let orig_params = absent.is_empty();
-    let mut ambiguous = Vec::new();
-    let members: Vec<usize> = if orig_params {
-        names
+        .tensor(&self.flat.name)
+    }
+
+    /// The file's tensor of reference entry `i`, if the file holds one.
+    fn saved(&self, i: usize) -> Option<&'a Tensor> {
+        self.by_name
+            .get(self.reference[i].name.as_str())
+            .map(|&j| &self.tensors[j])
+    }
+
+    /// The names that may be the unit's parameters, and those of them that may as well be 1-D
+    /// buffers saved whole.
+    fn members(&self) -> (Vec<usize>, Vec<usize>) {
+        if !self.orig_params {
+            let absent = self
+                .names
+                .iter()
+                .copied()
+                .filter(|&i| self.saved(i).is_none());
+            return (absent.collect(), Vec::new());
+        }
+        let mut ambiguous = Vec::new();
+        let members = self
+            .names
             .iter()
             .copied()
             .filter(|&i| {
-                let t = saved(i).expect("every name is in the file");
-                let r = &reference[i];
+                let t = self.saved(i).expect("every name is in the file");
+                let r = &self.reference[i];
                 // A parameter is saved as a 1-D slice of itself; anything else is a buffer.
-                if t.shape.len() != 1 || t.dtype != flat.dtype {
+                if t.shape.len() != 1 || t.dtype != self.flat.dtype {
                     return false;
                 }
                 // A JSON list of named_parameters() holds no buffers; a checkpoint does.
@@ -403,84 +506,52 @@ fn place(
                 }
                 crate::model::numel(&r.shape).is_some_and(|n| t.shape[0] <= n)
             })
-            .collect()
-    } else {
-        absent
-    };
-    if members.is_empty() {
-        if total == 0 {
-            return Ok(Vec::new());
-        }
-        return Err(unit_err(format!(
-            "the reference names no parameter under `{}`",
-            unit.prefix
-        ))
-        .hint(
-            "--shapes-from must describe the model the checkpoint was saved from, with the same names",
-        ));
+            .collect();
+        (members, ambiguous)
     }
-    for &i in &members {
-        let r = &reference[i];
-        if let Some(d) = r.dtype {
-            if d != flat.dtype {
-                return Err(unit_err(format!(
-                    "`{}` is {d} in the reference but the flat parameter is {}",
-                    r.name, flat.dtype
-                ))
-                .hint("pass a reference saved in the training dtype, or a JSON list of names and shapes"));
+
+    /// An error unless every member the reference gives a dtype is of the flat parameter's.
+    fn check_dtypes(&self, members: &[usize]) -> Result<()> {
+        for &i in members {
+            let r = &self.reference[i];
+            if let Some(d) = r.dtype {
+                if d != self.flat.dtype {
+                    return Err(self.error(format!(
+                        "`{}` is {d} in the reference but the flat parameter is {}",
+                        r.name, self.flat.dtype
+                    ))
+                    .hint("pass a reference saved in the training dtype, or a JSON list of names and shapes"));
+                }
             }
         }
+        Ok(())
     }
-    let shard = shard_numel(flat);
-    // Alignment is by the dtype FSDP computes in (a MixedPrecision param_dtype may differ from
-    // the stored one), so the stored dtype's comes first and the others after it.
-    let aligns: Vec<u64> = if orig_params {
-        let own = 16 / flat.dtype.size().max(1) as u64;
-        let mut a = vec![own.max(1)];
-        a.extend([8, 16, 4, 2, 1].into_iter().filter(|&x| x != own));
-        a
-    } else {
-        vec![1]
-    };
-    let numels_of = |members: &[usize]| -> Result<Vec<u64>> {
+
+    /// The element count of each of `members`.
+    fn numels(&self, members: &[usize]) -> Result<Vec<u64>> {
         members
             .iter()
             .map(|&i| {
-                crate::model::numel(&reference[i].shape).ok_or_else(|| {
-                    unit_err(format!("`{}` has too many elements", reference[i].name))
+                crate::model::numel(&self.reference[i].shape).ok_or_else(|| {
+                    self.error(format!(
+                        "`{}` has too many elements",
+                        self.reference[i].name
+                    ))
                 })
             })
             .collect()
-    };
-    // The slots of `members` if they fill the flat parameter as FSDP lays it out.
-    // The slots of `members` if they fill the flat parameter as FSDP lays it out: with the
-    // stored dtype's alignment, or else with the one other alignment every fitting layout agrees
-    // on (a MixedPrecision param_dtype of another size); layouts that disagree are refused.
-    let fit = |members: &[usize]| -> Result<Option<Vec<Slot>>> {
-        let numels = numels_of(members)?;
-        let fits = |starts: &[u64], end: u64| {
-            if !orig_params {
-                return end == total;
-            }
-            // Padded to a multiple of the world size, every shard full.
-            let world = total.checked_div(shard).unwrap_or(1);
-            shard > 0
-                && total % shard == 0
-                && end <= total
-                && total - end < world.max(1)
-                && members
-                    .iter()
-                    .zip(starts)
-                    .zip(&numels)
-                    .all(|((&i, &s), &n)| {
-                        let len = saved(i).map_or(0, |t| t.shape[0]);
-                        slice_fits(s, n, len, shard, world)
-                    })
-        };
+    }
+
+    /// The slots of `members` if they fill the flat parameter as FSDP lays it out: with the
+    /// stored dtype's alignment, or else with the one other alignment every fitting layout
+    /// agrees on (a MixedPrecision param_dtype of another size); layouts that disagree are
+    /// refused.
+    fn fit(&self, members: &[usize]) -> Result<Option<Vec<Slot>>> {
+        let numels = self.numels(members)?;
         let mut found: Option<(u64, Vec<u64>)> = None;
-        for (k, &align) in aligns.iter().enumerate() {
+        for (k, &align) in self.aligns.iter().enumerate() {
             let (starts, end) = layout(&numels, align);
-            if !fits(&starts, end) {
+            if !self.fills(members, &numels, &starts, end) {
                 continue;
             }
             match &found {
@@ -491,7 +562,7 @@ fn place(
                 None => found = Some((align, starts)),
                 Some((_, same)) if *same == starts => {}
                 Some((other, _)) => {
-                    return Err(unit_err(format!(
+                    return Err(self.error(format!(
                         "the parameters fit both {other}- and {align}-element alignment, which place them differently"
                     ))
                     .hint("the alignment follows the dtype FSDP computes in (MixedPrecision param_dtype); it cannot be told from the files"));
@@ -510,60 +581,65 @@ fn place(
                 })
                 .collect()
         }))
-    };
-    let as_params = fit(&members)?;
-    // A 1-D buffer saved whole looks like a parameter's slice: the other reading is tried too,
-    // and when both fill the flat parameter the files cannot tell which is right.
-    let ambiguous_names = || {
-        ambiguous
+    }
+
+    /// Whether `members`, of `numels` elements starting at `starts` and ending at `end`, fill
+    /// the flat parameter (and, with use_orig_params=True, each saved slice is some rank's part).
+    fn fills(&self, members: &[usize], numels: &[u64], starts: &[u64], end: u64) -> bool {
+        let (total, shard) = (self.total, self.shard);
+        if !self.orig_params {
+            return end == total;
+        }
+        // Padded to a multiple of the world size, every shard full.
+        let world = total.checked_div(shard).unwrap_or(1);
+        shard > 0
+            && total % shard == 0
+            && end <= total
+            && total - end < world.max(1)
+            && members
+                .iter()
+                .zip(starts)
+                .zip(numels)
+                .all(|((&i, &s), &n)| {
+                    let len = self.saved(i).map_or(0, |t| t.shape[0]);
+                    slice_fits(s, n, len, shard, world)
+                })
+    }
+
+    /// The names of reference entries `entries`, for messages.
+    fn joined_names(&self, entries: &[usize]) -> String {
+        entries
             .iter()
-            .map(|&i| reference[i].name.as_str())
+            .map(|&i| self.reference[i].name.as_str())
             .collect::<Vec<_>>()
             .join(", ")
-    };
-    let as_buffers = if ambiguous.is_empty() {
-        None
-    } else {
-        let rest: Vec<usize> = members
-            .iter()
-            .copied()
-            .filter(|i| !ambiguous.contains(i))
-            .collect();
-        fit(&rest)?
-    };
-    match (as_params, as_buffers) {
-        (Some(slots), None) | (None, Some(slots)) => return Ok(slots),
-        (Some(_), Some(_)) => {
-            return Err(unit_err(format!(
-                "the 1-D tensors {} fit both as parameters and as buffers",
-                ambiguous_names()
-            ))
-            .hint("pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers"))
-        }
-        (None, None) => {}
     }
-    let end_seen = layout(&numels_of(&members)?, aligns[0]).1;
-    let shown: Vec<&str> = members
-        .iter()
-        .take(6)
-        .map(|&i| reference[i].name.as_str())
-        .collect();
-    let more = if members.len() > 6 { ", ..." } else { "" };
-    let mut err = unit_err(format!(
-        "its {} parameters in the reference ({}{more}) take {end_seen} elements{}, which does not match the flat parameter",
-        members.len(),
-        shown.join(", "),
-        if orig_params { " with use_orig_params=True padding" } else { "" }
-    ));
-    err = if ambiguous.is_empty() {
-        err.hint("--shapes-from must describe the model the checkpoint was saved from, with the same names and shapes; a tied parameter counts once, which only a torch.save or a JSON list of named_parameters() shows")
-    } else {
-        err.hint(format!(
-            "the 1-D tensors {} may be buffers rather than parameters: pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers",
-            ambiguous_names()
-        ))
-    };
-    Err(err)
+
+    /// The error for members that fill the flat parameter in no way: how many elements they
+    /// take, and what to pass instead.
+    fn mismatch(&self, members: &[usize], ambiguous: &[usize]) -> Result<Error> {
+        let end_seen = layout(&self.numels(members)?, self.aligns[0]).1;
+        let shown: Vec<&str> = members
+            .iter()
+            .take(6)
+            .map(|&i| self.reference[i].name.as_str())
+            .collect();
+        let more = if members.len() > 6 { ", ..." } else { "" };
+        let err = self.error(format!(
+            "its {} parameters in the reference ({}{more}) take {end_seen} elements{}, which does not match the flat parameter",
+            members.len(),
+            shown.join(", "),
+            if self.orig_params { " with use_orig_params=True padding" } else { "" }
+        ));
+        Ok(if ambiguous.is_empty() {
+            err.hint("--shapes-from must describe the model the checkpoint was saved from, with the same names and shapes; a tied parameter counts once, which only a torch.save or a JSON list of named_parameters() shows")
+        } else {
+            err.hint(format!(
+                "the 1-D tensors {} may be buffers rather than parameters: pass --shapes-from a JSON list [[name, shape], ...] of model.named_parameters(), which has no buffers",
+                self.joined_names(ambiguous)
+            ))
+        })
+    }
 }
 
 /// `""` shows as the root.

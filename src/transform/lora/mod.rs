@@ -29,7 +29,7 @@ use std::sync::Arc;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::IoMode;
-use crate::model::{Checkpoint, Compute, Computed, Pieces, Tensor};
+use crate::model::{Checkpoint, Compute, Computed, Format, NonTensor, Pieces, Tensor};
 
 pub(crate) use config::LoraConfig;
 
@@ -221,17 +221,71 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
         )
         .file(&loc.config));
     }
-    // Base tensors, unwrapped: the checkpoint's own adapter tensors set apart.
-    let mut base: Vec<Tensor> = Vec::new();
-    let mut own: Vec<(AdapterName, Tensor)> = Vec::new();
-    // `M.modules_to_save.N.P`: (N, index in base), renamed `M.P`; `M.original_module.P` the
-    // module before training.
-    let mut saved_copies: Vec<(String, usize)> = Vec::new();
-    let mut originals: Vec<usize> = Vec::new();
-    for mut t in ckpt.tensors {
+    let Unwrapped {
+        base,
+        own,
+        saved_copies,
+        originals,
+    } = unwrap_tensors(ckpt.tensors);
+    // The checkpoint's own adapter tensors win: PEFT's `save_pretrained` also writes
+    // adapter_model.safetensors beside the config of a wrapped model saved whole.
+    let adapter_ckpt = match &loc.adapter_file {
+        Some(file) if own.is_empty() => Some(crate::detect::read(file)?),
+        _ => None,
+    };
+    let chosen = match adapter_ckpt {
+        Some(_) => String::new(),
+        None => choose_adapter(&own, opts.adapter, &loc)?,
+    };
+    let mut base = keep_chosen_modules(base, &saved_copies, &originals, &chosen);
+    let adapter = match adapter_ckpt {
+        Some(a) => from_adapter_file(a, &mut base, &loc)?,
+        None => AdapterTensors {
+            root: ckpt.root.clone(),
+            format: ckpt.format,
+            tensors: own
+                .into_iter()
+                .filter(|(a, _)| a.adapter == chosen)
+                .collect(),
+        },
+    };
+    let modules = modules(&adapter.tensors, &base, &config, &loc)?;
+    // Each merged weight keeps its base weight's pieces and is computed from them as they are
+    // copied; its module's adapter is read when the first box of it is.
+    for m in modules {
+        attach_fold(&mut base, m, &adapter, (&ckpt.root, ckpt.format), opts.io);
+    }
+    Ok(Checkpoint {
+        tensors: base,
+        values: unwrap_values(ckpt.values),
+        ..ckpt
+    })
+}
+
+/// A PEFT-wrapped model's tensors, unwrapped and sorted by what they are.
+struct Unwrapped {
+    /// The base model's tensors, `.base_layer` removed.
+    base: Vec<Tensor>,
+    /// The checkpoint's own adapter tensors, set apart.
+    own: Vec<(AdapterName, Tensor)>,
+    /// `M.modules_to_save.N.P`: (N, index in base), renamed `M.P`.
+    saved_copies: Vec<(String, usize)>,
+    /// `M.original_module.P`, the module before training: indices in base.
+    originals: Vec<usize>,
+}
+
+/// The checkpoint's tensors without PEFT's wrapper, its own adapter tensors set apart.
+fn unwrap_tensors(tensors: Vec<Tensor>) -> Unwrapped {
+    let mut out = Unwrapped {
+        base: Vec::new(),
+        own: Vec::new(),
+        saved_copies: Vec::new(),
+        originals: Vec::new(),
+    };
+    for mut t in tensors {
         let name = unwrap_name(&t.name);
         if let Some(a) = adapter_name(&name, false) {
-            own.push((a, t));
+            out.own.push((a, t));
             continue;
         }
         let name = name.replacen(".base_layer.", ".", 1);
@@ -241,58 +295,63 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
         }
         if let Some((m, rest)) = t.name.split_once(".modules_to_save.") {
             if let Some((n, p)) = rest.split_once('.') {
-                saved_copies.push((n.to_string(), base.len()));
+                out.saved_copies.push((n.to_string(), out.base.len()));
                 t.name = format!("{m}.{p}");
             }
         } else if t.name.contains(".original_module.") {
-            originals.push(base.len());
+            out.originals.push(out.base.len());
         }
-        base.push(t);
+        out.base.push(t);
     }
-    // The checkpoint's own adapter tensors win: PEFT's `save_pretrained` also writes
-    // adapter_model.safetensors beside the config of a wrapped model saved whole.
-    let adapter_ckpt = match &loc.adapter_file {
-        Some(file) if own.is_empty() => Some(crate::detect::read(file)?),
-        _ => None,
-    };
+    out
+}
+
+/// The name of the adapter to merge among the checkpoint's own (`own`): the one `--adapter`
+/// names, the only one, or the one the config's directory is named after.
+fn choose_adapter(
+    own: &[(AdapterName, Tensor)],
+    requested: Option<&str>,
+    loc: &config::ConfigLocation,
+) -> Result<String> {
     let held: BTreeSet<&str> = own.iter().map(|(a, _)| a.adapter.as_str()).collect();
-    let chosen: String = if adapter_ckpt.is_some() {
-        String::new()
-    } else {
-        match (opts.adapter, held.len()) {
-            (Some(n), _) if held.contains(n) => n.to_string(),
-            (Some(n), _) => {
-                return Err(Error::invalid(format!(
-                    "the checkpoint holds no LoRA adapter `{n}`{}",
-                    listed(&held)
-                ))
-                .hint("--adapter names one the checkpoint holds"))
-            }
-            (None, 0) => {
-                return Err(Error::invalid(
-                    "the checkpoint holds no LoRA adapter tensors to merge",
-                )
-                .hint(format!(
-                    "put PEFT's {} beside `{}` to merge an adapter saved apart",
-                    config::ADAPTER_FILE,
-                    loc.config.display()
-                )))
-            }
-            (None, 1) => held.iter().next().map(|s| s.to_string()).unwrap_or_default(),
-            (None, _) => match loc.dir_name.as_deref().filter(|d| held.contains(d)) {
-                Some(d) => d.to_string(),
-                None => {
-                    return Err(Error::usage(format!(
-                        "the checkpoint holds several LoRA adapters{} and the config does not say which",
-                        listed(&held)
-                    ))
-                    .hint("name one with --adapter NAME"))
-                }
-            },
-        }
-    };
-    // modules_to_save: the chosen adapter's copy replaces the module, as `merge_and_unload` does;
-    // a module without one for this adapter keeps its original.
+    match (requested, held.len()) {
+        (Some(n), _) if held.contains(n) => Ok(n.to_string()),
+        (Some(n), _) => Err(Error::invalid(format!(
+            "the checkpoint holds no LoRA adapter `{n}`{}",
+            listed(&held)
+        ))
+        .hint("--adapter names one the checkpoint holds")),
+        (None, 0) => Err(
+            Error::invalid("the checkpoint holds no LoRA adapter tensors to merge").hint(format!(
+                "put PEFT's {} beside `{}` to merge an adapter saved apart",
+                config::ADAPTER_FILE,
+                loc.config.display()
+            )),
+        ),
+        (None, 1) => Ok(held
+            .iter()
+            .next()
+            .map(|s| s.to_string())
+            .unwrap_or_default()),
+        (None, _) => match loc.dir_name.as_deref().filter(|d| held.contains(d)) {
+            Some(d) => Ok(d.to_string()),
+            None => Err(Error::usage(format!(
+                "the checkpoint holds several LoRA adapters{} and the config does not say which",
+                listed(&held)
+            ))
+            .hint("name one with --adapter NAME")),
+        },
+    }
+}
+
+/// `base` with the modules_to_save of adapter `chosen`: its copy replaces the module, as
+/// `merge_and_unload` does; a module without one for this adapter keeps its original.
+fn keep_chosen_modules(
+    mut base: Vec<Tensor>,
+    saved_copies: &[(String, usize)],
+    originals: &[usize],
+    chosen: &str,
+) -> Vec<Tensor> {
     let copied: BTreeSet<usize> = saved_copies
         .iter()
         .filter(|(n, _)| *n == chosen)
@@ -304,7 +363,7 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
         .filter(|(n, _)| *n != chosen)
         .map(|(_, i)| *i)
         .collect();
-    for &i in &originals {
+    for &i in originals {
         let name = base[i].name.replacen(".original_module.", ".", 1);
         if copied_names.contains(&name) {
             dropped.insert(i);
@@ -312,62 +371,100 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
             base[i].name = name;
         }
     }
-    let kept: Vec<Tensor> = base
-        .into_iter()
+    base.into_iter()
         .enumerate()
         .filter(|(i, _)| !dropped.contains(i))
         .map(|(_, t)| t)
-        .collect();
-    let mut base = kept;
+        .collect()
+}
 
-    // The adapter tensors to merge: (name, tensor) from the checkpoint or the adapter file.
-    let mut adapter_format = None;
-    let (adapter_root, adapter_tensors): (PathBuf, Vec<(AdapterName, Tensor)>) = match adapter_ckpt
-    {
-        Some(a) => {
-            let root = a.root.clone();
-            adapter_format = Some(a.format);
-            let mut list = Vec::new();
-            for t in a.tensors {
-                let name = unwrap_name(&t.name);
-                match adapter_name(&name, true) {
-                    Some(an) => list.push((an, t)),
-                    None => {
-                        // modules_to_save copies, trained biases and an adapted embedding's
-                        // `base_layer.weight` replace the base tensor, as loading the adapter does.
-                        let name = name.replacen(".base_layer.", ".", 1);
-                        let Some(i) = base.iter().position(|b| b.name == name) else {
-                            return Err(Error::invalid(format!(
-                                "the adapter's tensor `{}` replaces `{name}`, which the checkpoint does not hold",
-                                t.name
-                            ))
-                            .file(loc.adapter_file.as_deref().unwrap_or(&loc.config)));
-                        };
-                        let mut t = t;
-                        t.name = name;
-                        t.key_path.clear();
-                        base[i] = absolute(t, &root)?;
-                    }
-                }
+/// The adapter tensors to merge and where they are read from.
+struct AdapterTensors {
+    /// The root their pieces' files are relative to.
+    root: PathBuf,
+    format: Format,
+    tensors: Vec<(AdapterName, Tensor)>,
+}
+
+/// The adapter tensors of PEFT's adapter file `a`; its other tensors replace those of `base`.
+fn from_adapter_file(
+    a: Checkpoint,
+    base: &mut [Tensor],
+    loc: &config::ConfigLocation,
+) -> Result<AdapterTensors> {
+    let root = a.root.clone();
+    let mut list = Vec::new();
+    for t in a.tensors {
+        let name = unwrap_name(&t.name);
+        match adapter_name(&name, true) {
+            Some(an) => list.push((an, t)),
+            None => {
+                // modules_to_save copies, trained biases and an adapted embedding's
+                // `base_layer.weight` replace the base tensor, as loading the adapter does.
+                let name = name.replacen(".base_layer.", ".", 1);
+                let Some(i) = base.iter().position(|b| b.name == name) else {
+                    return Err(Error::invalid(format!(
+                        "the adapter's tensor `{}` replaces `{name}`, which the checkpoint does not hold",
+                        t.name
+                    ))
+                    .file(loc.adapter_file.as_deref().unwrap_or(&loc.config)));
+                };
+                let mut t = t;
+                t.name = name;
+                t.key_path.clear();
+                base[i] = absolute(t, &root)?;
             }
-            (root, list)
         }
-        None => (
-            ckpt.root.clone(),
-            own.into_iter()
-                .filter(|(a, _)| a.adapter == chosen)
-                .collect(),
-        ),
-    };
-    let adapter_file = loc.adapter_file.as_deref();
-    let where_ = |e: Error| match adapter_file {
+    }
+    Ok(AdapterTensors {
+        root,
+        format: a.format,
+        tensors: list,
+    })
+}
+
+/// `e` naming the adapter file, when the adapter was read from one.
+fn in_adapter_file(e: Error, loc: &config::ConfigLocation) -> Error {
+    match loc.adapter_file.as_deref() {
         Some(f) => e.file(f),
         None => e,
-    };
+    }
+}
 
-    // Group by module.
+/// Every adapted module, checked against its base weight and the config, with its fold.
+fn modules(
+    adapter: &[(AdapterName, Tensor)],
+    base: &[Tensor],
+    config: &LoraConfig,
+    loc: &config::ConfigLocation,
+) -> Result<Vec<Module>> {
+    let by_module = group_by_module(adapter, loc)?;
+    let base_index: HashMap<&str, usize> = base
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    let mut modules = Vec::new();
+    for (module, roles) in &by_module {
+        let at = locate_module(module, roles, adapter, &base_index, loc)?;
+        modules.push(check_module(module, at, adapter, base, config, loc)?);
+    }
+    if modules.is_empty() {
+        return Err(in_adapter_file(
+            Error::invalid("the adapter holds no LoRA modules to merge"),
+            loc,
+        ));
+    }
+    Ok(modules)
+}
+
+/// The adapter tensors by module: each role's index in `adapter`.
+fn group_by_module(
+    adapter: &[(AdapterName, Tensor)],
+    loc: &config::ConfigLocation,
+) -> Result<BTreeMap<String, HashMap<&'static str, usize>>> {
     let mut by_module: BTreeMap<String, HashMap<&'static str, usize>> = BTreeMap::new();
-    for (k, (a, t)) in adapter_tensors.iter().enumerate() {
+    for (k, (a, t)) in adapter.iter().enumerate() {
         let role = match &a.role {
             Role::A => "A",
             Role::B => "B",
@@ -375,9 +472,10 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
             Role::EmbeddingA => "embA",
             Role::EmbeddingB => "embB",
             Role::Other(_) => {
-                return Err(where_(
+                return Err(in_adapter_file(
                     Error::invalid("ckpt does not merge this LoRA tensor (a LoRA bias?)")
                         .tensor(&t.name),
+                    loc,
                 ))
             }
         };
@@ -386,170 +484,214 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
             .or_default()
             .insert(role, k);
     }
-    let base_index: HashMap<&str, usize> = base
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.as_str(), i))
-        .collect();
-    let mut modules = Vec::new();
-    for (module, roles) in &by_module {
-        let first = &adapter_tensors[*roles.values().min().unwrap_or(&0)].1.name;
-        let embedding = roles.contains_key("embA") || roles.contains_key("embB");
-        let (ka, kb) = if embedding {
-            (roles.get("embA"), roles.get("embB"))
-        } else {
-            (roles.get("A"), roles.get("B"))
-        };
-        let (Some(&ka), Some(&kb)) = (ka, kb) else {
-            return Err(where_(
-                Error::invalid(format!(
-                    "module `{module}` has only half of a LoRA pair (A and B)"
-                ))
-                .tensor(first),
-            ));
-        };
-        let weight_name = format!("{module}.weight");
-        let Some(&wi) = base_index.get(weight_name.as_str()) else {
-            return Err(where_(
-                Error::invalid(format!(
-                    "the LoRA adapter of `{module}` has no base weight `{weight_name}` in the checkpoint"
-                ))
-                .tensor(first),
-            ));
-        };
-        let (a, b) = (&adapter_tensors[ka].1, &adapter_tensors[kb].1);
-        let w = &base[wi];
-        let magnitude = roles.get("magnitude").copied();
-        if a.shape.len() != 2 || b.shape.len() != 2 || w.shape.len() != 2 {
-            return Err(where_(
-                Error::invalid(format!(
-                    "only 2-D LoRA modules are merged (linear and embedding); `{module}` has A {:?}, B {:?}, weight {:?}",
-                    a.shape, b.shape, w.shape
-                ))
-                .tensor(&a.name),
-            ));
-        }
-        let (r, inn) = (a.shape[0], a.shape[1]);
-        let out = b.shape[0];
-        let (want_r, alpha) = config.rank_alpha(&unwrap_name(module));
-        if want_r != r || b.shape[1] != r {
-            return Err(where_(
-                Error::invalid(format!(
-                    "the config gives `{module}` rank {want_r} but its A is {:?} and its B {:?}",
-                    a.shape, b.shape
-                ))
-                .tensor(&a.name)
-                .file(&loc.config),
-            ));
-        }
-        // PEFT sets `fan_in_fan_out` per module type (Conv1D or Linear) on the shared config, so
-        // the file holds the last module's: the weight's shape decides, the file only when square.
-        let fan_in_fan_out = if w.shape == [inn, out] && w.shape != [out, inn] {
-            true
-        } else if w.shape == [out, inn] && w.shape != [inn, out] {
-            false
-        } else {
-            config.fan_in_fan_out
-        };
-        let transposed = embedding || fan_in_fan_out;
-        let want_w = if transposed { [inn, out] } else { [out, inn] };
-        if w.shape != want_w {
-            return Err(Error::invalid(format!(
-                "the base weight is {:?}, which does not fit B @ A of its LoRA adapter ([{out}, {inn}]{})",
-                w.shape,
-                if transposed { ", transposed" } else { "" }
-            ))
-            .tensor(&w.name));
-        }
-        for t in [w, a, b]
-            .into_iter()
-            .chain(magnitude.map(|k| &adapter_tensors[k].1))
-        {
-            if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(Error::invalid(format!(
-                    "LoRA is merged in f32, bf16 or f16, not {}",
-                    t.dtype
-                ))
-                .tensor(&t.name));
-            }
-        }
-        if let Some(k) = magnitude {
-            let m = &adapter_tensors[k].1;
-            if m.shape != [out] {
-                return Err(where_(
-                    Error::invalid(format!("the DoRA magnitude is {:?}, not [{out}]", m.shape))
-                        .tensor(&m.name),
-                ));
-            }
-        }
-        modules.push(Module {
-            weight: wi,
-            a: ka,
-            b: kb,
-            magnitude,
-            fold: fold::Fold {
-                kind: if embedding {
-                    fold::Kind::Embedding
-                } else {
-                    fold::Kind::Linear { fan_in_fan_out }
-                },
-                scaling: config.scaling(r, alpha),
-                weight: w.dtype,
-                adapter: b.dtype,
-                magnitude: magnitude.map(|k| adapter_tensors[k].1.dtype),
-            },
-            r,
-        });
-    }
-    if modules.is_empty() {
-        return Err(where_(Error::invalid(
-            "the adapter holds no LoRA modules to merge",
-        )));
-    }
+    Ok(by_module)
+}
 
-    // Each merged weight keeps its base weight's pieces and is computed from them as they are
-    // copied; its module's adapter is read when the first box of it is.
-    let adapter_format = adapter_format.unwrap_or(ckpt.format);
-    for m in modules {
-        let t = &base[m.weight];
-        let sub = |tensors: Vec<Tensor>, root: &Path, format| Checkpoint {
-            root: root.to_path_buf(),
-            format,
-            world_size: None,
-            tensors: tensors
-                .into_iter()
-                .enumerate()
-                .map(|(i, mut t)| {
-                    t.name = format!("{i}");
-                    t.key_path.clear();
-                    t
-                })
-                .collect(),
-            values: Vec::new(),
-            unsupported: Vec::new(),
-            details: Vec::new(),
-        };
-        let mut ab = vec![
-            adapter_tensors[m.a].1.clone(),
-            adapter_tensors[m.b].1.clone(),
-        ];
-        ab.extend(m.magnitude.map(|k| adapter_tensors[k].1.clone()));
-        let weight = m
-            .magnitude
-            .map(|_| sub(vec![t.clone()], &ckpt.root, ckpt.format));
-        let fold = ModuleFold {
-            fold: m.fold,
-            r: m.r as usize,
-            numel: crate::model::numel(&t.shape).unwrap_or(0),
-            adapter: sub(ab, &adapter_root, adapter_format),
-            weight,
-            io: opts.io,
-            state: std::sync::Mutex::new(Held::default()),
-        };
-        base[m.weight].pieces.set_computed(Computed(Arc::new(fold)));
+/// Where one module's tensors are: indices into the adapter tensors and the base tensors.
+struct ModuleAt {
+    embedding: bool,
+    a: usize,
+    b: usize,
+    magnitude: Option<usize>,
+    weight: usize,
+}
+
+/// The tensors of `module` (its `roles` in `adapter`): both of its LoRA pair and its base weight.
+fn locate_module(
+    module: &str,
+    roles: &HashMap<&'static str, usize>,
+    adapter: &[(AdapterName, Tensor)],
+    base_index: &HashMap<&str, usize>,
+    loc: &config::ConfigLocation,
+) -> Result<ModuleAt> {
+    let first = &adapter[*roles.values().min().unwrap_or(&0)].1.name;
+    let embedding = roles.contains_key("embA") || roles.contains_key("embB");
+    let (ka, kb) = if embedding {
+        (roles.get("embA"), roles.get("embB"))
+    } else {
+        (roles.get("A"), roles.get("B"))
+    };
+    let (Some(&ka), Some(&kb)) = (ka, kb) else {
+        return Err(in_adapter_file(
+            Error::invalid(format!(
+                "module `{module}` has only half of a LoRA pair (A and B)"
+            ))
+            .tensor(first),
+            loc,
+        ));
+    };
+    let weight_name = format!("{module}.weight");
+    let Some(&wi) = base_index.get(weight_name.as_str()) else {
+        return Err(in_adapter_file(
+            Error::invalid(format!(
+                "the LoRA adapter of `{module}` has no base weight `{weight_name}` in the checkpoint"
+            ))
+            .tensor(first),
+            loc,
+        ));
+    };
+    Ok(ModuleAt {
+        embedding,
+        a: ka,
+        b: kb,
+        magnitude: roles.get("magnitude").copied(),
+        weight: wi,
+    })
+}
+
+/// Module `module` once its shapes fit each other and the config and its dtypes are ones
+/// the fold computes in, with its fold.
+fn check_module(
+    module: &str,
+    at: ModuleAt,
+    adapter: &[(AdapterName, Tensor)],
+    base: &[Tensor],
+    config: &LoraConfig,
+    loc: &config::ConfigLocation,
+) -> Result<Module> {
+    let (a, b) = (&adapter[at.a].1, &adapter[at.b].1);
+    let w = &base[at.weight];
+    let magnitude = at.magnitude.map(|k| &adapter[k].1);
+    if a.shape.len() != 2 || b.shape.len() != 2 || w.shape.len() != 2 {
+        return Err(in_adapter_file(
+            Error::invalid(format!(
+                "only 2-D LoRA modules are merged (linear and embedding); `{module}` has A {:?}, B {:?}, weight {:?}",
+                a.shape, b.shape, w.shape
+            ))
+            .tensor(&a.name),
+            loc,
+        ));
     }
-    let values = ckpt
-        .values
+    let (r, inn) = (a.shape[0], a.shape[1]);
+    let out = b.shape[0];
+    let (want_r, alpha) = config.rank_alpha(&unwrap_name(module));
+    if want_r != r || b.shape[1] != r {
+        return Err(in_adapter_file(
+            Error::invalid(format!(
+                "the config gives `{module}` rank {want_r} but its A is {:?} and its B {:?}",
+                a.shape, b.shape
+            ))
+            .tensor(&a.name)
+            .file(&loc.config),
+            loc,
+        ));
+    }
+    let fan_in_fan_out = fan_in_fan_out(&w.shape, [out, inn], config);
+    let transposed = at.embedding || fan_in_fan_out;
+    let want_w = if transposed { [inn, out] } else { [out, inn] };
+    if w.shape != want_w {
+        return Err(Error::invalid(format!(
+            "the base weight is {:?}, which does not fit B @ A of its LoRA adapter ([{out}, {inn}]{})",
+            w.shape,
+            if transposed { ", transposed" } else { "" }
+        ))
+        .tensor(&w.name));
+    }
+    for t in [w, a, b].into_iter().chain(magnitude) {
+        if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::invalid(format!(
+                "LoRA is merged in f32, bf16 or f16, not {}",
+                t.dtype
+            ))
+            .tensor(&t.name));
+        }
+    }
+    if let Some(m) = magnitude {
+        if m.shape != [out] {
+            return Err(in_adapter_file(
+                Error::invalid(format!("the DoRA magnitude is {:?}, not [{out}]", m.shape))
+                    .tensor(&m.name),
+                loc,
+            ));
+        }
+    }
+    Ok(Module {
+        weight: at.weight,
+        a: at.a,
+        b: at.b,
+        magnitude: at.magnitude,
+        fold: fold::Fold {
+            kind: if at.embedding {
+                fold::Kind::Embedding
+            } else {
+                fold::Kind::Linear { fan_in_fan_out }
+            },
+            scaling: config.scaling(r, alpha),
+            weight: w.dtype,
+            adapter: b.dtype,
+            magnitude: magnitude.map(|m| m.dtype),
+        },
+        r,
+    })
+}
+
+/// Whether a base weight of `shape` is stored transposed (`[in, out]`, a Conv1D's) for a
+/// LoRA product `B @ A` of `[out, inn]`.
+fn fan_in_fan_out(shape: &[u64], [out, inn]: [u64; 2], config: &LoraConfig) -> bool {
+    // PEFT sets `fan_in_fan_out` per module type (Conv1D or Linear) on the shared config, so
+    // the file holds the last module's: the weight's shape decides, the file only when square.
+    if shape == [inn, out] && shape != [out, inn] {
+        true
+    } else if shape == [out, inn] && shape != [inn, out] {
+        false
+    } else {
+        config.fan_in_fan_out
+    }
+}
+
+/// `base[m.weight]` made a computed tensor: `m`'s fold of its base weight's pieces, reading the
+/// adapter's tensors (and, for DoRA, the base weight from the checkpoint at `root`, of
+/// `format`) when its first box is computed.
+fn attach_fold(
+    base: &mut [Tensor],
+    m: Module,
+    adapter: &AdapterTensors,
+    (root, format): (&Path, Format),
+    io: IoMode,
+) {
+    let t = &base[m.weight];
+    let mut ab = vec![
+        adapter.tensors[m.a].1.clone(),
+        adapter.tensors[m.b].1.clone(),
+    ];
+    ab.extend(m.magnitude.map(|k| adapter.tensors[k].1.clone()));
+    let weight = m.magnitude.map(|_| numbered(vec![t.clone()], root, format));
+    let fold = ModuleFold {
+        fold: m.fold,
+        r: m.r as usize,
+        numel: crate::model::numel(&t.shape).unwrap_or(0),
+        adapter: numbered(ab, &adapter.root, adapter.format),
+        weight,
+        io,
+        state: std::sync::Mutex::new(Held::default()),
+    };
+    base[m.weight].pieces.set_computed(Computed(Arc::new(fold)));
+}
+
+/// A checkpoint of `tensors` alone, named `0`, `1`, ... in their order, for a fold to read.
+fn numbered(tensors: Vec<Tensor>, root: &Path, format: Format) -> Checkpoint {
+    Checkpoint {
+        root: root.to_path_buf(),
+        format,
+        world_size: None,
+        tensors: tensors
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut t)| {
+                t.name = format!("{i}");
+                t.key_path.clear();
+                t
+            })
+            .collect(),
+        values: Vec::new(),
+        unsupported: Vec::new(),
+        details: Vec::new(),
+    }
+}
+
+/// `values` named without PEFT's wrapper prefix.
+fn unwrap_values(values: Vec<NonTensor>) -> Vec<NonTensor> {
+    values
         .into_iter()
         .map(|mut v| {
             let name = unwrap_name(&v.name);
@@ -559,12 +701,7 @@ pub(crate) fn apply(ckpt: Checkpoint, opts: &LoraOptions) -> Result<Checkpoint> 
             }
             v
         })
-        .collect();
-    Ok(Checkpoint {
-        tensors: base,
-        values,
-        ..ckpt
-    })
+        .collect()
 }
 
 impl super::Step for LoraOptions<'_> {

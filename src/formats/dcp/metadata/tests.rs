@@ -213,20 +213,23 @@ fn info(path: &str, offset: u64, length: u64, transforms: &[&str]) -> StorageInf
     }
 }
 
-#[test]
-fn single_process_save_parses_exactly() {
-    let meta = parse(SINGLE).unwrap();
-    let fqns: Vec<&str> = meta
-        .entries
+/// The names of `meta`'s entries, in order.
+fn fqns(meta: &DcpMetadata) -> Vec<&str> {
+    meta.entries
         .iter()
         .map(|e| match e {
             DcpEntry::Tensor { fqn, .. }
             | DcpEntry::Bytes { fqn }
             | DcpEntry::Unsupported { fqn, .. } => fqn.as_str(),
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn single_process_save_lists_its_entries_in_order() {
+    let meta = parse(SINGLE).unwrap();
     assert_eq!(
-        fqns,
+        fqns(&meta),
         [
             "model.f64",
             "model.f32",
@@ -259,6 +262,11 @@ fn single_process_save_parses_exactly() {
         &meta.entries[20..],
         [DcpEntry::Bytes { .. }, _, _, _, DcpEntry::Bytes { .. }]
     ));
+}
+
+#[test]
+fn single_process_save_gives_each_tensor_its_dtype_shape_and_chunk() {
+    let meta = parse(SINGLE).unwrap();
     let dtypes: Vec<DType> = meta.entries[..20]
         .iter()
         .filter_map(|e| match e {
@@ -294,7 +302,11 @@ fn single_process_save_parses_exactly() {
         tensor(&meta, "model.view"),
         (&F32, &[4, 3][..], &[chunk(&[0, 0], &[4, 3])][..])
     );
+}
 
+#[test]
+fn single_process_save_locates_every_entry_in_its_file() {
+    let meta = parse(SINGLE).unwrap();
     assert_eq!(meta.storage.len(), 25);
     let first = &meta.storage[0];
     assert_eq!(
@@ -321,7 +333,11 @@ fn single_process_save_parses_exactly() {
         storage(&meta, "model.view", Some(&[0, 0])).1,
         info("__0_0.distcp", 36204, 1577, &[])
     );
+}
 
+#[test]
+fn single_process_save_keeps_planner_data_and_version() {
+    let meta = parse(SINGLE).unwrap();
     assert_eq!(meta.planner_data.len(), 25);
     let planned = |f: &str| {
         meta.planner_data
