@@ -171,7 +171,9 @@ pub(crate) fn report<'a>(ckpt: &'a Checkpoint, keep: &dyn Fn(&str) -> bool) -> R
     let mut total_bytes = 0u64;
     for t in &tensors {
         let bytes = t.nbytes().unwrap_or(u64::MAX);
-        *bytes_per_dtype.entry(t.dtype.to_string()).or_insert(0u64) += bytes;
+        let sum = bytes_per_dtype.entry(t.dtype.to_string()).or_insert(0u64);
+        // Shapes come from the checkpoint: a hostile one's byte counts overflow.
+        *sum = sum.saturating_add(bytes);
         total_bytes = total_bytes.saturating_add(bytes);
     }
     let non_tensors = ckpt

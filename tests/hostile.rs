@@ -2386,6 +2386,17 @@ fn dcp_safetensors_saved_offsets_that_overflow_or_sprawl() {
     // found without walking it.
     let dir = dcp_hf_dir(&env, "sprawl", &[&[("w", &[1], &[1 << 62])]]);
     assert_refused(&env, &dir, UNSOUND, &["in no piece", "cover"]);
+    // Two such tensors of one dtype, 2^63 bytes each: inspect's totals saturate, not overflow.
+    let two: RankFile = &[("v", &[1], &[1 << 63]), ("w", &[1], &[1 << 63])];
+    let dir = dcp_hf_dir(&env, "sprawl2", &[two]);
+    for args in [&["inspect"][..], &["inspect", "--json"]] {
+        let run = ckpt(&[
+            &args[0],
+            &args.get(1).copied().unwrap_or("--filter=*"),
+            &dir,
+        ]);
+        assert_no_crash(&run, "inspect of two sprawling tensors");
+    }
 }
 
 #[test]
