@@ -111,12 +111,12 @@ pub struct RegionDigest {
 
 /// Write every file of `plan` at `dest[i]` (one path per file, in [`Plan::paths`] order).
 pub fn execute(plan: &Plan, dest: &[PathBuf], opts: &ExecOptions) -> Result<()> {
-    run(plan, Some(dest), None, opts).map(|_| ())
+    run(plan, Sink::Files(dest), opts).map(|_| ())
 }
 
 /// Read everything `plan` would write without writing it: one digest per region, file by file.
 pub fn digest(plan: &Plan, opts: &ExecOptions) -> Result<Vec<RegionDigest>> {
-    run(plan, None, None, opts).map(|(digests, _)| digests)
+    run(plan, Sink::Digest, opts).map(|(digests, _)| digests)
 }
 
 /// The CRC-32 of a region's bytes within one part's share, for a ZIP record whose CRC slot the
@@ -161,7 +161,7 @@ pub fn execute_share(
     share: &Share,
     opts: &ExecOptions,
 ) -> Result<ShareOutcome> {
-    run(plan, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
+    run(plan, Sink::Share(dest, share), opts).map(|(_, outcome)| outcome)
 }
 
 /// Write the streamed files of `plan` (a DCP `.metadata`) at `dest`; stopped early, with an
@@ -268,27 +268,100 @@ pub fn execute_share_on(
     share: &Share,
     opts: &ExecOptions,
 ) -> Result<ShareOutcome> {
-    run_on(plan, inputs, Some(dest), Some(share), opts).map(|(_, outcome)| outcome)
+    run_on(plan, inputs, Sink::Share(dest, share), opts).map(|(_, outcome)| outcome)
 }
 
-fn run(
-    plan: &Plan,
-    dest: Option<&[PathBuf]>,
-    share: Option<&Share>,
-    opts: &ExecOptions,
-) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
+/// What a run writes to.
+#[derive(Clone, Copy)]
+enum Sink<'a> {
+    /// Nothing: every region is read and digested.
+    Digest,
+    /// Every file, created whole at these paths (one per file, in [`Plan::paths`] order).
+    Files(&'a [PathBuf]),
+    /// One part's share of the files, which every part of the run writes, at these paths.
+    Share(&'a [PathBuf], &'a Share),
+}
+
+impl<'a> Sink<'a> {
+    /// Where file `i`'s bytes go, `f` being its plan: opened (or created) at its length.
+    fn open(&self, i: usize, f: &FilePlan) -> Result<FileSink<'a>> {
+        let (out, path, clip) = match *self {
+            Sink::Digest => return Ok(FileSink::Digest),
+            Sink::Files(dest) => {
+                let path = dest
+                    .get(i)
+                    .ok_or_else(|| Error::bug("a file has no path"))?;
+                (create_output(path, f.len)?, path, None)
+            }
+            Sink::Share(dest, share) => {
+                let path = dest
+                    .get(i)
+                    .ok_or_else(|| Error::bug("a file has no path"))?;
+                let clip = share
+                    .range_of(i)
+                    .ok_or_else(|| Error::bug("a file of no share"))?;
+                (open_shared_output(path, f.len)?, path, Some(clip))
+            }
+        };
+        if let Some(mode) = f.mode {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::Permissions::from_mode(mode);
+            out.set_permissions(mode).map_err(|e| Error::io(path, e))?;
+        }
+        Ok(match clip {
+            None => FileSink::Whole { out, path },
+            Some(clip) => FileSink::Share { out, path, clip },
+        })
+    }
+}
+
+/// Where one destination file's bytes go.
+enum FileSink<'a> {
+    /// Nowhere: its regions are read and digested.
+    Digest,
+    /// Written whole at `path`.
+    Whole { out: File, path: &'a Path },
+    /// Only its bytes in `clip` (one part's share), into a file every part writes.
+    Share {
+        out: File,
+        path: &'a Path,
+        clip: Range<u64>,
+    },
+}
+
+impl FileSink<'_> {
+    /// The file written, if any, and its path.
+    fn out(&self) -> Option<(&File, &Path)> {
+        match self {
+            FileSink::Digest => None,
+            FileSink::Whole { out, path } | FileSink::Share { out, path, .. } => Some((out, path)),
+        }
+    }
+
+    /// The byte range written, when it is not the whole file.
+    fn clip(&self) -> Option<Range<u64>> {
+        match self {
+            FileSink::Share { clip, .. } => Some(clip.clone()),
+            _ => None,
+        }
+    }
+}
+
+fn run(plan: &Plan, sink: Sink, opts: &ExecOptions) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
     let sources = open_inputs(plan, opts.io)?;
-    run_on(plan, &sources, dest, share, opts)
+    run_on(plan, &sources, sink, opts)
 }
 
 fn run_on(
     plan: &Plan,
     sources: &[Source],
-    dest: Option<&[PathBuf]>,
-    share: Option<&Share>,
+    sink: Sink,
     opts: &ExecOptions,
 ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
-    let dest = dest.unwrap_or(&[]);
+    let share = match sink {
+        Sink::Share(_, share) => Some(share),
+        _ => None,
+    };
     opts.progress
         .start(share.map_or_else(|| plan.data_bytes(), Share::len));
     let pool = rayon::ThreadPoolBuilder::new()
@@ -298,9 +371,13 @@ fn run_on(
     // A streamed file (a DCP `.metadata`, hundreds of megabytes at millions of pieces) depends on
     // no data, so it is written on its own thread while the data files are copied.
     // A part writes no streamed file (the committer does) and only the files its share meets.
-    let streamed: Vec<usize> = (0..plan.file_count())
-        .filter(|&i| share.is_none() && plan.is_streamed(i) && dest.get(i).is_some())
-        .collect();
+    let streamed: Vec<(usize, &PathBuf)> = match sink {
+        Sink::Files(dest) => (0..plan.file_count())
+            .filter(|&i| plan.is_streamed(i))
+            .filter_map(|i| Some((i, dest.get(i)?)))
+            .collect(),
+        _ => Vec::new(),
+    };
     let data_files: Vec<usize> = (0..plan.file_count())
         .filter(|&i| !plan.is_streamed(i) && share.is_none_or(|s| s.range_of(i).is_some()))
         .collect();
@@ -315,8 +392,8 @@ fn run_on(
     let stop_streamed = AtomicBool::new(false);
     std::thread::scope(|scope| -> Result<()> {
         let writer = scope.spawn(|| -> Result<()> {
-            for &i in &streamed {
-                write_streamed(plan, i, &dest[i], opts.durable, &stop_streamed)?;
+            for &(i, path) in &streamed {
+                write_streamed(plan, i, path, opts.durable, &stop_streamed)?;
             }
             Ok(())
         });
@@ -335,38 +412,24 @@ fn run_on(
                     }
                     files.push((i, f));
                 }
-                let outputs = files
+                let sinks = files
                     .iter()
-                    .map(|(i, f)| {
-                        let Some(p) = dest.get(*i) else {
-                            return Ok(None);
-                        };
-                        let out = match share {
-                            None => create_output(p, f.len)?,
-                            Some(_) => open_shared_output(p, f.len)?,
-                        };
-                        if let Some(mode) = f.mode {
-                            use std::os::unix::fs::PermissionsExt;
-                            let mode = std::fs::Permissions::from_mode(mode);
-                            out.set_permissions(mode).map_err(|e| Error::io(p, e))?;
-                        }
-                        Ok(Some(out))
-                    })
+                    .map(|(i, f)| sink.open(*i, f))
                     .collect::<Result<Vec<_>>>()?;
-                let clips: Vec<Option<Range<u64>>> = files
-                    .iter()
-                    .map(|(i, _)| share.and_then(|s| s.range_of(*i)))
-                    .collect();
-                let (batch, left) = pool
-                    .install(|| run_files(plan, &files, &outputs, &clips, dest, sources, opts))?;
+                let window = Window {
+                    plan,
+                    files: &files,
+                    sinks: &sinks,
+                    sources,
+                    opts,
+                };
+                let (batch, left) = pool.install(|| window.run())?;
                 digests.extend(batch);
                 outcome.crcs.extend(left.crcs);
                 outcome.open_slots.extend(left.open_slots);
                 if opts.durable {
-                    for ((i, _), out) in files.iter().zip(&outputs) {
-                        if let (Some(out), Some(path)) = (out, dest.get(*i)) {
-                            out.sync_all().map_err(|e| Error::io(path, e))?;
-                        }
+                    for (out, path) in sinks.iter().filter_map(FileSink::out) {
+                        out.sync_all().map_err(|e| Error::io(path, e))?;
                     }
                 }
             }
@@ -559,202 +622,238 @@ fn write_streamed(
     Ok(())
 }
 
-/// Copy every region of `files` (in parallel, on the current pool) into `outputs`, then write
-/// their literals with the CRCs the copies produced. Returns one digest per region.
-///
-/// `clips[k]`, when set, is the byte range of file `k` this part of a partitioned run writes:
-/// only those bytes are written, and CRCs that need bytes outside it are reported, not written.
-fn run_files(
-    plan: &Plan,
-    files: &[(usize, std::borrow::Cow<'_, FilePlan>)],
-    outputs: &[Option<File>],
-    clips: &[Option<Range<u64>>],
-    dest: &[PathBuf],
-    sources: &[Source],
-    opts: &ExecOptions,
-) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
-    let clip_of = |fi: usize| clips.get(fi).cloned().flatten();
-    // Small files with an output are built in memory and written with one write: a DCP rank
-    // file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
-    // otherwise cost a copy and a framing write each.
-    let assembled: Vec<bool> = files
-        .iter()
-        .zip(outputs)
-        .enumerate()
-        .map(|(fi, ((_, f), out))| {
-            let whole = clip_of(fi).is_none_or(|c| c.start == 0 && c.end >= f.len);
-            whole && out.is_some() && f.len <= ASSEMBLE_BYTES && f.regions.len() > 1
-        })
-        .collect();
-    let small: Vec<usize> = (0..files.len()).filter(|&fi| assembled[fi]).collect();
-    small.par_iter().try_for_each(|&fi| {
-        if opts.cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(ErrorKind::Io, "interrupted"));
-        }
-        let (i, f) = &files[fi];
-        let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) else {
-            return Ok(());
+/// A few destination files written together, each to its sink: what [`run_on`] hands the pool
+/// at a time.
+struct Window<'w, 'p> {
+    plan: &'w Plan<'p>,
+    /// (index in the plan, planned file)
+    files: &'w [(usize, std::borrow::Cow<'w, FilePlan>)],
+    sinks: &'w [FileSink<'w>],
+    sources: &'w [Source],
+    opts: &'w ExecOptions<'w>,
+}
+
+impl Window<'_, '_> {
+    /// Copy every region of the window's files (in parallel, on the current pool) into their
+    /// sinks, then write their literals with the CRCs the copies produced. Returns one digest
+    /// per region, and what a part leaves for the part that commits (a share's CRCs).
+    fn run(&self) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
+        let assembled = self.assemble_small_files()?;
+        // Bytes written to each output since its writeback was last started.
+        let unflushed: Vec<AtomicU64> = self.sinks.iter().map(|_| AtomicU64::new(0)).collect();
+        // Regions read from objects are copied input by input where they can be (see
+        // `scatter`); the rest, block by block.
+        let to = scatter::Destinations {
+            files: self.files,
+            sinks: self.sinks,
+            unflushed: &unflushed,
         };
-        let bytes = assemble(plan, f, sources)?;
-        out.write_all_at(&bytes, 0)
-            .map_err(|e| Error::io(path, e))?;
-        opts.progress
-            .advance(f.regions.iter().map(Region::nbytes).sum());
-        Ok(())
-    })?;
-    // Bytes written to each output since its writeback was last started.
-    let unflushed: Vec<AtomicU64> = outputs.iter().map(|_| AtomicU64::new(0)).collect();
-    // Regions read from objects are copied input by input where they can be (see `scatter`);
-    // the rest, block by block below.
-    let to = scatter::Destinations {
-        files,
-        outputs,
-        dest,
-        unflushed: &unflushed,
-    };
-    let skip: Vec<bool> = (0..files.len())
-        .map(|fi| assembled[fi] || clip_of(fi).is_some())
-        .collect();
-    let scattered = scatter::copy_input_major(plan, &to, &skip, sources, opts)?;
-    let mut units = Vec::new();
-    for (fi, (_, f)) in files.iter().enumerate() {
-        if assembled[fi] {
-            continue;
-        }
-        let clip = clip_of(fi);
-        for (ri, r) in f.regions.iter().enumerate() {
-            if scattered.done[fi][ri] {
+        let skip: Vec<bool> = (0..self.files.len())
+            .map(|fi| assembled[fi] || self.sinks[fi].clip().is_some())
+            .collect();
+        let scattered = scatter::copy_input_major(self.plan, &to, &skip, self.sources, self.opts)?;
+        let units = self.units(&assembled, &scattered.done);
+        let results = self.run_units(&units, &unflushed)?;
+        self.finish(&assembled, &units, &results, &scattered)
+    }
+
+    /// Build each small file with an output in memory and write it with one write: a DCP rank
+    /// file of a reshard to many ranks is thousands of items of a few hundred bytes, which would
+    /// otherwise cost a copy and a framing write each. Returns which files were.
+    fn assemble_small_files(&self) -> Result<Vec<bool>> {
+        let assembled: Vec<bool> = self
+            .files
+            .iter()
+            .zip(self.sinks)
+            .map(|((_, f), sink)| {
+                let whole = sink.clip().is_none_or(|c| c.start == 0 && c.end >= f.len);
+                whole && sink.out().is_some() && f.len <= ASSEMBLE_BYTES && f.regions.len() > 1
+            })
+            .collect();
+        let small: Vec<usize> = (0..self.files.len()).filter(|&fi| assembled[fi]).collect();
+        small.par_iter().try_for_each(|&fi| {
+            if self.opts.cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "interrupted"));
+            }
+            let (_, f) = &self.files[fi];
+            let Some((out, path)) = self.sinks[fi].out() else {
+                return Ok(());
+            };
+            let bytes = assemble(self.plan, f, self.sources)?;
+            out.write_all_at(&bytes, 0)
+                .map_err(|e| Error::io(path, e))?;
+            self.opts
+                .progress
+                .advance(f.regions.iter().map(Region::nbytes).sum());
+            Ok(())
+        })?;
+        Ok(assembled)
+    }
+
+    /// The blocks left to copy, region by region in order: of every file not assembled, every
+    /// region not scattered, within the file's clip.
+    fn units(&self, assembled: &[bool], scattered: &[Vec<bool>]) -> Vec<Unit> {
+        let mut units = Vec::new();
+        for (fi, (_, f)) in self.files.iter().enumerate() {
+            if assembled[fi] {
                 continue;
             }
-            if let Some(c) = &clip {
-                if r.offset >= c.end || r.offset + r.nbytes() <= c.start {
+            let clip = self.sinks[fi].clip();
+            let outside =
+                |a: u64, b: u64| clip.as_ref().is_some_and(|c| a >= c.end || b <= c.start);
+            for (ri, r) in f.regions.iter().enumerate() {
+                if scattered[fi][ri] || outside(r.offset, r.offset + r.nbytes()) {
                     continue;
                 }
-            }
-            let rstrides = contiguous_strides(&r.shape);
-            for (start, sizes) in
-                blocks(&r.shape, r.dtype.size() as u64, BLOCK_BYTES, align(plan, r))
-            {
-                let u = Unit {
-                    file: fi,
-                    region: ri,
-                    start,
-                    sizes,
-                };
-                if let Some(c) = &clip {
+                let rstrides = contiguous_strides(&r.shape);
+                let elem = r.dtype.size() as u64;
+                for (start, sizes) in blocks(&r.shape, elem, BLOCK_BYTES, align(self.plan, r)) {
+                    let u = Unit {
+                        file: fi,
+                        region: ri,
+                        start,
+                        sizes,
+                    };
                     let (at, len) = u.bytes_in(r, &rstrides);
-                    let (a, b) = (r.offset + at, r.offset + at + len);
-                    if a >= c.end || b <= c.start {
-                        continue;
+                    if !outside(r.offset + at, r.offset + at + len) {
+                        units.push(u);
                     }
                 }
-                units.push(u);
             }
         }
+        units
     }
-    let run_one = |u: &Unit| {
-        if opts.cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(ErrorKind::Io, "interrupted"));
-        }
-        let (i, f) = &files[u.file];
-        let region = &f.regions[u.region];
-        let out = outputs
-            .get(u.file)
-            .and_then(Option::as_ref)
-            .zip(dest.get(*i));
-        let result = run_unit(plan, u, region, sources, out, clip_of(u.file))?;
-        if let (true, Some((file, _)), Some(dirty)) = (opts.durable, out, unflushed.get(u.file)) {
-            // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
-            let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
-            if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
-                start_writeback(file);
-            }
-        }
-        opts.progress.advance(result.len);
-        Ok(result)
-    };
-    let results: Vec<UnitResult> = if sources.iter().any(Source::reads_by_request) {
-        in_order(&units, run_one)?
-    } else {
-        units.par_iter().map(run_one).collect::<Result<Vec<_>>>()?
-    };
 
-    // Units were listed region by region in order, so each region's CRC is its units' combined
-    // (within a clip: the CRC of the region's bytes inside it, which are contiguous).
-    let mut digests = Vec::new();
-    let mut outcome = ShareOutcome::default();
-    let mut k = 0;
-    for (fi, (i, f)) in files.iter().enumerate() {
-        if assembled[fi] {
-            // Only files being written are assembled, and their digests are not asked for.
-            digests.extend(f.regions.iter().map(|_| RegionDigest::default()));
-            continue;
-        }
-        let clip = clip_of(fi);
-        let mut crc_patches = Vec::new();
-        for ri in 0..f.regions.len() {
-            let mut crc = crc32fast::Hasher::new();
-            let mut unit_hashes = Vec::new();
-            let mut digest = RegionDigest::default();
-            while k < units.len() && units[k].file == fi && units[k].region == ri {
-                let r = &results[k];
-                crc.combine(&crc32fast::Hasher::new_with_initial_len(r.crc, r.len));
-                unit_hashes.extend_from_slice(&r.xxh3.to_le_bytes());
-                digest.nan += r.nan;
-                digest.inf += r.inf;
-                k += 1;
+    /// Run every unit on the pool, starting each output's writeback as it fills.
+    fn run_units(&self, units: &[Unit], unflushed: &[AtomicU64]) -> Result<Vec<UnitResult>> {
+        let opts = self.opts;
+        let run_one = |u: &Unit| {
+            if opts.cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "interrupted"));
             }
-            digest.xxh3 = match unit_hashes.len() {
-                0 => xxhash_rust::xxh3::xxh3_64(&[]),
-                8 => u64::from_le_bytes(unit_hashes[..8].try_into().unwrap_or_default()),
-                _ => xxhash_rust::xxh3::xxh3_64(&unit_hashes),
-            };
-            digests.push(digest);
-            let r = &f.regions[ri];
-            let crc = match scattered.crcs.get(&(fi, ri)) {
-                Some(&copied) => copied,
-                None => crc.finalize(),
-            };
-            let Some(c) = &clip else {
-                crc_patches.extend(r.crc_slots.iter().map(|&slot| (slot, crc.to_le_bytes())));
-                continue;
-            };
-            if r.crc_slots.is_empty() {
-                continue;
-            }
-            // A region this part holds whole gets its CRC written into the slots in this share;
-            // the committer fills every other slot from the parts' partial CRCs.
-            let (lo, hi) = (r.offset, r.offset + r.nbytes());
-            let whole = lo == hi || (c.start <= lo && hi <= c.end);
-            let slot_in = |s: u64| c.start <= s && s + 4 <= c.end;
-            for &slot in &r.crc_slots {
-                if slot_in(slot) && whole {
-                    crc_patches.push((slot, crc.to_le_bytes()));
-                } else if slot < c.end && c.start < slot + 4 {
-                    outcome.open_slots.push(OpenSlot {
-                        file: *i,
-                        slot,
-                        region: lo,
-                        region_len: hi - lo,
-                    });
+            let (_, f) = &self.files[u.file];
+            let region = &f.regions[u.region];
+            let sink = &self.sinks[u.file];
+            let result = run_unit(self.plan, u, region, self.sources, sink)?;
+            if let (true, Some((file, _)), Some(dirty)) =
+                (opts.durable, sink.out(), unflushed.get(u.file))
+            {
+                // Once per WRITEBACK_BYTES written to a file, whichever thread crosses it.
+                let total = dirty.fetch_add(result.len, Ordering::Relaxed) + result.len;
+                if total >= WRITEBACK_BYTES && dirty.swap(0, Ordering::Relaxed) > 0 {
+                    start_writeback(file);
                 }
             }
-            let all_slots_in = r.crc_slots.iter().all(|&s| slot_in(s));
-            if lo.max(c.start) < hi.min(c.end) && !(whole && all_slots_in) {
-                outcome.crcs.push(PartialCrc {
-                    file: *i,
-                    region: lo,
-                    at: lo.max(c.start) - lo,
-                    len: hi.min(c.end) - lo.max(c.start),
-                    crc,
-                });
-            }
-        }
-        if let (Some(Some(out)), Some(path)) = (outputs.get(fi), dest.get(*i)) {
-            write_literals(out, path, f, &crc_patches, clip)?;
+            opts.progress.advance(result.len);
+            Ok(result)
+        };
+        if self.sources.iter().any(Source::reads_by_request) {
+            in_order(units, run_one)
+        } else {
+            units.par_iter().map(run_one).collect()
         }
     }
-    Ok((digests, outcome))
+
+    /// Each region's digest and CRC from its units' results, and the files' literals written
+    /// with the CRCs in their slots. Units were listed region by region in order, so a region's
+    /// CRC is its units' combined (within a clip: the CRC of the region's bytes inside it, which
+    /// are contiguous).
+    fn finish(
+        &self,
+        assembled: &[bool],
+        units: &[Unit],
+        results: &[UnitResult],
+        scattered: &scatter::Scattered,
+    ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
+        let mut digests = Vec::new();
+        let mut outcome = ShareOutcome::default();
+        let mut k = 0;
+        for (fi, (i, f)) in self.files.iter().enumerate() {
+            if assembled[fi] {
+                // Only files being written are assembled, and their digests are not asked for.
+                digests.extend(f.regions.iter().map(|_| RegionDigest::default()));
+                continue;
+            }
+            let clip = self.sinks[fi].clip();
+            let mut crc_patches = Vec::new();
+            for (ri, r) in f.regions.iter().enumerate() {
+                let mut crc = crc32fast::Hasher::new();
+                let mut unit_hashes = Vec::new();
+                let mut digest = RegionDigest::default();
+                while k < units.len() && units[k].file == fi && units[k].region == ri {
+                    let result = &results[k];
+                    crc.combine(&crc32fast::Hasher::new_with_initial_len(
+                        result.crc, result.len,
+                    ));
+                    unit_hashes.extend_from_slice(&result.xxh3.to_le_bytes());
+                    digest.nan += result.nan;
+                    digest.inf += result.inf;
+                    k += 1;
+                }
+                digest.xxh3 = match unit_hashes.len() {
+                    0 => xxhash_rust::xxh3::xxh3_64(&[]),
+                    8 => u64::from_le_bytes(unit_hashes[..8].try_into().unwrap_or_default()),
+                    _ => xxhash_rust::xxh3::xxh3_64(&unit_hashes),
+                };
+                digests.push(digest);
+                let crc = match scattered.crcs.get(&(fi, ri)) {
+                    Some(&copied) => copied,
+                    None => crc.finalize(),
+                };
+                match &clip {
+                    None => crc_patches
+                        .extend(r.crc_slots.iter().map(|&slot| (slot, crc.to_le_bytes()))),
+                    Some(c) => share_crc(*i, r, crc, c, &mut crc_patches, &mut outcome),
+                }
+            }
+            if let Some((out, path)) = self.sinks[fi].out() {
+                write_literals(out, path, f, &crc_patches, clip)?;
+            }
+        }
+        Ok((digests, outcome))
+    }
+}
+
+/// The CRC slots of region `r` (of file `file`) as one part writes the bytes `clip` of its file:
+/// a region this part holds whole gets its CRC (`crc`) written into the slots in this share; the
+/// committer fills every other slot from the parts' partial CRCs, reported in `outcome`.
+fn share_crc(
+    file: usize,
+    r: &Region,
+    crc: u32,
+    clip: &Range<u64>,
+    patches: &mut Vec<(u64, [u8; 4])>,
+    outcome: &mut ShareOutcome,
+) {
+    if r.crc_slots.is_empty() {
+        return;
+    }
+    let c = clip;
+    let (lo, hi) = (r.offset, r.offset + r.nbytes());
+    let whole = lo == hi || (c.start <= lo && hi <= c.end);
+    let slot_in = |s: u64| c.start <= s && s + 4 <= c.end;
+    for &slot in &r.crc_slots {
+        if slot_in(slot) && whole {
+            patches.push((slot, crc.to_le_bytes()));
+        } else if slot < c.end && c.start < slot + 4 {
+            outcome.open_slots.push(OpenSlot {
+                file,
+                slot,
+                region: lo,
+                region_len: hi - lo,
+            });
+        }
+    }
+    let all_slots_in = r.crc_slots.iter().all(|&s| slot_in(s));
+    if lo.max(c.start) < hi.min(c.end) && !(whole && all_slots_in) {
+        outcome.crcs.push(PartialCrc {
+            file,
+            region: lo,
+            at: lo.max(c.start) - lo,
+            len: hi.min(c.end) - lo.max(c.start),
+            crc,
+        });
+    }
 }
 
 /// `f` of every unit on every worker, the units taken in their order: the workers then go through
@@ -930,19 +1029,19 @@ struct UnitResult {
     inf: u64,
 }
 
-/// Gather one unit into a buffer, then write it to `out` or, without `out`, count its non-finite
-/// floats.
+/// Gather one unit into a buffer, then write it to its file's sink or, for a digest, hash it and
+/// count its non-finite floats.
 ///
-/// With `clip` (a byte range of the destination file: one part's share), only the unit's bytes
-/// inside it are written, and the result's length and CRC are those of these bytes.
+/// Into a share (a byte range of the destination file: one part's), only the unit's bytes inside
+/// it are written, and the result's length and CRC are those of these bytes.
 fn run_unit(
     plan: &Plan,
     u: &Unit,
     r: &Region,
     sources: &[Source],
-    out: Option<(&File, &PathBuf)>,
-    clip: Option<Range<u64>>,
+    sink: &FileSink,
 ) -> Result<UnitResult> {
+    let (out, clip) = (sink.out(), sink.clip());
     let rstrides = contiguous_strides(&r.shape);
     let (at, len) = u.bytes_in(r, &rstrides);
     let dest_offset = r.offset + at;

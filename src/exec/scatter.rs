@@ -17,10 +17,8 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::cast;
@@ -62,8 +60,7 @@ struct Piece<'r> {
 /// The window's destinations, as [`super::run_files`] holds them.
 pub(super) struct Destinations<'a> {
     pub files: &'a [(usize, Cow<'a, FilePlan>)],
-    pub outputs: &'a [Option<File>],
-    pub dest: &'a [PathBuf],
+    pub sinks: &'a [super::FileSink<'a>],
     /// Bytes written to each output since its writeback was last started.
     pub unflushed: &'a [AtomicU64],
 }
@@ -108,8 +105,8 @@ pub(super) fn copy_input_major(
     }
     let mut runs = Vec::new();
     let mut batch = Vec::new();
-    for (fi, (i, f)) in to.files.iter().enumerate() {
-        let writable = matches!(to.outputs.get(fi), Some(Some(_))) && to.dest.get(*i).is_some();
+    for (fi, (_, f)) in to.files.iter().enumerate() {
+        let writable = to.sinks.get(fi).and_then(super::FileSink::out).is_some();
         if skip.get(fi).copied().unwrap_or(true) || !writable {
             continue;
         }
@@ -340,13 +337,9 @@ fn write_piece(
     crcs: &mut Vec<RunCrc>,
 ) -> Result<()> {
     let (r, fill, sp) = (p.region, &p.fill, &p.span);
-    let (Some((i, _)), Some(Some(out))) = (to.files.get(p.file), to.outputs.get(p.file)) else {
+    let Some((out, path)) = to.sinks.get(p.file).and_then(super::FileSink::out) else {
         return Err(Error::bug("a piece has no output"));
     };
-    let path = to
-        .dest
-        .get(*i)
-        .ok_or_else(|| Error::bug("a piece has no path"))?;
     let rstrides = contiguous_strides(&r.shape);
     let (se, de) = (fill.dtype.size() as u64, r.dtype.size() as u64);
     let mut idx = vec![0u64; sp.outer];
