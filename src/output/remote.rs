@@ -474,10 +474,60 @@ pub fn write(
     // From here until the uploads are aborted or complete (it is dropped last), a signal stops
     // the run rather than the process.
     let _armed = crate::interrupt::Armed::new();
+    abort_killed_runs(&journal_dir, out)?;
 
-    // Uploads of runs that were killed before they could abort them. The run's first request:
-    // a missing bucket or refused credentials show here, and are named as the output, not as
-    // the journal's hidden prefix.
+    let existing = existing(&remote, kind, force)?;
+    let n = plan.file_count();
+    let dests = destinations(plan, &remote, kind)?;
+    if force {
+        unmark(&existing)?;
+    }
+
+    let spool = Spool::new()?;
+    let mut uploads = Uploads {
+        journal: journal_dir.join(&format!("{}.json", std::process::id()))?,
+        started: Vec::new(),
+        completed: Vec::new(),
+        committed: false,
+    };
+    let todo: Vec<usize> = (0..n)
+        .filter(|&i| !plan.role(i).is_streamed() && plan.file_len(i) > 0)
+        .collect();
+    // Those started before a failure are aborted with the rest, when `uploads` is dropped.
+    let (started, all_created) = start_uploads(&parts_dir, &dests, &todo, opts.cancel);
+    uploads.started = started.iter().flatten().cloned().collect();
+    let ids: Vec<Option<String>> = started.into_iter().map(|s| s.map(|s| s.id)).collect();
+    all_created?;
+    let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
+    uploads.journal.put(journal)?;
+
+    opts.progress.start(plan.data_bytes());
+    let run = Upload {
+        plan,
+        dests: &dests,
+        spooled: (0..n).map(|i| spool.path(i)).collect(),
+        ids,
+        opts,
+    };
+    let parts = run.send_parts()?;
+    run.complete(&parts, &mut uploads)?;
+    uploads.committed = true;
+    let _ = uploads.journal.delete();
+    // Objects of a replaced output that the new one does not have.
+    let new: HashSet<&str> = dests.iter().map(Remote::key).collect();
+    for old in existing.iter().filter(|r| !new.contains(r.key())) {
+        let _ = old.delete();
+    }
+    opts.progress.finish();
+    drop(spool);
+    Ok(())
+}
+
+/// Abort the uploads of runs into the same place that were killed before they could abort
+/// them, as their journals in `journal_dir` list them. The run's first request: a missing
+/// bucket or refused credentials show here, and are named as the output `out`, not as the
+/// journal's hidden prefix.
+fn abort_killed_runs(journal_dir: &Remote, out: &Path) -> Result<()> {
     let journals = journal_dir.objects_below().map_err(|mut e| {
         e.file = Some(out.to_path_buf());
         e
@@ -494,143 +544,131 @@ pub fn write(
             let _ = j.delete();
         }
     }
+    Ok(())
+}
 
-    let existing = existing(&remote, kind, force)?;
-    let n = plan.file_count();
-    let dests = destinations(plan, &remote, kind)?;
-    if force {
-        unmark(&existing)?;
+/// One run's upload of a plan's files: each written into the spool a part at a time and sent.
+struct Upload<'a> {
+    plan: &'a Plan<'a>,
+    /// Where each file goes.
+    dests: &'a [Remote],
+    /// Where each file is spooled.
+    spooled: Vec<PathBuf>,
+    /// Each file's multipart upload, for those uploaded in parts.
+    ids: Vec<Option<String>>,
+    opts: &'a ExecOptions<'a>,
+}
+
+impl Upload<'_> {
+    /// Write every upload part of every file into the spool and send it, a bounded number in
+    /// flight; a part whose CRC slots need other parts' bytes is held until they are written.
+    /// Returns each file's uploaded parts, in order.
+    fn send_parts(&self) -> Result<Vec<Vec<UploadedPart>>> {
+        let (plan, opts) = (self.plan, self.opts);
+        let n = plan.file_count();
+        let forward = Forward(opts.progress);
+        let part_opts = spool_options(opts, &forward);
+        let inputs = exec::open_inputs(plan, opts.io)?;
+        let mut sending: Sending<(usize, usize)> = Sending::new(opts.threads);
+        let mut parts: Vec<Vec<Option<UploadedPart>>> = vec![Vec::new(); n];
+        let mut held: Vec<(usize, usize, u64, u64)> = Vec::new();
+        let mut crcs = Vec::new();
+        let mut slots = Vec::new();
+        let send = |i: usize, k: usize, at: u64, len: u64| -> Result<PendingPart> {
+            let id = self.ids[i].as_deref().unwrap_or_default();
+            send_part(&self.spooled[i], &self.dests[i], id, k, at..at + len)
+        };
+        // Where each file uploaded in parts is cut (`[0, len]` and the cuts between), else nothing.
+        let cuts: Vec<Vec<u64>> = (0..n)
+            .map(|i| match self.ids[i] {
+                Some(_) => part_cuts(plan, i, plan.file_len(i)),
+                None => Ok(Vec::new()),
+            })
+            .collect::<Result<_>>()?;
+        for (i, c) in cuts.iter().enumerate() {
+            parts[i] = vec![None; c.len().saturating_sub(1)];
+        }
+        let mut sent = |(i, k): (usize, usize), part: UploadedPart| -> Result<()> {
+            parts[i][k] = Some(part);
+            Ok(())
+        };
+        for (i, cuts) in cuts.iter().enumerate() {
+            for (k, w) in cuts.windows(2).enumerate() {
+                if opts.cancel.load(Ordering::Relaxed) {
+                    return Err(interrupted());
+                }
+                let (at, len) = (w[0], w[1] - w[0]);
+                let share = Share {
+                    part: PartSpec { index: 0, count: 1 },
+                    ranges: vec![FileRange {
+                        file: i,
+                        bytes: at..at + len,
+                    }],
+                };
+                let outcome =
+                    exec::execute_share_on(plan, &inputs, &self.spooled, &share, &part_opts)?;
+                crcs.extend(outcome.crcs);
+                if !outcome.open_slots.is_empty() {
+                    slots.extend(outcome.open_slots);
+                    held.push((i, k, at, len));
+                    continue;
+                }
+                sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
+            }
+        }
+        // The parts whose CRC slots needed other parts' bytes: patched, then sent.
+        exec::patch_crcs(&self.spooled, &crcs, &slots, false)?;
+        for (i, k, at, len) in held {
+            sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
+        }
+        sending.finish(&mut sent)?;
+        Ok(parts
+            .into_iter()
+            .map(|p| p.into_iter().flatten().collect())
+            .collect())
     }
 
-    let spool = Spool::new()?;
-    let dest: Vec<PathBuf> = (0..n).map(|i| spool.path(i)).collect();
-
-    let mut uploads = Uploads {
-        journal: journal_dir.join(&format!("{}.json", std::process::id()))?,
-        started: Vec::new(),
-        completed: Vec::new(),
-        committed: false,
-    };
-    let lens: Vec<u64> = (0..n).map(|i| plan.file_len(i)).collect();
-    let todo: Vec<usize> = (0..n)
-        .filter(|&i| !plan.role(i).is_streamed() && lens[i] > 0)
-        .collect();
-    // Those started before a failure are aborted with the rest, when `uploads` is dropped.
-    let (started, all_created) = start_uploads(&parts_dir, &dests, &todo, opts.cancel);
-    uploads.started = started.iter().flatten().cloned().collect();
-    let ids: Vec<Option<String>> = started.into_iter().map(|s| s.map(|s| s.id)).collect();
-    all_created?;
-    let journal = serde_json::to_vec(&uploads.started).unwrap_or_default();
-    uploads.journal.put(journal)?;
-
-    opts.progress.start(plan.data_bytes());
-    let forward = Forward(opts.progress);
-    let part_opts = spool_options(opts, &forward);
-    let inputs = exec::open_inputs(plan, opts.io)?;
-    let mut sending: Sending<(usize, usize)> = Sending::new(opts.threads);
-    let mut parts: Vec<Vec<Option<UploadedPart>>> = vec![Vec::new(); n];
-    let mut held: Vec<(usize, usize, u64, u64)> = Vec::new();
-    let mut crcs = Vec::new();
-    let mut slots = Vec::new();
-    let send = |i: usize, k: usize, at: u64, len: u64| -> Result<PendingPart> {
-        send_part(
-            &dest[i],
-            &dests[i],
-            ids[i].as_deref().unwrap_or_default(),
-            k,
-            at..at + len,
-        )
-    };
-    // Where each file uploaded in parts is cut (`[0, len]` and the cuts between), else nothing.
-    let cuts: Vec<Vec<u64>> = (0..n)
-        .map(|i| match ids[i] {
-            Some(_) => part_cuts(plan, i, lens[i]),
-            None => Ok(Vec::new()),
-        })
-        .collect::<Result<_>>()?;
-    for (i, c) in cuts.iter().enumerate() {
-        parts[i] = vec![None; c.len().saturating_sub(1)];
-    }
-    let mut sent = |(i, k): (usize, usize), part: UploadedPart| -> Result<()> {
-        parts[i][k] = Some(part);
-        Ok(())
-    };
-    for (i, cuts) in cuts.iter().enumerate() {
-        for (k, w) in cuts.windows(2).enumerate() {
+    /// Make the uploaded files objects: the streamed files (a DCP `.metadata`: seconds at
+    /// millions of pieces) written to the spool first, so that an interrupt while they are
+    /// written leaves no object under the output's name; then the data objects, a few dozen at
+    /// once (a round trip each); the commit markers (one or two) last, once every data object is
+    /// in place. What was completed is recorded in `uploads`, to be deleted if the run fails.
+    fn complete(&self, parts: &[Vec<UploadedPart>], uploads: &mut Uploads) -> Result<()> {
+        let (plan, opts) = (self.plan, self.opts);
+        let n = plan.file_count();
+        exec::write_streamed_files(plan, &self.spooled, false, opts.cancel)?;
+        let data: Vec<_> = (0..n)
+            .filter(|&i| !plan.role(i).is_commit_marker())
+            .map(|i| {
+                let upload = self.ids[i].clone().map(|id| (id, parts[i].clone()));
+                (self.dests[i].clone(), upload)
+            })
+            .collect();
+        let (done, all_done) = crate::storage::complete_uploads(&data, opts.cancel);
+        for ((to, _), done) in data.into_iter().zip(done) {
+            if done {
+                uploads.completed.push(to);
+            }
+        }
+        all_done?;
+        for i in (0..n).filter(|&i| plan.role(i).is_commit_marker()) {
             if opts.cancel.load(Ordering::Relaxed) {
                 return Err(interrupted());
             }
-            let (at, len) = (w[0], w[1] - w[0]);
-            let share = Share {
-                part: PartSpec { index: 0, count: 1 },
-                ranges: vec![FileRange {
-                    file: i,
-                    bytes: at..at + len,
-                }],
-            };
-            let outcome = exec::execute_share_on(plan, &inputs, &dest, &share, &part_opts)?;
-            crcs.extend(outcome.crcs);
-            if !outcome.open_slots.is_empty() {
-                slots.extend(outcome.open_slots);
-                held.push((i, k, at, len));
-                continue;
+            let to = &self.dests[i];
+            if plan.role(i).is_streamed() {
+                let bytes =
+                    std::fs::read(&self.spooled[i]).map_err(|e| Error::io(&self.spooled[i], e))?;
+                to.put(bytes)?;
+            } else if let Some(id) = &self.ids[i] {
+                to.complete_upload(id, parts[i].clone())?;
+            } else {
+                to.put(Vec::new())?;
             }
-            sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
+            uploads.completed.push(to.clone());
         }
+        Ok(())
     }
-    // The parts whose CRC slots needed other parts' bytes: patched, then sent.
-    exec::patch_crcs(&dest, &crcs, &slots, false)?;
-    for (i, k, at, len) in held {
-        sending.send((i, k), len, || send(i, k, at, len), &mut sent)?;
-    }
-    sending.finish(&mut sent)?;
-    // The streamed files (a DCP `.metadata`: seconds at millions of pieces) go to the spool
-    // before any object is completed, so that an interrupt while they are written leaves no
-    // object under the output's name.
-    exec::write_streamed_files(plan, &dest, false, opts.cancel)?;
-    // Data objects first, a few dozen at once (a round trip each); the commit markers (one or
-    // two) last, once every data object is in place.
-    let data: Vec<_> = (0..n)
-        .filter(|&i| !plan.role(i).is_commit_marker())
-        .map(|i| {
-            let upload = ids[i]
-                .clone()
-                .map(|id| (id, parts[i].iter().flatten().cloned().collect()));
-            (dests[i].clone(), upload)
-        })
-        .collect();
-    let (done, all_done) = crate::storage::complete_uploads(&data, opts.cancel);
-    for ((to, _), done) in data.into_iter().zip(done) {
-        if done {
-            uploads.completed.push(to);
-        }
-    }
-    all_done?;
-    for i in (0..n).filter(|&i| plan.role(i).is_commit_marker()) {
-        if opts.cancel.load(Ordering::Relaxed) {
-            return Err(interrupted());
-        }
-        let to = &dests[i];
-        if plan.role(i).is_streamed() {
-            let bytes = std::fs::read(&dest[i]).map_err(|e| Error::io(&dest[i], e))?;
-            to.put(bytes)?;
-        } else if let Some(id) = &ids[i] {
-            to.complete_upload(id, parts[i].iter().flatten().cloned().collect())?;
-        } else {
-            to.put(Vec::new())?;
-        }
-        uploads.completed.push(to.clone());
-    }
-    uploads.committed = true;
-    let _ = uploads.journal.delete();
-    // Objects of a replaced output that the new one does not have.
-    let new: HashSet<&str> = dests.iter().map(Remote::key).collect();
-    for old in existing.iter().filter(|r| !new.contains(r.key())) {
-        let _ = old.delete();
-    }
-    opts.progress.finish();
-    drop(spool);
-    Ok(())
 }
 
 #[cfg(test)]
