@@ -621,3 +621,29 @@ def test_many_items_are_opened_a_rank_file_at_a_time(tmp_path):
             # Each rank file holds 300 items (370 KB): one GET of all of them (16 here, and 1,033
             # opening them one by one).
             assert gets <= 2 * 16, f"{args[0]}: {gets} GETs for 4,800 items in 16 rank files"
+
+
+def test_input_flags_that_name_files_read_them_from_s3(tmp_path):
+    """`--merge-lora s3://…` (an adapter directory, with its adapter_model.safetensors and a
+    config naming it) and `--hf-config s3://…` (a model directory: config.json and the tokenizer's
+    files carried beside the weights) are read through storage like the checkpoint: the outputs
+    equal those of the same flags given local paths."""
+    lora = FIXTURES_DIR / "lora" / "adapter_apart"
+    tt = FIXTURES_DIR / "torchtitan_qwen3"
+    cases = {
+        "lora": (["consolidate", lora / "model.safetensors", "-o", "{out}/merged.safetensors",
+                  "--merge-lora", "{adapter}"], lora / "lora_adapter"),
+        "hf": (["consolidate", tt / "step-2", "-o", "{out}/hf", "--hf-config", "{adapter}"], tt / "hf"),
+    }
+    with counting_s3(tmp_path, **{name: local for name, (_, local) in cases.items()}) as (server, _):
+        for name, (args, local) in cases.items():
+            outs = {}
+            for where, adapter in (("local", local), ("s3", f"s3://{BUCKET}/{name}")):
+                out = tmp_path / f"{name}_{where}"
+                out.mkdir()
+                filled = [str(a).replace("{out}", str(out)).replace("{adapter}", str(adapter)) for a in args]
+                r = run(server, *filled)
+                assert r.returncode == 0, f"{name} {where}: {r.stderr}"
+                outs[where] = out
+            same_tree(outs["local"], outs["s3"])
+            assert sorted(p.name for p in outs["s3"].rglob("*") if p.is_file()), name

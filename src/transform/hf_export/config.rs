@@ -56,13 +56,14 @@ const MOE_FIELDS: [&str; 9] = [
 impl HfConfig {
     /// Read `--hf-config`: a model directory holding config.json, or a config.json.
     pub(crate) fn read(path: &Path) -> Result<HfConfig> {
-        let (file, dir) = if path.is_dir() {
+        // Through storage: a model directory in an object store serves as well.
+        let (file, dir) = if crate::storage::is_dir(path) {
             (path.join(CONFIG_JSON), Some(path.to_path_buf()))
         } else {
             (path.to_path_buf(), None)
         };
-        let text = std::fs::read(&file).map_err(|e| {
-            Error::usage(format!("cannot read `{}`: {e}", file.display()))
+        let text = crate::storage::read(&file).map_err(|e| {
+            Error::usage(format!("cannot read `{}`: {}", file.display(), e.message))
                 .hint("--hf-config takes the Hugging Face model directory the training started from, or its config.json")
         })?;
         let json: Map<String, Value> = serde_json::from_slice(&text)
@@ -396,28 +397,16 @@ impl HfConfig {
         let Some(dir) = &self.dir else {
             return Ok(Vec::new());
         };
-        let mut names = Vec::new();
-        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-            let entry = entry.map_err(|e| Error::io(dir, e))?;
-            let Ok(name) = entry.file_name().into_string() else {
-                continue;
-            };
-            let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false)
-                || entry
-                    .path()
-                    .metadata()
-                    .map(|m| m.is_file())
-                    .unwrap_or(false);
-            if is_file && is_companion(&name) {
-                names.push(name);
-            }
-        }
+        let mut names: Vec<String> = crate::storage::listing(dir)?
+            .into_iter()
+            .filter(|e| e.is_file() && is_companion(e.name()))
+            .map(|e| e.name().to_string())
+            .collect();
         names.sort();
         names
             .into_iter()
             .map(|name| {
-                let path = dir.join(&name);
-                let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+                let bytes = crate::storage::read(&dir.join(&name))?;
                 Ok((name, bytes))
             })
             .collect()

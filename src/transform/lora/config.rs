@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::storage;
 
 /// The file PEFT's `save_pretrained` writes the configuration to.
 pub(crate) const CONFIG_FILE: &str = "adapter_config.json";
@@ -147,23 +148,24 @@ pub(crate) struct ConfigLocation {
 
 /// Find the config at `path`: the file itself or `adapter_config.json` in the directory.
 pub(crate) fn locate(path: &Path) -> Result<ConfigLocation> {
-    let (config, dir) = if path.is_dir() {
+    // Through storage: an adapter in an object store serves as well.
+    let (config, dir) = if storage::is_dir(path) {
         (path.join(CONFIG_FILE), path.to_path_buf())
     } else {
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         (path.to_path_buf(), dir)
     };
-    if !config.is_file() {
+    if !storage::is_file(&config) {
         return Err(
             Error::usage(format!("`{}` does not exist", config.display())).hint(
                 "--merge-lora takes PEFT's adapter_config.json or the directory that holds it",
             ),
         );
     }
-    let adapter_file = Some(dir.join(ADAPTER_FILE)).filter(|p| p.is_file());
-    let dir_name = std::path::absolute(&dir)
-        .ok()
-        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let adapter_file = Some(dir.join(ADAPTER_FILE)).filter(|p| storage::is_file(p));
+    let dir_name = storage::absolute(&dir)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned());
     Ok(ConfigLocation {
         config,
         adapter_file,
@@ -174,7 +176,7 @@ pub(crate) fn locate(path: &Path) -> Result<ConfigLocation> {
 /// Read and parse the config at `path` (a file or a directory holding one).
 pub(crate) fn read(path: &Path) -> Result<(LoraConfig, ConfigLocation)> {
     let loc = locate(path)?;
-    let text = std::fs::read(&loc.config).map_err(|e| Error::io(&loc.config, e))?;
+    let text = storage::read(&loc.config)?;
     let config = LoraConfig::parse(&text).map_err(|e| e.file(&loc.config))?;
     Ok((config, loc))
 }

@@ -141,7 +141,7 @@ struct Module {
 
 /// The directory `--merge-lora CONFIG` reads: CONFIG, or the directory holding it.
 pub(crate) fn config_dir(config: &Path) -> PathBuf {
-    if config.is_dir() {
+    if crate::storage::is_dir(config) {
         return config.to_path_buf();
     }
     match config.parent() {

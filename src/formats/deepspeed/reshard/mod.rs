@@ -158,8 +158,7 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
         Some(path)
     };
     for name in RECOVERY_SCRIPTS {
-        let is_file = |p: &PathBuf| matches!(storage::stat(p), Ok(Some(storage::Stat::File(_))));
-        if let Some(script) = root.map(|r| r.join(name)).filter(is_file) {
+        if let Some(script) = root.map(|r| r.join(name)).filter(|p| storage::is_file(p)) {
             inputs.push(script);
             files.push(OutFile {
                 path: PathBuf::from(name),
