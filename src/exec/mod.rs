@@ -74,7 +74,7 @@ pub struct ExecOptions<'a> {
 }
 
 /// An input, opened once: a mapped or read local file, or an object read with ranged GETs.
-pub use crate::storage::Input as Source;
+pub use crate::storage::Input;
 
 /// A block of a region: a box of the region whose destination bytes are contiguous.
 #[derive(Clone, Debug)]
@@ -249,21 +249,18 @@ pub fn patch_crcs(
 
 /// Every input of `plan`, opened once (a run into an object store opens them once for all its
 /// upload parts).
-pub fn open_inputs(plan: &Plan, io: IoMode) -> Result<Vec<Source>> {
+pub fn open_inputs(plan: &Plan, io: IoMode) -> Result<Vec<Input>> {
     let access = match io {
         IoMode::Mmap => Access::Map,
         IoMode::Read => Access::Read,
     };
-    plan.inputs
-        .iter()
-        .map(|p| Source::open(p, access))
-        .collect()
+    plan.inputs.iter().map(|p| Input::open(p, access)).collect()
 }
 
 /// [`execute_share`] on inputs opened by [`open_inputs`].
 pub fn execute_share_on(
     plan: &Plan,
-    inputs: &[Source],
+    inputs: &[Input],
     dest: &[PathBuf],
     share: &Share,
     opts: &ExecOptions,
@@ -354,7 +351,7 @@ fn run(plan: &Plan, sink: Sink, opts: &ExecOptions) -> Result<(Vec<RegionDigest>
 
 fn run_on(
     plan: &Plan,
-    sources: &[Source],
+    sources: &[Input],
     sink: Sink,
     opts: &ExecOptions,
 ) -> Result<(Vec<RegionDigest>, ShareOutcome)> {
@@ -551,7 +548,7 @@ pub fn read_box(
 }
 
 /// The whole of a small file, regions gathered and literals placed with their CRCs filled in.
-fn assemble(plan: &Plan, f: &FilePlan, sources: &[Source]) -> Result<Vec<u8>> {
+fn assemble(plan: &Plan, f: &FilePlan, sources: &[Input]) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; f.len as usize];
     let mut scratch = Vec::new();
     for r in &f.regions {
@@ -629,7 +626,7 @@ struct Window<'w, 'p> {
     /// (index in the plan, planned file)
     files: &'w [(usize, std::borrow::Cow<'w, FilePlan>)],
     sinks: &'w [FileSink<'w>],
-    sources: &'w [Source],
+    sources: &'w [Input],
     opts: &'w ExecOptions<'w>,
 }
 
@@ -747,7 +744,7 @@ impl Window<'_, '_> {
             opts.progress.advance(result.len);
             Ok(result)
         };
-        if self.sources.iter().any(Source::reads_by_request) {
+        if self.sources.iter().any(Input::reads_by_request) {
             in_order(units, run_one)
         } else {
             units.par_iter().map(run_one).collect()
@@ -893,7 +890,7 @@ fn checked_fills<'r>(
     plan: &Plan,
     r: &'r Region,
     within: Option<(&[u64], &[u64])>,
-    sources: &[Source],
+    sources: &[Input],
 ) -> Result<std::borrow::Cow<'r, [Fill]>> {
     let fills = plan.fills(r, within).map_err(|e| e.tensor(&r.name))?;
     for fill in fills.iter() {
@@ -903,7 +900,7 @@ fn checked_fills<'r>(
 }
 
 /// Check that every byte a fill reads lies inside its source file.
-fn check_fill(fill: &Fill, region: &Region, sources: &[Source]) -> Result<()> {
+fn check_fill(fill: &Fill, region: &Region, sources: &[Input]) -> Result<()> {
     if fill.encoding == Encoding::Zeros {
         return Ok(());
     }
@@ -1038,7 +1035,7 @@ fn run_unit(
     plan: &Plan,
     u: &Unit,
     r: &Region,
-    sources: &[Source],
+    sources: &[Input],
     sink: &FileSink,
 ) -> Result<UnitResult> {
     let (out, clip) = (sink.out(), sink.clip());
@@ -1129,7 +1126,7 @@ fn run_unit(
 /// Where the slice of a fill that falls in a unit lies: `outer` leading dims iterated with an
 /// odometer, each step one contiguous `run` of elements on both sides.
 struct Span {
-    /// Source byte offset of the first element.
+    /// Input byte offset of the first element.
     src0: u64,
     /// Byte offset of the first element within the unit.
     dst0: u64,
@@ -1196,11 +1193,11 @@ fn fetch_remote(
     r: &Region,
     u: &Unit,
     rstrides: &[u64],
-    sources: &[Source],
+    sources: &[Input],
 ) -> Result<()> {
     let mut ranges = Vec::new();
     for fill in fills {
-        let Some(object) = sources.get(fill.input).and_then(Source::object) else {
+        let Some(object) = sources.get(fill.input).and_then(Input::object) else {
             continue;
         };
         if fill.encoding != Encoding::Raw {
@@ -1231,7 +1228,7 @@ fn fill_unit(
     u: &Unit,
     rstrides: &[u64],
     fills: &[Fill],
-    sources: &[Source],
+    sources: &[Input],
     buf: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
@@ -1271,7 +1268,7 @@ fn gather_all(
     dtype: DType,
     u: &Unit,
     rstrides: &[u64],
-    sources: &[Source],
+    sources: &[Input],
     buf: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
@@ -1298,7 +1295,7 @@ fn gather(
     dtype: DType,
     u: &Unit,
     rstrides: &[u64],
-    sources: &[Source],
+    sources: &[Input],
     buf: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<u64> {
@@ -1354,8 +1351,8 @@ fn direct_runs<'a>(
     r: &Region,
     fills: &[Fill],
     rstrides: &[u64],
-    sources: &'a [Source],
-) -> Option<Vec<(&'a Source, u64, u64, u64)>> {
+    sources: &'a [Input],
+) -> Option<Vec<(&'a Input, u64, u64, u64)>> {
     let de = r.dtype.size() as u64;
     let mut runs = Vec::new();
     for fill in fills {
@@ -1383,7 +1380,7 @@ fn direct_runs<'a>(
 /// 70% of the run); unmapped sources (`--io read`) are read once and written from the buffer, so a
 /// network filesystem is not read twice.
 fn copy_direct(
-    src: &Source,
+    src: &Input,
     src_offset: u64,
     out: &File,
     out_path: &Path,
@@ -1419,8 +1416,8 @@ fn copy_direct(
 
 /// Where a fill's bytes are read from: the file itself, a decompressed item, or nowhere (zeros).
 enum FillSource<'a> {
-    File(&'a Source),
-    Decoded(&'a Source, u64),
+    File(&'a Input),
+    Decoded(&'a Input, u64),
     Zeros,
 }
 
@@ -1454,7 +1451,7 @@ impl FillSource<'_> {
     }
 }
 
-fn source_of<'a>(fill: &Fill, sources: &'a [Source]) -> Result<FillSource<'a>> {
+fn source_of<'a>(fill: &Fill, sources: &'a [Input]) -> Result<FillSource<'a>> {
     if fill.encoding == Encoding::Zeros {
         return Ok(FillSource::Zeros);
     }

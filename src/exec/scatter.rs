@@ -27,7 +27,7 @@ use crate::model::{contiguous_strides, numel, Encoding};
 use crate::plan::{FilePlan, Fill, Plan, Region};
 
 use super::write::{start_writeback, write_at};
-use super::{checked_fills, fill_end, ExecOptions, Source, Span, Unit, WRITEBACK_BYTES};
+use super::{checked_fills, fill_end, ExecOptions, Input, Span, Unit, WRITEBACK_BYTES};
 
 /// Most bytes one GET asks for ([`crate::storage::gets_of`]): a rank file of up to this size
 /// comes in one request, as a download fetches it.
@@ -45,7 +45,7 @@ const LONG_RUN: u64 = 64 << 10;
 const PIPE_RUN: u64 = 64 << 10;
 
 /// A fill of a region, or a band of its rows, with where its runs lie on both sides.
-struct Piece<'r> {
+struct Band<'r> {
     /// Index of the destination in the window's files.
     file: usize,
     /// Index of the region in its file, and the region.
@@ -89,7 +89,7 @@ pub(super) fn copy_input_major(
     plan: &Plan,
     to: &Destinations,
     skip: &[bool],
-    sources: &[Source],
+    sources: &[Input],
     opts: &ExecOptions,
 ) -> Result<Scattered> {
     let mut done: Vec<Vec<bool>> = to
@@ -97,7 +97,7 @@ pub(super) fn copy_input_major(
         .iter()
         .map(|(_, f)| vec![false; f.regions.len()])
         .collect();
-    if !sources.iter().any(Source::reads_by_request) {
+    if !sources.iter().any(Input::reads_by_request) {
         return Ok(Scattered {
             done,
             ..Scattered::default()
@@ -166,8 +166,8 @@ fn pieces_of<'r>(
     ri: usize,
     r: &'r Region,
     fills: &[Fill],
-    sources: &[Source],
-) -> Option<Vec<Piece<'r>>> {
+    sources: &[Input],
+) -> Option<Vec<Band<'r>>> {
     let rstrides = contiguous_strides(&r.shape);
     let whole = Unit {
         file,
@@ -216,7 +216,7 @@ fn pieces_of<'r>(
                 return None;
             }
             covered += elements;
-            pieces.push(Piece {
+            pieces.push(Band {
                 file,
                 ri,
                 region: r,
@@ -264,9 +264,9 @@ fn bands(fill: &Fill) -> Option<Vec<Fill>> {
 /// Fetch the source bytes of `pieces`, input by input in runs of at most [`CHUNK_BYTES`], and
 /// write each piece as its run arrives.
 fn copy_batch(
-    pieces: &[Piece],
+    pieces: &[Band],
     to: &Destinations,
-    sources: &[Source],
+    sources: &[Input],
     opts: &ExecOptions,
     runs: &mut Vec<RunCrc>,
 ) -> Result<()> {
@@ -282,7 +282,7 @@ fn copy_batch(
         .map(|(input, run, _)| {
             let object = sources
                 .get(*input)
-                .and_then(Source::object)
+                .and_then(Input::object)
                 .ok_or_else(|| Error::bug("a piece of a local input was taken"))?;
             Ok((object, run.clone()))
         })
@@ -309,7 +309,7 @@ fn copy_batch(
                 let decoded =
                     crate::formats::codec::decode(&p.fill.encoding, item, 0, p.fill.dtype)
                         .map_err(|e| {
-                            let path = sources.get(*input).map(Source::path);
+                            let path = sources.get(*input).map(Input::path);
                             let e = e.within(item_offset).tensor(&p.region.name);
                             match path {
                                 Some(path) => e.file(path),
@@ -328,7 +328,7 @@ fn copy_batch(
 /// Write `p`'s runs from `bytes`: the input's bytes from offset `base` on, or for an item the
 /// item's elements (`base` 0). Each run's CRC-32 goes to `crcs` when a CRC covers the region.
 fn write_piece(
-    p: &Piece,
+    p: &Band,
     bytes: &[u8],
     base: u64,
     to: &Destinations,

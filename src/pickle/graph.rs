@@ -1,4 +1,4 @@
-//! The object graph a pickle describes, kept compact, and a read-only [`View`] of it.
+//! The object graph a pickle describes, kept compact, and a read-only [`NodeRef`] of it.
 //!
 //! A DCP `.metadata` with a million tensor pieces unpickles to tens of millions of objects, so the
 //! per-object cost is what bounds ckpt's memory. Here a node is 16 bytes: scalars are inline,
@@ -6,7 +6,7 @@
 //! child ids, and the containers pickle fills after creating them (`APPENDS`, `SETITEMS`) are
 //! chains of batches in that pool. Small non-negative ints, the bulk of a `.metadata` (offsets,
 //! sizes, lengths), are not nodes at all: their id holds the value (see [`small_int`]). Nothing is copied out until a caller asks: format modules read
-//! meaning straight through a [`View`], and [`View::to_value`] builds an owned [`Value`] tree for
+//! meaning straight through a [`NodeRef`], and [`NodeRef::to_value`] builds an owned [`Value`] tree for
 //! callers that want one.
 //!
 //! A graph is only handed out after [`Graph::validate`] has checked, from the root, that it is
@@ -162,7 +162,7 @@ pub enum Kind {
     None,
     Bool,
     Int,
-    /// An int outside i64 ([`View::as_int`] gives `None`).
+    /// An int outside i64 ([`NodeRef::as_int`] gives `None`).
     BigInt,
     Float,
     Str,
@@ -209,8 +209,8 @@ impl<'a> Graph<'a> {
     }
 
     /// The object the pickle returned.
-    pub fn root(&self) -> View<'_> {
-        View {
+    pub fn root(&self) -> NodeRef<'_> {
+        NodeRef {
             graph: self,
             id: self.root,
         }
@@ -314,8 +314,8 @@ impl<'a> Graph<'a> {
         items.map(|v| v.id).try_for_each(f)
     }
 
-    pub(super) fn view(&self, id: Id) -> View<'_> {
-        View { graph: self, id }
+    pub(super) fn view(&self, id: Id) -> NodeRef<'_> {
+        NodeRef { graph: self, id }
     }
 
     /// Check the graph under the root against `limits` (see the module docs); `Ok` means every
@@ -415,14 +415,14 @@ fn set(measured: &mut [Measure], id: Id, m: Measure) {
 
 /// A node of a validated [`Graph`], read in place.
 #[derive(Clone, Copy)]
-pub struct View<'g> {
+pub struct NodeRef<'g> {
     graph: &'g Graph<'g>,
     id: Id,
 }
 
-impl std::fmt::Debug for View<'_> {
+impl std::fmt::Debug for NodeRef<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "View({:?})", self.kind())
+        write!(f, "NodeRef({:?})", self.kind())
     }
 }
 
@@ -437,9 +437,9 @@ pub struct Items<'g> {
 }
 
 impl<'g> Iterator for Items<'g> {
-    type Item = View<'g>;
+    type Item = NodeRef<'g>;
 
-    fn next(&mut self) -> Option<View<'g>> {
+    fn next(&mut self) -> Option<NodeRef<'g>> {
         loop {
             if let Some(i) = self.at.next() {
                 let id = *self.graph.pool.get(i)?;
@@ -452,7 +452,7 @@ impl<'g> Iterator for Items<'g> {
     }
 }
 
-impl<'g> View<'g> {
+impl<'g> NodeRef<'g> {
     fn node(&self) -> Node {
         self.graph.node(self.id)
     }
@@ -461,7 +461,7 @@ impl<'g> View<'g> {
         self.graph.object(self.id)
     }
 
-    fn at(&self, id: Id) -> Option<View<'g>> {
+    fn at(&self, id: Id) -> Option<NodeRef<'g>> {
         (id != NONE).then(|| self.graph.view(id))
     }
 
@@ -548,7 +548,7 @@ impl<'g> View<'g> {
     }
 
     /// Pairs of a dict, with Python's rule for a repeated key (first position, last value).
-    pub fn dict_items(&self) -> Option<Vec<(View<'g>, View<'g>)>> {
+    pub fn dict_items(&self) -> Option<Vec<(NodeRef<'g>, NodeRef<'g>)>> {
         match self.node() {
             Node::Dict(chain, _) => Some(dedup_pairs(self.graph.chain(chain))),
             _ => None,
@@ -556,7 +556,7 @@ impl<'g> View<'g> {
     }
 
     /// Look up a string key in a dict (the last value pickled for it, as Python keeps).
-    pub fn get(&self, key: &str) -> Option<View<'g>> {
+    pub fn get(&self, key: &str) -> Option<NodeRef<'g>> {
         let Node::Dict(chain, _) = self.node() else {
             return None;
         };
@@ -576,7 +576,7 @@ impl<'g> View<'g> {
     }
 
     /// The state `BUILD` gave this object.
-    pub fn state(&self) -> Option<View<'g>> {
+    pub fn state(&self) -> Option<NodeRef<'g>> {
         self.at(self.object()?.state)
     }
 
@@ -585,8 +585,8 @@ impl<'g> View<'g> {
         Some(self.graph.tuple_items(self.object()?.args))
     }
 
-    /// Items `SETITEMS` put into this object (an `OrderedDict`), as [`View::dict_items`] gives.
-    pub fn object_dict_items(&self) -> Option<Vec<(View<'g>, View<'g>)>> {
+    /// Items `SETITEMS` put into this object (an `OrderedDict`), as [`NodeRef::dict_items`] gives.
+    pub fn object_dict_items(&self) -> Option<Vec<(NodeRef<'g>, NodeRef<'g>)>> {
         let items = self.graph.object_items(self.object()?);
         Some(dedup_pairs(self.graph.chain(items.dict)))
     }
@@ -596,7 +596,7 @@ impl<'g> View<'g> {
     pub fn to_value(&self) -> Value {
         let g = self.graph;
         let all = |items: Items<'g>| all_of(items);
-        let pairs = |pairs: Vec<(View<'g>, View<'g>)>| {
+        let pairs = |pairs: Vec<(NodeRef<'g>, NodeRef<'g>)>| {
             pairs
                 .into_iter()
                 .map(|(k, v)| (k.to_value(), v.to_value()))
@@ -654,7 +654,7 @@ pub(super) fn shortest_twos_complement(bytes: &[u8]) -> Vec<u8> {
     bytes[..n].to_vec()
 }
 
-fn all_of<'g>(items: impl IntoIterator<Item = View<'g>>) -> Vec<Value> {
+fn all_of<'g>(items: impl IntoIterator<Item = NodeRef<'g>>) -> Vec<Value> {
     items.into_iter().map(|v| v.to_value()).collect()
 }
 
@@ -668,7 +668,7 @@ enum SimpleKey<'g> {
     Bytes(&'g [u8]),
 }
 
-fn simple_key<'g>(v: &View<'g>) -> Option<SimpleKey<'g>> {
+fn simple_key<'g>(v: &NodeRef<'g>) -> Option<SimpleKey<'g>> {
     match v.node() {
         Node::None => Some(SimpleKey::None),
         // In Python `True == 1`, so they are the same key.
@@ -684,7 +684,7 @@ fn simple_key<'g>(v: &View<'g>) -> Option<SimpleKey<'g>> {
 }
 
 /// Pair up a dict's alternating keys and values, then apply [`dedup_pairs_of`].
-fn dedup_pairs<'g>(mut items: Items<'g>) -> Vec<(View<'g>, View<'g>)> {
+fn dedup_pairs<'g>(mut items: Items<'g>) -> Vec<(NodeRef<'g>, NodeRef<'g>)> {
     let pairs = std::iter::from_fn(move || Some((items.next()?, items.next()?)));
     dedup_pairs_of(pairs)
 }
@@ -692,9 +692,9 @@ fn dedup_pairs<'g>(mut items: Items<'g>) -> Vec<(View<'g>, View<'g>)> {
 /// Python dict semantics for repeated simple keys: the first position, the last value. Other keys
 /// (objects, tuples) are kept as pickled.
 fn dedup_pairs_of<'g>(
-    pairs: impl Iterator<Item = (View<'g>, View<'g>)>,
-) -> Vec<(View<'g>, View<'g>)> {
-    let mut out: Vec<(View<'g>, View<'g>)> = Vec::new();
+    pairs: impl Iterator<Item = (NodeRef<'g>, NodeRef<'g>)>,
+) -> Vec<(NodeRef<'g>, NodeRef<'g>)> {
+    let mut out: Vec<(NodeRef<'g>, NodeRef<'g>)> = Vec::new();
     let mut seen: HashMap<SimpleKey<'g>, usize> = HashMap::new();
     for (k, v) in pairs {
         if let Some(key) = simple_key(&k) {
@@ -710,7 +710,7 @@ fn dedup_pairs_of<'g>(
 }
 
 /// Python set semantics for repeated simple items: the first is kept.
-fn dedup_set(items: Items<'_>) -> Vec<View<'_>> {
+fn dedup_set(items: Items<'_>) -> Vec<NodeRef<'_>> {
     let mut seen = std::collections::HashSet::new();
     items
         .filter(|v| simple_key(v).is_none_or(|key| seen.insert(key)))

@@ -5,7 +5,7 @@
 //! which a global is only a name and a call (`REDUCE`, `NEWOBJ`, `BUILD`) is only a record of what
 //! would have been called. A global is accepted only when the caller's [`Globals`] policy names it;
 //! any other is an error naming it. Format modules then read meaning out of it: [`parse`] gives a
-//! compact [`Graph`] read in place through a [`View`] (what DCP's `.metadata`, which can hold
+//! compact [`Graph`] read in place through a [`NodeRef`] (what DCP's `.metadata`, which can hold
 //! millions of objects, uses), and [`read`] an owned [`Value`] tree (for small pickles and tests).
 //! Writing likewise takes a [`Value`] tree ([`write()`]) or, for pickles too large to hold as one,
 //! items described one at a time to a [`Stream`] ([`write_with`]).
@@ -16,7 +16,7 @@ mod read;
 mod scan;
 mod write;
 
-pub use graph::{Graph, Items, Kind, View};
+pub use graph::{Graph, Items, Kind, NodeRef};
 pub use read::{parse, parse_consuming, read, Consumer};
 pub use write::{write, write_to, write_with, Protocol, Stream};
 

@@ -30,7 +30,7 @@ use super::graph::{
     MAX_NODES, NONE,
 };
 use super::opcodes as op;
-use super::{limit, malformed, Global, Globals, Limits, PickleError, Value, View};
+use super::{limit, malformed, Global, Globals, Limits, NodeRef, PickleError, Value};
 
 /// Read one pickle (protocols 0-5 opcodes as used by torch and DCP) into an owned value tree.
 pub fn read(bytes: &[u8], globals: &dyn Globals, limits: Limits) -> Result<Value, PickleError> {
@@ -63,18 +63,18 @@ pub fn parse<'a>(
 /// [`Consumer::consume_list`] the same way, and the list stays empty in the graph.
 pub trait Consumer {
     /// Whether the items of the dict set under `key` in the state of `owner` go to `consume`.
-    fn claims(&mut self, owner: View<'_>, key: &str) -> bool;
+    fn claims(&mut self, owner: NodeRef<'_>, key: &str) -> bool;
     /// One batch of key-value pairs of a claimed dict, in order. `Break` stops the reader (with
     /// [`PickleError::Stopped`]); the consumer keeps the reason.
-    fn consume(&mut self, key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()>;
+    fn consume(&mut self, key: &str, pairs: &[(NodeRef<'_>, NodeRef<'_>)]) -> ControlFlow<()>;
     /// Whether the items of the list set under `key` in the state of `owner` go to
     /// `consume_list`.
-    fn claims_list(&mut self, _owner: View<'_>, _key: &str) -> bool {
+    fn claims_list(&mut self, _owner: NodeRef<'_>, _key: &str) -> bool {
         false
     }
     /// One batch of items of a claimed list, in order; `list` is the (still empty) list, whose
-    /// [`View::id`] is the same when its owner is consumed later.
-    fn consume_list(&mut self, _list: View<'_>, _items: &[View<'_>]) -> ControlFlow<()> {
+    /// [`NodeRef::id`] is the same when its owner is consumed later.
+    fn consume_list(&mut self, _list: NodeRef<'_>, _items: &[NodeRef<'_>]) -> ControlFlow<()> {
         ControlFlow::Continue(())
     }
 }
@@ -803,7 +803,7 @@ impl<'a> Machine<'a, '_> {
         }
         let items = self.stack.get(mark..).unwrap_or_default();
         let flow = if batch.list {
-            let views: Vec<View<'_>> = items.iter().map(|&id| self.graph.view(id)).collect();
+            let views: Vec<NodeRef<'_>> = items.iter().map(|&id| self.graph.view(id)).collect();
             c.consumer
                 .consume_list(self.graph.view(batch.container), &views)
         } else {
@@ -813,7 +813,7 @@ impl<'a> Machine<'a, '_> {
                 .get(batch.key.range())
                 .and_then(|b| std::str::from_utf8(b).ok())
                 .unwrap_or_default();
-            let pairs: Vec<(View<'_>, View<'_>)> = items
+            let pairs: Vec<(NodeRef<'_>, NodeRef<'_>)> = items
                 .chunks_exact(2)
                 .map(|kv| (self.graph.view(kv[0]), self.graph.view(kv[1])))
                 .collect();

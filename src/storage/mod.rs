@@ -308,7 +308,7 @@ pub struct Input {
 
 enum Inner {
     Local { file: File, map: Option<Mmap> },
-    Remote(remote::Object),
+    Remote(remote::OpenObject),
 }
 
 impl Input {
@@ -374,7 +374,7 @@ impl Input {
         }
     }
 
-    pub(crate) fn object(&self) -> Option<&remote::Object> {
+    pub(crate) fn object(&self) -> Option<&remote::OpenObject> {
         match &self.inner {
             Inner::Remote(o) => Some(o),
             Inner::Local { .. } => None,

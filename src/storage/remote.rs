@@ -250,7 +250,7 @@ impl Remote {
             .map_err(|e| store_error(&self.path, e))
     }
 
-    pub(crate) fn open(self) -> Result<Object> {
+    pub(crate) fn open(self) -> Result<OpenObject> {
         // The cache knows an object by its location, length and ETag: the executor opens again
         // what the reader opened, and finds the blocks the reader fetched.
         static IDS: OnceLock<Mutex<HashMap<ObjectVersion, u64>>> = OnceLock::new();
@@ -270,7 +270,7 @@ impl Remote {
             let next = ids.len() as u64;
             *ids.entry((self.path.clone(), size, e_tag)).or_insert(next)
         };
-        Ok(Object {
+        Ok(OpenObject {
             id,
             len: size,
             at: self,
@@ -430,15 +430,15 @@ fn condense_xml(text: &str) -> String {
 }
 
 /// An object opened for ranged reads.
-pub(crate) struct Object {
+pub(crate) struct OpenObject {
     id: u64,
     len: u64,
     at: Remote,
     /// The sequential readers of this object (several threads may each go through a part of it):
     /// where each one's last fetched run ended and how many blocks it read ahead.
     streams: Mutex<Vec<Stream>>,
-    /// When the cache is crowded ([`Object::crowded`]): this object's windows, aligned pieces
-    /// of its share of the cache, the last few fetched (see [`Object::read_ahead_of`]).
+    /// When the cache is crowded ([`OpenObject::crowded`]): this object's windows, aligned pieces
+    /// of its share of the cache, the last few fetched (see [`OpenObject::read_ahead_of`]).
     ahead: Mutex<Windows>,
 }
 
@@ -539,12 +539,12 @@ thread_local! {
 /// Fetch `ranges` (object, byte range) for the unit about to be gathered on this thread,
 /// coalesced and many in flight, replacing the previous unit's: reads inside them are then
 /// served from memory. Memory: the ranges' bytes, about one unit.
-pub(crate) fn fetch_window(ranges: &[(&Object, Range<u64>)]) -> Result<()> {
+pub(crate) fn fetch_window(ranges: &[(&OpenObject, Range<u64>)]) -> Result<()> {
     WINDOW.with(|w| w.borrow_mut().clear());
     if ranges.is_empty() {
         return Ok(());
     }
-    let mut by_object: Vec<(&Object, Vec<Range<u64>>)> = Vec::new();
+    let mut by_object: Vec<(&OpenObject, Vec<Range<u64>>)> = Vec::new();
     for (o, r) in ranges {
         match by_object.iter_mut().find(|(x, _)| x.id == o.id) {
             Some((_, rs)) => rs.push(r.clone()),
@@ -619,7 +619,7 @@ pub(crate) fn gets_of(ranges: &[(usize, Range<u64>)]) -> Vec<(usize, Range<u64>,
 /// arrives, in whatever order they come. The bytes are not cached: each range is read once. An
 /// error from `each` stops the run; the GETs still in flight are dropped.
 pub(crate) fn fetch_each(
-    ranges: &[(&Object, Range<u64>)],
+    ranges: &[(&OpenObject, Range<u64>)],
     in_flight: usize,
     mut each: impl FnMut(usize, Bytes) -> Result<()>,
 ) -> Result<()> {
@@ -658,7 +658,7 @@ fn coalesce(mut rs: Vec<Range<u64>>) -> Vec<Range<u64>> {
     out
 }
 
-impl Object {
+impl OpenObject {
     pub(crate) fn len(&self) -> u64 {
         self.len
     }
@@ -892,7 +892,7 @@ impl Object {
         }
     }
 
-    /// Copy the bytes at `offset` out of `blocks` (from [`Object::blocks`]) into `buf`.
+    /// Copy the bytes at `offset` out of `blocks` (from [`OpenObject::blocks`]) into `buf`.
     fn copy_from(&self, blocks: &HashMap<u64, Bytes>, offset: u64, buf: &mut [u8]) -> Result<()> {
         let mut at = offset;
         let mut done = 0;
@@ -1033,7 +1033,7 @@ impl Object {
         Ok(v)
     }
 
-    /// [`Object::prefetch`] of framing, unless the cache is crowded.
+    /// [`OpenObject::prefetch`] of framing, unless the cache is crowded.
     fn prefetch_framing(&self, ranges: &[Range<u64>]) -> Result<()> {
         if self.crowded() {
             return Ok(());
@@ -1101,13 +1101,13 @@ mod tests {
     use super::*;
 
     /// An object of `len` bytes (byte `i` is `i * 7 % 251`) in an in-memory store.
-    fn in_memory(len: usize) -> (Object, Vec<u8>) {
+    fn in_memory(len: usize) -> (OpenObject, Vec<u8>) {
         let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
         (object_of(&bytes), bytes)
     }
 
     /// An object holding `bytes` in an in-memory store.
-    fn object_of(bytes: &[u8]) -> Object {
+    fn object_of(bytes: &[u8]) -> OpenObject {
         let bytes = bytes.to_vec();
         let mem = Arc::new(object_store::memory::InMemory::new());
         let key = Key::from("ckpt/__0_0.distcp");
@@ -1160,7 +1160,7 @@ mod tests {
             o.read_ahead_of(at as u64, &mut buf).unwrap();
             assert_eq!(buf, bytes[at..at + n], "{n} bytes at {at}");
         };
-        let windows = |o: &Object| -> Vec<u64> {
+        let windows = |o: &OpenObject| -> Vec<u64> {
             o.ahead
                 .lock()
                 .unwrap()

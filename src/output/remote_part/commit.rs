@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use super::{
-    at_once, compute, hostname, upload, upload_id, Finished, Marker, Part, Piece, RunRecord, Sent,
-    Spool, Started, CLAIMS, COMPLETING, LOCK, RUN,
+    at_once, compute, hostname, upload, upload_id, Finished, Marker, Part, RunRecord, Sent, Spool,
+    Started, UploadSlice, CLAIMS, COMPLETING, LOCK, RUN,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{self, ExecOptions, OpenSlot, PartialCrc};
@@ -39,7 +39,7 @@ pub(super) struct Commit<'a> {
 impl Commit<'_> {
     /// Take the commit lock (a conditional PUT) and commit; the lock is left to the clean-up
     /// when the commit is done, released otherwise.
-    pub(super) fn locked(&self, me: &Part, pieces: &[(Piece, usize)]) -> Result<Finished> {
+    pub(super) fn locked(&self, me: &Part, pieces: &[(UploadSlice, usize)]) -> Result<Finished> {
         let holder = format!(
             "part {} on {} (pid {})",
             me.part,
@@ -64,7 +64,7 @@ impl Commit<'_> {
     /// Holding the lock: the ids of every upload part (from the markers, sending the held-back
     /// parts; or from the record of a commit cut short), then the uploads completed, commit
     /// markers last, and the staging prefix deleted.
-    fn run(&self, me: &Part, pieces: &[(Piece, usize)]) -> Result<Finished> {
+    fn run(&self, me: &Part, pieces: &[(UploadSlice, usize)]) -> Result<Finished> {
         let completing = me.staging.join(COMPLETING)?;
         let (ids, resumed, existing) = match completing.read_if_any()? {
             Some(b) => {
@@ -118,7 +118,7 @@ impl Commit<'_> {
     fn gather(
         &self,
         me: &Part,
-        pieces: &[(Piece, usize)],
+        pieces: &[(UploadSlice, usize)],
     ) -> Result<std::result::Result<Ids, Vec<usize>>> {
         let all: Vec<usize> = (0..me.part.count).collect();
         let mut markers = Vec::with_capacity(me.part.count);
@@ -154,7 +154,7 @@ impl Commit<'_> {
         &self,
         markers: &[Marker],
         held: &[(usize, usize)],
-        pieces: &[(Piece, usize)],
+        pieces: &[(UploadSlice, usize)],
         ids: &mut Ids,
     ) -> Result<()> {
         let opts = super::upload::spool_options(self.opts, &exec::NoProgress);
@@ -164,8 +164,8 @@ impl Commit<'_> {
         let held: HashSet<&(usize, usize)> = held.iter().collect();
         let crcs: Vec<PartialCrc> = markers.iter().flat_map(|m| m.crcs.clone()).collect();
         let slots: Vec<OpenSlot> = markers.iter().flat_map(|m| m.open_slots.clone()).collect();
-        let mut sending: upload::Sending<Piece> = upload::Sending::new(self.opts.threads);
-        let mut settle = |q: Piece, sent: UploadedPart| -> Result<()> {
+        let mut sending: upload::Sending<UploadSlice> = upload::Sending::new(self.opts.threads);
+        let mut settle = |q: UploadSlice, sent: UploadedPart| -> Result<()> {
             ids.insert((q.file, q.k), sent.id().to_string());
             Ok(())
         };
@@ -191,7 +191,7 @@ impl Commit<'_> {
 
     /// Complete every upload from `ids` and put the streamed and empty files: data objects
     /// first, the commit markers last. `resumed`: a commit cut short may have completed some.
-    fn complete(&self, pieces: &[(Piece, usize)], mut ids: Ids, resumed: bool) -> Result<()> {
+    fn complete(&self, pieces: &[(UploadSlice, usize)], mut ids: Ids, resumed: bool) -> Result<()> {
         let plan = self.plan;
         let n = plan.file_count();
         let mut parts: Vec<Vec<UploadedPart>> = vec![Vec::new(); n];

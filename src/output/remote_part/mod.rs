@@ -102,7 +102,7 @@ struct Marker {
 
 /// One upload part of the output: file `file`'s part `k`, its bytes `at..end`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Piece {
+struct UploadSlice {
     file: usize,
     k: usize,
     at: u64,
@@ -131,13 +131,13 @@ pub fn fingerprint(description: &str, root: &Path) -> Result<String> {
 }
 
 /// Every upload part of `plan`'s files, file by file, and the share each belongs to.
-fn pieces(plan: &Plan, lens: &[u64], count: usize) -> Result<Vec<(Piece, usize)>> {
+fn pieces(plan: &Plan, lens: &[u64], count: usize) -> Result<Vec<(UploadSlice, usize)>> {
     let mut out = Vec::new();
     for (file, &len) in lens.iter().enumerate() {
         if len > 0 {
             for (k, w) in upload::part_cuts(plan, file, len)?.windows(2).enumerate() {
                 let (at, end) = (w[0], w[1]);
-                out.push(Piece { file, k, at, end });
+                out.push(UploadSlice { file, k, at, end });
             }
         }
     }
@@ -148,7 +148,7 @@ fn pieces(plan: &Plan, lens: &[u64], count: usize) -> Result<Vec<(Piece, usize)>
 /// The share of each of `pieces` (in file order): the one whose range of the files laid end to
 /// end ([`crate::part::cuts`], cut anywhere) holds the piece's first byte. Shares are contiguous
 /// runs of pieces, each within one piece of its even share of the bytes.
-fn owners(lens: &[u64], pieces: &[Piece], count: usize) -> Vec<usize> {
+fn owners(lens: &[u64], pieces: &[UploadSlice], count: usize) -> Vec<usize> {
     let cuts = crate::part::cuts_aligned(lens, count, 1);
     let mut starts = Vec::with_capacity(lens.len());
     let mut at = 0u64;
@@ -244,7 +244,7 @@ pub fn write_part(
     me.marker(part.index)?.delete()?;
     me.check_no_commit()?;
 
-    let mine: Vec<Piece> = pieces
+    let mine: Vec<UploadSlice> = pieces
         .iter()
         .filter(|(_, owner)| *owner == part.index)
         .map(|(p, _)| *p)
@@ -527,14 +527,14 @@ fn send_share(
     record: &RunRecord,
     dests: &[Remote],
     dest: &[PathBuf],
-    mine: &[Piece],
+    mine: &[UploadSlice],
     me: &Part,
     opts: &ExecOptions,
 ) -> Result<Marker> {
     let forward = Forward(opts.progress);
     let part_opts = upload::spool_options(opts, &forward);
     let inputs = exec::open_inputs(plan, opts.io)?;
-    let mut sending: upload::Sending<Piece> = upload::Sending::new(opts.threads);
+    let mut sending: upload::Sending<UploadSlice> = upload::Sending::new(opts.threads);
     let mut marker = Marker {
         fingerprint: me.fingerprint.clone(),
         run: me.run.clone(),
@@ -548,7 +548,7 @@ fn send_share(
         open_slots: Vec::new(),
     };
     let mut sent = Vec::new();
-    let mut settle = |p: Piece, done: UploadedPart| -> Result<()> {
+    let mut settle = |p: UploadSlice, done: UploadedPart| -> Result<()> {
         sent.push(Sent {
             file: p.file,
             k: p.k,
@@ -582,9 +582,9 @@ fn send_share(
 /// Write upload part `p`'s bytes into the spool.
 fn compute(
     plan: &Plan,
-    inputs: &[exec::Source],
+    inputs: &[exec::Input],
     dest: &[PathBuf],
-    p: Piece,
+    p: UploadSlice,
     opts: &ExecOptions,
 ) -> Result<exec::ShareOutcome> {
     let share = Share {
@@ -699,7 +699,7 @@ mod tests {
                 let mut k = 0;
                 while at < len {
                     let end = (at + size).min(len);
-                    pieces.push(Piece { file, k, at, end });
+                    pieces.push(UploadSlice { file, k, at, end });
                     at = end;
                     k += 1;
                 }

@@ -38,11 +38,11 @@ struct TakeBig {
 }
 
 impl Consumer for TakeBig {
-    fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+    fn claims(&mut self, owner: NodeRef<'_>, key: &str) -> bool {
         owner.class() == Some(("m", "Owner")) && key == "big"
     }
 
-    fn consume(&mut self, _key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+    fn consume(&mut self, _key: &str, pairs: &[(NodeRef<'_>, NodeRef<'_>)]) -> ControlFlow<()> {
         self.batches += 1;
         for (k, v) in pairs {
             let (Some(k), Some(v)) = (k.as_str(), v.as_str()) else {
@@ -115,11 +115,11 @@ struct TakeNested {
 }
 
 impl Consumer for TakeNested {
-    fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+    fn claims(&mut self, owner: NodeRef<'_>, key: &str) -> bool {
         owner.class() == Some(("m", "Owner")) && key == "big"
     }
 
-    fn consume(&mut self, _key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+    fn consume(&mut self, _key: &str, pairs: &[(NodeRef<'_>, NodeRef<'_>)]) -> ControlFlow<()> {
         for (k, v) in pairs {
             let list = v.state().and_then(|s| s.get("xs")).unwrap();
             let mut items = self.lists.remove(&list.id()).unwrap_or_default();
@@ -134,11 +134,11 @@ impl Consumer for TakeNested {
         ControlFlow::Continue(())
     }
 
-    fn claims_list(&mut self, owner: View<'_>, key: &str) -> bool {
+    fn claims_list(&mut self, owner: NodeRef<'_>, key: &str) -> bool {
         owner.class() == Some(("m", "Item")) && key == "xs"
     }
 
-    fn consume_list(&mut self, list: View<'_>, items: &[View<'_>]) -> ControlFlow<()> {
+    fn consume_list(&mut self, list: NodeRef<'_>, items: &[NodeRef<'_>]) -> ControlFlow<()> {
         self.list_batches += 1;
         let taken = self.lists.entry(list.id()).or_default();
         taken.extend(items.iter().map(|x| x.as_str().unwrap().to_string()));
@@ -193,10 +193,10 @@ fn an_unclaimed_dict_is_kept_whole() {
     let (v, bytes) = owner_pickle(2500);
     struct Nothing;
     impl Consumer for Nothing {
-        fn claims(&mut self, _: View<'_>, _: &str) -> bool {
+        fn claims(&mut self, _: NodeRef<'_>, _: &str) -> bool {
             false
         }
-        fn consume(&mut self, _: &str, _: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+        fn consume(&mut self, _: &str, _: &[(NodeRef<'_>, NodeRef<'_>)]) -> ControlFlow<()> {
             ControlFlow::Break(())
         }
     }

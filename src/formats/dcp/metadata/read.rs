@@ -8,7 +8,7 @@ use super::*;
 use crate::bail_invalid;
 use crate::error::{Error, Result};
 use crate::model::numel;
-use crate::pickle::{self, Kind, Limits, PickleError, Value, View};
+use crate::pickle::{self, Kind, Limits, NodeRef, PickleError, Value};
 
 /// Parse `.metadata` bytes. Never executes anything; unknown globals are errors naming them.
 pub fn parse(bytes: &[u8]) -> Result<DcpMetadata> {
@@ -45,7 +45,7 @@ pub struct Rest {
 
 /// Parse `.metadata` bytes, handing entries and storage records to `sink` as they are read.
 ///
-/// The typed structs are read straight out of the pickle's graph (see [`pickle::View`]), and the
+/// The typed structs are read straight out of the pickle's graph (see [`pickle::NodeRef`]), and the
 /// two big dicts are taken from it batch by batch (see [`pickle::Consumer`]), so no owned copy of
 /// the whole pickle is ever built.
 pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink, extension: &dyn Extension) -> Result<Rest> {
@@ -128,7 +128,10 @@ pub fn parse_into(bytes: &[u8], sink: &mut dyn Sink, extension: &dyn Extension) 
 }
 
 /// The state of the pickle's root: DCP's `Metadata`, or a derived format's subclass of it.
-pub(super) fn metadata_state<'g>(root: View<'g>, extension: &dyn Extension) -> Option<View<'g>> {
+pub(super) fn metadata_state<'g>(
+    root: NodeRef<'g>,
+    extension: &dyn Extension,
+) -> Option<NodeRef<'g>> {
     match root.class() {
         Some((m, "Metadata")) if m == META || m == OLD_META => root.state(),
         Some((m, n)) if extension.is_metadata(m, n) => root.state(),
@@ -201,7 +204,7 @@ impl Taken<'_> {
 }
 
 impl pickle::Consumer for Taken<'_> {
-    fn claims(&mut self, owner: View<'_>, key: &str) -> bool {
+    fn claims(&mut self, owner: NodeRef<'_>, key: &str) -> bool {
         let is_metadata = match owner.class() {
             Some((m, "Metadata")) => m == META || m == OLD_META,
             Some((m, n)) => self.extension.is_metadata(m, n),
@@ -210,7 +213,7 @@ impl pickle::Consumer for Taken<'_> {
         is_metadata && (key == "state_dict_metadata" || key == "storage_data")
     }
 
-    fn consume(&mut self, key: &str, pairs: &[(View<'_>, View<'_>)]) -> ControlFlow<()> {
+    fn consume(&mut self, key: &str, pairs: &[(NodeRef<'_>, NodeRef<'_>)]) -> ControlFlow<()> {
         let result = (|| -> Result<()> {
             for &(k, v) in pairs {
                 if key == "state_dict_metadata" {
@@ -229,7 +232,7 @@ impl pickle::Consumer for Taken<'_> {
         self.stop(result)
     }
 
-    fn claims_list(&mut self, owner: View<'_>, key: &str) -> bool {
+    fn claims_list(&mut self, owner: NodeRef<'_>, key: &str) -> bool {
         let is_tensor = matches!(
             owner.class(),
             Some((m, "TensorStorageMetadata")) if m == META || m == OLD_META
@@ -237,7 +240,7 @@ impl pickle::Consumer for Taken<'_> {
         is_tensor && key == "chunks"
     }
 
-    fn consume_list(&mut self, list: View<'_>, items: &[View<'_>]) -> ControlFlow<()> {
+    fn consume_list(&mut self, list: NodeRef<'_>, items: &[NodeRef<'_>]) -> ControlFlow<()> {
         let chunks = self.lists.entry(list.id()).or_default();
         let result = items.iter().try_for_each(|&c| {
             chunks.push(raw_chunk(c)?);
@@ -278,8 +281,8 @@ pub(super) fn pickle_error(err: PickleError) -> Error {
 
 /// One `state_dict_metadata` item; `lists` holds the chunks already taken from tensor entries.
 pub(super) fn entry(
-    key: View<'_>,
-    value: View<'_>,
+    key: NodeRef<'_>,
+    value: NodeRef<'_>,
     lists: &mut HashMap<u32, Vec<Chunk>>,
 ) -> Result<DcpEntry> {
     let fqn = key
@@ -305,7 +308,7 @@ pub(super) fn entry(
 
 pub(super) fn tensor(
     fqn: &str,
-    state: View<'_>,
+    state: NodeRef<'_>,
     lists: &mut HashMap<u32, Vec<Chunk>>,
 ) -> Result<DcpEntry> {
     let properties = state
@@ -352,7 +355,7 @@ pub(super) fn tensor(
 
 /// The dtype out of a `TensorProperties`, after checking the layout is strided; `Err` with its
 /// name (`torch.bits8`) for a torch dtype ckpt does not support.
-pub(super) fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<DType, String>> {
+pub(super) fn tensor_dtype(properties: NodeRef<'_>) -> Result<std::result::Result<DType, String>> {
     let state = object_state(
         properties,
         &[META, OLD_META, SHARDED_TENSOR_META],
@@ -369,7 +372,7 @@ pub(super) fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<D
     // so torch refuses it, and a list is read like the tuple.
     let (dtype, layout) = match state.kind() {
         Kind::Tuple | Kind::List => {
-            let items: Vec<View<'_>> = state.as_seq().into_iter().flatten().collect();
+            let items: Vec<NodeRef<'_>> = state.as_seq().into_iter().flatten().collect();
             if items.len() != 5 && items.len() != 6 {
                 bail_invalid!(
                     "`TensorProperties` state is {}, not a 5- or 6-tuple",
@@ -422,7 +425,7 @@ pub(super) fn tensor_dtype(properties: View<'_>) -> Result<std::result::Result<D
 /// `__setstate__` maps it to a memory format, so anything but the enum with one of its three
 /// values (0, 1, 2, compared as Python does: `False`, `2.0` and a member itself are fine) is
 /// refused when torch loads. Which module's enum names it is not checked.
-pub(super) fn check_memory_format(encoding: View<'_>) -> Result<()> {
+pub(super) fn check_memory_format(encoding: NodeRef<'_>) -> Result<()> {
     let mut value = encoding;
     // `_MEM_FORMAT_ENCODING(_MEM_FORMAT_ENCODING(0))` is the member itself.
     loop {
@@ -467,7 +470,7 @@ pub(super) fn check_memory_format(encoding: View<'_>) -> Result<()> {
 }
 
 /// A `ChunkStorageMetadata`, not yet checked against its tensor's size ([`check_chunk`]).
-pub(super) fn raw_chunk(value: View<'_>) -> Result<Chunk> {
+pub(super) fn raw_chunk(value: NodeRef<'_>) -> Result<Chunk> {
     let state =
         object_state(value, &[META, OLD_META], "ChunkStorageMetadata").ok_or_else(|| {
             Error::invalid(format!(
@@ -503,7 +506,7 @@ pub(super) fn check_chunk(chunk: &Chunk, size: &[u64]) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn metadata_index(value: View<'_>) -> Result<MetadataIndex> {
+pub(super) fn metadata_index(value: NodeRef<'_>) -> Result<MetadataIndex> {
     let state = object_state(value, &[META, OLD_META], "MetadataIndex").ok_or_else(|| {
         Error::invalid(format!(
             "a `storage_data` key is {}, not `MetadataIndex`",
@@ -536,7 +539,7 @@ pub(super) fn metadata_index(value: View<'_>) -> Result<MetadataIndex> {
     Ok(MetadataIndex { fqn, offset, index })
 }
 
-pub(super) fn storage_info(key: View<'_>, value: View<'_>) -> Result<StorageInfo> {
+pub(super) fn storage_info(key: NodeRef<'_>, value: NodeRef<'_>) -> Result<StorageInfo> {
     let fqn = key
         .state()
         .and_then(|s| s.get("fqn"))
@@ -607,7 +610,10 @@ pub(super) fn is_plain_relative(path: &str) -> bool {
         && path.split(['/', '\\']).all(|part| part != "..")
 }
 
-pub(super) fn planner_entry(key: View<'_>, value: View<'_>) -> Result<(String, Vec<KeyPart>)> {
+pub(super) fn planner_entry(
+    key: NodeRef<'_>,
+    value: NodeRef<'_>,
+) -> Result<(String, Vec<KeyPart>)> {
     let fqn = key.as_str().ok_or_else(|| {
         Error::invalid(format!(
             "a `planner_data` key is {}, not a string",
@@ -675,7 +681,7 @@ pub(super) fn dedup_storage(
 }
 
 /// Items of a dict or an `OrderedDict`.
-pub(super) fn dict_items(value: View<'_>) -> Option<Vec<(View<'_>, View<'_>)>> {
+pub(super) fn dict_items(value: NodeRef<'_>) -> Option<Vec<(NodeRef<'_>, NodeRef<'_>)>> {
     match value.class() {
         Some(("collections", "OrderedDict")) => value.object_dict_items(),
         _ => value.dict_items(),
@@ -683,16 +689,20 @@ pub(super) fn dict_items(value: View<'_>) -> Option<Vec<(View<'_>, View<'_>)>> {
 }
 
 /// The state of an object of class `name` from one of `modules`, which must have one.
-pub(super) fn object_state<'g>(value: View<'g>, modules: &[&str], name: &str) -> Option<View<'g>> {
+pub(super) fn object_state<'g>(
+    value: NodeRef<'g>,
+    modules: &[&str],
+    name: &str,
+) -> Option<NodeRef<'g>> {
     object_state_or_none(value, modules, name).flatten()
 }
 
 /// `Some(state)` if `value` is an object of class `name` from one of `modules`.
 pub(super) fn object_state_or_none<'g>(
-    value: View<'g>,
+    value: NodeRef<'g>,
     modules: &[&str],
     name: &str,
-) -> Option<Option<View<'g>>> {
+) -> Option<Option<NodeRef<'g>>> {
     match value.class() {
         Some((m, n)) if n == name && modules.contains(&m) => Some(value.state()),
         _ => None,
@@ -700,7 +710,7 @@ pub(super) fn object_state_or_none<'g>(
 }
 
 /// A `torch.Size` (or, leniently, a plain tuple or list) of non-negative ints.
-pub(super) fn torch_size_of(value: View<'_>) -> Option<Vec<u64>> {
+pub(super) fn torch_size_of(value: NodeRef<'_>) -> Option<Vec<u64>> {
     let dims = match value.class() {
         Some(("torch", "Size")) => {
             let mut args = value.args()?;
@@ -717,7 +727,7 @@ pub(super) fn torch_size_of(value: View<'_>) -> Option<Vec<u64>> {
 }
 
 /// A short description of a value for error messages: its class, or its kind.
-pub(super) fn describe(value: View<'_>) -> String {
+pub(super) fn describe(value: NodeRef<'_>) -> String {
     if let Some((m, n)) = value.class().or_else(|| value.as_global()) {
         return format!("`{m}.{n}`");
     }
@@ -738,6 +748,6 @@ pub(super) fn describe(value: View<'_>) -> String {
     kind.to_string()
 }
 
-pub(super) fn describe_opt(value: Option<View<'_>>) -> String {
+pub(super) fn describe_opt(value: Option<NodeRef<'_>>) -> String {
     value.map_or_else(|| "missing".to_string(), describe)
 }

@@ -34,7 +34,7 @@ use crate::formats::torch_save;
 use crate::pickle::{self, Protocol, Value};
 use crate::storage;
 use crate::zip::ZipRecord;
-use source::{dict_get, entries, flat_tensor, set, Source, TensorRef};
+use source::{dict_get, entries, flat_tensor, set, SavedFile, TensorRef};
 
 /// The recovery scripts DeepSpeed 0.19's `save_checkpoint` copies beside the tags
 /// (`_copy_recovery_script`), which people run there, offline, to get the weights without
@@ -102,9 +102,9 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
     }
     let set = Set::list(&tag.dir)?;
     let mut inputs: Vec<PathBuf> = Vec::new();
-    let mut open = |p: &Path| -> Result<Source> {
+    let mut open = |p: &Path| -> Result<SavedFile> {
         inputs.push(p.to_path_buf());
-        Source::open(p, inputs.len() - 1)
+        SavedFile::open(p, inputs.len() - 1)
     };
     let model = set
         .model
@@ -177,8 +177,8 @@ pub(crate) fn plan(path: &Path, tag: Option<&str>, world: usize) -> Result<Resha
 /// The files of a stage 0, 1 or 2 save at `world` ranks: one model states file and, for stages 1
 /// and 2, optimizer states per rank.
 fn stage012(
-    model: &[Source],
-    optim: &[Source],
+    model: &[SavedFile],
+    optim: &[SavedFile],
     tag: &Tag,
     tag_dir: &Path,
     optim_name: &dyn Fn(usize) -> String,
@@ -208,7 +208,7 @@ fn stage012(
 }
 
 /// The ZeRO stage a rank's optimizer states record.
-fn zero_stage(first: &Source) -> Result<i64> {
+fn zero_stage(first: &SavedFile) -> Result<i64> {
     let Some(stage) = first.at(&[OPTIMIZER, "zero_stage"]) else {
         // BF16_Optimizer (bf16, stage 1, fp32 gradient accumulation) records no stage and keeps
         // its partitions differently.
@@ -231,7 +231,7 @@ fn zero_stage(first: &Source) -> Result<i64> {
 
 /// `mp_rank_00_model_states.pt` as saved, with `dp_world_size` the new size.
 fn model_file(
-    model: &Source,
+    model: &SavedFile,
     groups: Option<&Groups>,
     tag_dir: &Path,
     world: usize,
@@ -290,7 +290,7 @@ fn model_file(
 fn archive(
     path: &Path,
     mut root: Value,
-    template: &Source,
+    template: &SavedFile,
     mut fresh: HashMap<String, (u64, Vec<Run>)>,
 ) -> Result<OutFile> {
     let mut renamed: HashMap<String, String> = HashMap::new();
@@ -386,7 +386,7 @@ struct Groups {
 }
 
 impl Groups {
-    fn of(model: &Source, optim: &[Source]) -> Result<Groups> {
+    fn of(model: &SavedFile, optim: &[SavedFile]) -> Result<Groups> {
         let first = &optim[0];
         let shapes = model
             .at(&["param_shapes"])
@@ -431,7 +431,7 @@ impl Groups {
 }
 
 /// Whether the saved `ds_config.zero_optimization` sets `key` true.
-fn ds_config_flag(model: &Source, key: &str) -> bool {
+fn ds_config_flag(model: &SavedFile, key: &str) -> bool {
     model
         .at(&["ds_config", "zero_optimization", key])
         .and_then(Value::as_bool)
@@ -460,7 +460,7 @@ pub(crate) fn partitions(numel: u64, world: u64) -> (u64, Vec<u64>) {
 
 /// Check, once, what every rank file must agree on: `partition_count` is the number of rank
 /// files for each group, and the moments are saved with their padding (not elastic).
-fn check_partitions(optim: &[Source], groups: &Groups) -> Result<()> {
+fn check_partitions(optim: &[SavedFile], groups: &Groups) -> Result<()> {
     let from = optim.len() as u64;
     for (s, source) in optim.iter().enumerate() {
         let counts = source
@@ -491,7 +491,7 @@ fn check_partitions(optim: &[Source], groups: &Groups) -> Result<()> {
 
 /// Rank `r` of `world`'s optimizer states, from rank 0's as the template.
 fn optim_file(
-    optim: &[Source],
+    optim: &[SavedFile],
     groups: &Groups,
     path: &Path,
     r: usize,
@@ -522,7 +522,7 @@ fn optim_file(
         let lean = size - pad;
         // The master partition: saved without the padding, over a storage holding it.
         let key = |what: &str| format!("new/{g}/{what}");
-        let masters = |s: &Source| {
+        let masters = |s: &SavedFile| {
             s.at(&[OPTIMIZER, "single_partition_of_fp32_groups"])
                 .and_then(Value::as_seq)
                 .and_then(|l| l.get(g))
@@ -604,7 +604,7 @@ fn optim_file(
 }
 
 /// A source tensor's length must be what the partitioning says.
-fn check_len(s: &Source, len: u64, expected: u64, what: &str) -> Result<()> {
+fn check_len(s: &SavedFile, len: u64, expected: u64, what: &str) -> Result<()> {
     if len == expected {
         return Ok(());
     }
@@ -638,7 +638,7 @@ fn int_key(dict: &Value, g: usize) -> Option<&Value> {
 }
 
 /// Runs filling a destination storage of `storage` elements whose first `len` elements are the
-/// group's flat elements from `start` on, the rest zeros. Source rank `s` holds the flat range
+/// group's flat elements from `start` on, the rest zeros. SavedFile rank `s` holds the flat range
 /// `[s * size, (s + 1) * size - pads[s])` from byte `sources[s].1` of input `sources[s].0`.
 fn runs_of(
     sources: &[(usize, u64)],
@@ -674,7 +674,7 @@ fn runs_of(
 }
 
 /// A `fragment_address` object of the source, to copy the class and layout of.
-fn fragment_template(first: &Source) -> Result<Value> {
+fn fragment_template(first: &SavedFile) -> Result<Value> {
     first
         .at(&[OPTIMIZER, "param_slice_mappings"])
         .and_then(Value::as_seq)

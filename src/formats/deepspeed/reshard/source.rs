@@ -22,7 +22,7 @@ impl Globals for SaveGlobals {
 }
 
 /// One torch.save file of the source: its pickled object and where each storage record is.
-pub(super) struct Source {
+pub(super) struct SavedFile {
     pub input: usize,
     pub path: PathBuf,
     pub root: Value,
@@ -30,8 +30,8 @@ pub(super) struct Source {
     pub storages: HashMap<String, (u64, u64)>,
 }
 
-impl Source {
-    pub(super) fn open(path: &Path, input: usize) -> Result<Source> {
+impl SavedFile {
+    pub(super) fn open(path: &Path, input: usize) -> Result<SavedFile> {
         let file = storage::Input::open(path, Access::Map)?;
         let bytes = file.zip_view(0, file.len())?;
         let entries = zip::read_entries(&bytes).map_err(|e| e.file(path))?;
@@ -66,7 +66,7 @@ impl Source {
                 .file(path)
                 .hint("ckpt rewrites DeepSpeed's own files; a class it does not know is refused")
         })?;
-        Ok(Source {
+        Ok(SavedFile {
             input,
             path: path.to_path_buf(),
             root,

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::source::{dict_get, dict_get_mut, entries, flat_tensor, set, Source, TensorRef};
+use super::source::{dict_get, dict_get_mut, entries, flat_tensor, set, SavedFile, TensorRef};
 use super::{archive, OutFile, Run, OPTIMIZER};
 use crate::error::{Error, Result};
 use crate::pickle::Value;
@@ -112,7 +112,7 @@ struct Layout {
 }
 
 impl Layout {
-    fn of(model: &Source, optim: &Source, from: u64, to: u64) -> Result<Layout> {
+    fn of(model: &SavedFile, optim: &SavedFile, from: u64, to: u64) -> Result<Layout> {
         let shapes = model
             .at(&["param_shapes"])
             .and_then(Value::as_seq)
@@ -198,8 +198,8 @@ impl Layout {
 /// Plan the files of a ZeRO-3 save at `to` ranks: per rank its model states and optimizer
 /// states (`optim_name(r)` in `tag_dir`).
 pub(super) fn files(
-    model: &[Source],
-    optim: &[Source],
+    model: &[SavedFile],
+    optim: &[SavedFile],
     tag_dir: &Path,
     optim_name: &dyn Fn(usize) -> String,
     to: usize,
@@ -258,7 +258,7 @@ struct Pieces {
 
 impl Pieces {
     /// The fp32 master pieces, from `fp32_flat_groups`.
-    fn fp32(optim: &[Source], layout: &Layout) -> Result<Pieces> {
+    fn fp32(optim: &[SavedFile], layout: &Layout) -> Result<Pieces> {
         Pieces::gather(optim, layout, "`fp32_flat_groups`", &|s, j| {
             s.at(&[OPTIMIZER, "fp32_flat_groups"])
                 .and_then(Value::as_seq)
@@ -268,7 +268,7 @@ impl Pieces {
 
     /// Each flat state tensor of the base optimizer (Adam's `exp_avg`, `exp_avg_sq`), by name, in
     /// the order rank 0 saved them.
-    fn moments(optim: &[Source], layout: &Layout) -> Result<Vec<(String, Pieces)>> {
+    fn moments(optim: &[SavedFile], layout: &Layout) -> Result<Vec<(String, Pieces)>> {
         let Some(first) = state(&optim[0], 0) else {
             return Ok(Vec::new()); // Saved before any step: no state.
         };
@@ -294,10 +294,10 @@ impl Pieces {
     }
 
     fn gather(
-        optim: &[Source],
+        optim: &[SavedFile],
         layout: &Layout,
         what: &str,
-        get: &dyn Fn(&Source, usize) -> Option<&Value>,
+        get: &dyn Fn(&SavedFile, usize) -> Option<&Value>,
     ) -> Result<Pieces> {
         let from = optim.len() as u64;
         let mut templates = Vec::new();
@@ -349,7 +349,7 @@ impl Pieces {
 }
 
 /// Sub-group `j`'s entry in a rank's `base optimizer state`, keyed by int.
-fn state(s: &Source, j: usize) -> Option<&[(Value, Value)]> {
+fn state(s: &SavedFile, j: usize) -> Option<&[(Value, Value)]> {
     let st = s.at(&[OPTIMIZER, OPTIMIZER, "state"])?;
     entries(st)?
         .iter()
@@ -359,7 +359,7 @@ fn state(s: &Source, j: usize) -> Option<&[(Value, Value)]> {
 
 /// Rank `r` of `to`'s optimizer states, from rank 0's as the template.
 fn optim_file(
-    optim: &[Source],
+    optim: &[SavedFile],
     layout: &Layout,
     fp32: &Pieces,
     moments: &[(String, Pieces)],
@@ -440,7 +440,7 @@ struct FrozenParam {
 }
 
 impl Frozen {
-    fn of(model: &[Source]) -> Result<Frozen> {
+    fn of(model: &[SavedFile]) -> Result<Frozen> {
         let first = &model[0];
         let from = model.len() as u64;
         let Some(shapes) = first.at(&["frozen_param_shapes"]) else {
@@ -484,7 +484,7 @@ impl Frozen {
 
 /// Rank `r` of `to`'s model states, from rank 0's as the template.
 fn model_file(
-    model: &[Source],
+    model: &[SavedFile],
     frozen: &Frozen,
     tag_dir: &Path,
     r: usize,
