@@ -1,4 +1,4 @@
-//! Criterion benches of the hot paths the README's performance section quotes: the pickle parse of
+//! Criterion benches of the hot paths BENCHMARKS.md quotes: the pickle parse of
 //! a DCP `.metadata` (the reader's cost per piece at millions of pieces), the safetensors header
 //! parse, and the `--dtype` casts (f32 -> bf16, f32 -> fp16, bf16 -> f32).
 //!

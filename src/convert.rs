@@ -409,7 +409,7 @@ fn convert_deepspeed(job: &Conversion, world: usize, exec_opts: &ExecOptions) ->
         "ckpt {}\ndeepspeed world {world}\ntag {tag:?}",
         env!("CARGO_PKG_VERSION")
     );
-    let plan = resharded.into_plan()?;
+    let plan = plan::deepspeed::plan(resharded)?;
     let done = crate::output::write(
         &plan,
         &job.destination(OutputKind::Dir, description),

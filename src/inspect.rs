@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::model::{Checkpoint, Encoding, Tensor};
 use crate::pickle::Value;
 
-/// The `--json` document. Field names and meanings are a stable contract (see README).
+/// The `--json` document. Field names and meanings are a stable contract (see docs/commands.md).
 ///
 /// Tensors and their pieces are described as they are serialized (see [`Tensors`]), so a
 /// checkpoint of millions of pieces is written out without its document ever being in memory.

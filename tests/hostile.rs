@@ -5,7 +5,7 @@
 //! exit code 1 (101 would be a panic), an error naming the problem, no output under the final name,
 //! no temporary left behind, and nothing else in the test's directory created or changed (the
 //! payload of a pickle would create a marker file there). Every run has a time limit (a hang is a
-//! failure) and an address-space limit (bounded memory is a promise of the README).
+//! failure) and an address-space limit (bounded memory is a promise of docs/guarantees.md).
 //!
 //! A few inputs are legal although they look hostile (tensor names holding `/`, safetensors offsets
 //! listed out of order); their tests say so and check that ckpt reads them correctly.

@@ -1,8 +1,8 @@
 //! ckpt's safetensors header reader against the reference reader, the `safetensors` crate (which
 //! the Python package wraps): over generated headers and their mutations, ckpt accepts a file
 //! exactly when the crate does, and then reads the same tensors and metadata. The only exceptions
-//! are the cases in `oracle::STRICTER` (ckpt refuses on purpose, each with its reason, as README's
-//! Guarantees says) and `oracle::NOT_YET` (sub-byte dtypes ckpt keeps aside by name, never generated here).
+//! are the cases in `oracle::STRICTER` (ckpt refuses on purpose, each with its reason, as
+//! docs/guarantees.md says) and `oracle::NOT_YET` (sub-byte dtypes ckpt keeps aside by name, never generated here).
 //!
 //! Files start valid (tensors laid out back to back, header members in any order, keys escaped
 //! or not, optional `__metadata__`), then get JSON-level edits (a field repeated, dropped or

@@ -12,6 +12,7 @@
 //! targets, and [`sourcing`] finds where each box of a tensor comes from for all of them.
 
 mod dcp;
+pub(crate) mod deepspeed;
 mod mesh;
 mod safetensors;
 mod sourcing;
@@ -33,7 +34,6 @@ use crate::zip;
 
 pub use dcp::DcpFiles;
 use sourcing::Sourcing;
-pub(crate) use torch_save::archive_into;
 
 /// Everything needed to write one output: files, and where each byte comes from.
 ///

@@ -71,7 +71,7 @@ impl Planner<'_> {
 /// Lay out a ZIP archive of `records` at `base` in `file`: literals go straight into the file, and
 /// each `{prefix}/data/{key}` record becomes the region `region_for(key)` returns, moved to its
 /// place. Returns those regions. The file grows to hold the archive.
-pub(crate) fn archive_into(
+pub(super) fn archive_into(
     file: &mut FilePlan,
     base: u64,
     records: &[zip::ZipRecord],

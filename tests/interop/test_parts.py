@@ -1,4 +1,4 @@
-"""The README's recipes for partitioned runs (`--part I/N`), run as written: GNU xargs always, a
+"""The recipes of docs/parts.md for partitioned runs (`--part I/N`), run as written: GNU xargs always, a
 Slurm job array under a single-node Slurm when one can be installed and started here, and the
 Kubernetes Indexed Job's container command once per index. Each output must be byte-identical to a
 single run's and read back by safetensors / PyTorch as the input's tensors."""
@@ -23,10 +23,10 @@ from conftest import ckpt_path, free_port, run_ckpt
 
 
 def recipe(name: str) -> str:
-    """The fenced block after `<!-- recipe: NAME -->` in README.md."""
-    text = (REPO / "README.md").read_text()
+    """The fenced block after `<!-- recipe: NAME -->` in docs/parts.md."""
+    text = (REPO / "docs" / "parts.md").read_text()
     m = re.search(rf"<!-- recipe: {name} -->\n```[a-z]*\n(.*?)```", text, re.S)
-    assert m, f"README.md has no recipe `{name}`"
+    assert m, f"docs/parts.md has no recipe `{name}`"
     return m.group(1)
 
 

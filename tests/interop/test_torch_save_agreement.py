@@ -257,7 +257,7 @@ def torch_refuses(path) -> str | None:
 
 # Where ckpt is deliberately stricter: it cannot tell which characters Python's cp1252 table
 # has, so it refuses non-ASCII text for such codecs rather than risk calling sound what torch
-# refuses (README, Guarantees).
+# refuses (docs/guarantees.md).
 STRICTER = {"pkl_encode_euro_cp1252"}
 
 

@@ -41,7 +41,7 @@ pub fn compare<E: std::fmt::Display>(ours: Result<Header, E>, file: &[u8]) -> Ve
     }
 }
 
-/// Files the reference reads and ckpt refuses on purpose, each with why. README's Guarantees
+/// Files the reference reads and ckpt refuses on purpose, each with why. docs/guarantees.md
 /// lists the same cases; each detector looks at the header itself, not at ckpt's error.
 pub const STRICTER: &[(&str, Detector)] = &[
     (

@@ -19,7 +19,6 @@
 //! buffers, frozen parameters, lr scheduler, client state, loss scaler, `step`, param groups) is
 //! carried as saved.
 
-mod planned;
 mod source;
 mod stage3;
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! A [`Resharded`] DeepSpeed checkpoint as a [`Plan`] the executor writes like any other: each
+//! A [`Resharded`] DeepSpeed checkpoint (planned from its source's files by
+//! [`crate::formats::deepspeed::reshard`]) as a [`Plan`] the executor writes like any other: each
 //! archive's framing from [`crate::zip::layout`] as literals, each storage record a byte region
 //! filled from runs of the input files' bytes and zeros (its CRC-32 computed as it is copied and
 //! patched into the framing), `latest` as the output's commit marker, and the recovery scripts
@@ -7,29 +8,28 @@
 
 use std::path::PathBuf;
 
-use super::{Body, OutFile, Resharded, Run};
+use super::{FilePlan, FileRole, Fill, Plan, Region, RegionSource};
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::formats::deepspeed::reshard::{Body, OutFile, Resharded, Run};
+use crate::formats::deepspeed::LATEST;
 use crate::model::Encoding;
-use crate::plan::{FilePlan, FileRole, Fill, Plan, Region, RegionSource};
 
-impl Resharded {
-    /// The plan writing these files from [`Resharded::inputs`].
-    pub(crate) fn into_plan(self) -> Result<Plan<'static>> {
-        let files = self
-            .files
-            .into_iter()
-            .map(|f| file_plan(f, &self.inputs))
-            .collect::<Result<Vec<_>>>()?;
-        Plan::listed(self.inputs, files)
-    }
+/// The plan writing `resharded`'s files from its inputs.
+pub(crate) fn plan(resharded: Resharded) -> Result<Plan<'static>> {
+    let Resharded { inputs, files, .. } = resharded;
+    let files = files
+        .into_iter()
+        .map(|f| file_plan(f, &inputs))
+        .collect::<Result<Vec<_>>>()?;
+    Plan::listed(inputs, files)
 }
 
 /// One destination file's plan.
 fn file_plan(file: OutFile, inputs: &[PathBuf]) -> Result<FilePlan> {
     let OutFile { path, body } = file;
     // DeepSpeed finds its tag through `latest`: the output is a checkpoint once it is written.
-    let role = match path == std::path::Path::new(super::super::files::LATEST) {
+    let role = match path == std::path::Path::new(LATEST) {
         true => FileRole::CommitMarker,
         false => FileRole::Data,
     };
@@ -63,7 +63,7 @@ fn file_plan(file: OutFile, inputs: &[PathBuf]) -> Result<FilePlan> {
         }
         Body::Archive { records, runs } => {
             let file = plan.path.display().to_string();
-            let regions = crate::plan::archive_into(&mut plan, 0, &records, |key| {
+            let regions = super::torch_save::archive_into(&mut plan, 0, &records, |key| {
                 let runs = runs.get(key)?;
                 Some(bytes_region(format!("{file}: storage {key}"), runs))
             })?;
