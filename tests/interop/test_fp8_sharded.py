@@ -35,6 +35,7 @@ SHARDED = {
     "megatron_fp8_bf16": ("megatron_fp8_bf16/ckpt", "megatron_fp8_bf16/hf"),
     "torchtitan_qwen3_fp8": ("torchtitan_qwen3_fp8/step-60", "torchtitan_qwen3_fp8/hf"),
     "torchtitan_deepseek_v3_fp8": ("torchtitan_deepseek_v3_fp8/step-60", "torchtitan_deepseek_v3_fp8/hf"),
+    "torchtitan_qwen3_moe": ("torchtitan_qwen3_moe/step-60", "torchtitan_qwen3_moe/hf"),
 }
 
 

@@ -59,6 +59,11 @@ TORCHTITAN = {
     # export (tests/interop/test_fp8_sharded.py)
     "torchtitan_qwen3_fp8": ("step-60", "Qwen3ForCausalLM"),
     "torchtitan_deepseek_v3_fp8": ("step-60", "DeepseekV3ForCausalLM"),
+    # mixtures of experts (trained like the `_fp8` ones): Qwen3-MoE's experts one tensor each, as
+    # its `to_hf` writes them; gpt-oss's fused and transposed, as transformers holds them (its
+    # `to_hf` drops them: expected/ is built by that rule, fixtures/README.md)
+    "torchtitan_qwen3_moe": ("step-60", "Qwen3MoeForCausalLM"),
+    "torchtitan_gpt_oss": ("step-60", "GptOssForCausalLM"),
 }
 NAMES = sorted(TORCHTITAN)
 # config.json's fields naming the dtype of the weights (transformers 5 writes `dtype`; older
@@ -219,8 +224,26 @@ def test_reference_is_the_dcp_model_renamed_with_hf_rope_rows(tmp_path, name):
         "moe.shared_experts.w1.weight": ("mlp.shared_experts.gate_proj.weight", None),
         "moe.shared_experts.w3.weight": ("mlp.shared_experts.up_proj.weight", None),
         "moe.shared_experts.w2.weight": ("mlp.shared_experts.down_proj.weight", None),
+        # gpt-oss: biases, a sink per head, a router with a bias, the experts fused as
+        # transformers holds them ([E, 2F, D] -> [E, D, 2F], gate and up interleaved as they are)
+        "attention.qkv_linear.wq.bias": ("self_attn.q_proj.bias", None),
+        "attention.qkv_linear.wk.bias": ("self_attn.k_proj.bias", None),
+        "attention.qkv_linear.wv.bias": ("self_attn.v_proj.bias", None),
+        "attention.wo.bias": ("self_attn.o_proj.bias", None),
+        "attention.sinks": ("self_attn.sinks", None),
+        "moe.router.gate.bias": ("mlp.router.bias", None),
+        "moe.routed_experts.inner_experts.mlp1_weight_EGD": ("mlp.experts.gate_up_proj", lambda w: w.transpose(1, 2)),
+        "moe.routed_experts.inner_experts.mlp1_bias_EG": ("mlp.experts.gate_up_proj_bias", None),
+        "moe.routed_experts.inner_experts.mlp2_weight_EDF": ("mlp.experts.down_proj", lambda w: w.transpose(1, 2)),
+        "moe.routed_experts.inner_experts.mlp2_bias_ED": ("mlp.experts.down_proj_bias", None),
     }
-    if cfg["architectures"][0] == "DeepseekV3ForCausalLM":
+    arch = cfg["architectures"][0]
+    if arch == "GptOssForCausalLM":
+        per_layer["moe.router.gate.weight"] = ("mlp.router.weight", None)
+    if arch != "DeepseekV3ForCausalLM":
+        # torchtitan's load-balancing bias: no place in Qwen3-MoE or gpt-oss (left out, said)
+        per_layer["moe.expert_bias_E"] = (None, None)
+    if arch == "DeepseekV3ForCausalLM":
         # MLA's q_norm is the norm of the query's low-rank projection (Qwen3's normalises heads)
         per_layer["attention.q_norm.weight"] = ("self_attn.q_a_layernorm.weight", None)
     # expert-stacked [E, F, D] / [E, D, F]: one HF tensor per expert
@@ -240,7 +263,8 @@ def test_reference_is_the_dcp_model_renamed_with_hf_rope_rows(tmp_path, name):
         elif k.startswith("layers."):
             _, i, rest = k.split(".", 2)
             hf_name, view = per_layer[rest]
-            want[f"model.layers.{i}.{hf_name}"] = view(tt[k]) if view else tt[k]
+            if hf_name is not None:
+                want[f"model.layers.{i}.{hf_name}"] = view(tt[k]) if view else tt[k]
         elif k == "lm_head.weight" and cfg["tie_word_embeddings"]:
             assert torch.equal(tt[k], tt["tok_embeddings.weight"])  # one parameter, saved twice
         else:
@@ -340,7 +364,22 @@ WRONG_MLA_MOE = {
     "num_hidden_layers": lambda c: c["num_hidden_layers"] + 1,
     "vocab_size": lambda c: c["vocab_size"] + 1,
 }
-WRONG = {name: WRONG_MLA_MOE if "deepseek" in name else WRONG_GQA for name in NAMES}
+# Qwen3-MoE: every layer a mixture of experts here, so `intermediate_size` (the dense MLP's) is
+# not a size of any tensor: the experts' fields are
+WRONG_QWEN3_MOE = {
+    **{k: v for k, v in WRONG_GQA.items() if k != "intermediate_size"},
+    "moe_intermediate_size": lambda c: c["moe_intermediate_size"] + 8,
+    "num_local_experts": lambda c: c["num_local_experts"] * 2,
+}
+# gpt-oss: `intermediate_size` is each expert's
+WRONG_GPT_OSS = {**WRONG_GQA, "num_local_experts": lambda c: c["num_local_experts"] * 2}
+WRONG = {
+    name: WRONG_MLA_MOE if "deepseek" in name
+    else WRONG_QWEN3_MOE if "qwen3_moe" in name
+    else WRONG_GPT_OSS if "gpt_oss" in name
+    else WRONG_GQA
+    for name in NAMES
+}
 WRONG_CASES = [(name, field) for name in NAMES for field in WRONG[name]]
 
 

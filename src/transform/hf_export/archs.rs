@@ -2,11 +2,11 @@
 //! naming, the rows that place a checkpoint's tensors on them (types and matching in
 //! `tables.rs`).
 
-use super::tables::{linear, param, row, Arch, Dim, Param, Row, When};
+use super::tables::{linear, param, row, Arch, Dim, MoeLayers, Param, Row, When};
 use super::views::QkvPart;
 use super::views::ViewKind;
 use Dim::*;
-use ViewKind::{Qkv, Rename, RopeKv, RopeQuery, Split, TrimVocab};
+use ViewKind::{Qkv, Rename, RopeKv, RopeQuery, Split, Transpose, TrimVocab};
 use When::*;
 
 const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
@@ -516,6 +516,245 @@ const MEGATRON_QWEN3: &[Row] = megatron_gpt![
     ("self_attention.k_layernorm.weight", K_NORM.name, Rename),
 ];
 
+/// A routed expert's gate, up and down projections, one tensor each per expert, as DeepSeek-V3's
+/// and Qwen3-MoE's released checkpoints hold them.
+const EXPERT_GATE: Param = linear(
+    "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+    &[MoeInter, Hidden],
+    MoeLayer,
+);
+const EXPERT_UP: Param = linear(
+    "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+    &[MoeInter, Hidden],
+    MoeLayer,
+);
+const EXPERT_DOWN: Param = linear(
+    "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+    &[Hidden, MoeInter],
+    MoeLayer,
+);
+
+/// transformers' `Qwen3MoeForCausalLM`: Qwen3's attention, and in each mixture-of-experts layer
+/// (every `decoder_sparse_step`-th not in `mlp_only_layers`) a router `mlp.gate` and the routed
+/// experts, no shared one; the other layers a dense MLP.
+const QWEN3_MOE_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        AttentionBias,
+    ),
+    K,
+    param(
+        "model.layers.{L}.self_attn.k_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    V,
+    param(
+        "model.layers.{L}.self_attn.v_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    O,
+    param(
+        "model.layers.{L}.self_attn.o_proj.bias",
+        &[Hidden],
+        AttentionBias,
+    ),
+    Q_NORM,
+    K_NORM,
+    linear(GATE.name, &[Inter, Hidden], DenseLayer),
+    linear(UP.name, &[Inter, Hidden], DenseLayer),
+    linear(DOWN.name, &[Hidden, Inter], DenseLayer),
+    param(
+        "model.layers.{L}.mlp.gate.weight",
+        &[Experts, Hidden],
+        MoeLayer,
+    ),
+    EXPERT_GATE,
+    EXPERT_UP,
+    EXPERT_DOWN,
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// transformers 5 holds Qwen3-MoE's routed experts fused as DeepSeek-V3's (see
+/// [`HF_DEEPSEEK_V3_FUSED`]) and saves one tensor per expert.
+const HF_QWEN3_MOE_FUSED: &[Row] = HF_DEEPSEEK_V3_FUSED;
+
+/// torchtitan's auxiliary-loss-free load balancing keeps a routing bias per expert that shifts
+/// which experts a token goes to. Qwen3-MoE and gpt-oss have no such parameter: the export
+/// routes without it, as torchtitan's own `to_hf` does, and says so.
+const TT_EXPERT_BIAS: (&str, &str) = (
+    "layers.{L}.moe.expert_bias_E",
+    "routing biases of torchtitan's load balancing, which the architecture has no place for (the export routes without them, as torchtitan's to_hf does)",
+);
+
+/// torchtitan 0.3's Qwen3-MoE (`Qwen3StateDictAdapter`): Qwen3's names, the routed experts
+/// stacked on a leading axis as its DeepSeek-V3's.
+const TT_QWEN3_MOE: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wq.weight", Q.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wk.weight", K.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wv.weight", V.name, Rename),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row("layers.{L}.attention.q_norm.weight", Q_NORM.name, Rename),
+    row("layers.{L}.attention.k_norm.weight", K_NORM.name, Rename),
+    row("layers.{L}.feed_forward.w1.weight", GATE.name, Rename),
+    row("layers.{L}.feed_forward.w3.weight", UP.name, Rename),
+    row("layers.{L}.feed_forward.w2.weight", DOWN.name, Rename),
+    row(
+        "layers.{L}.moe.router.gate.weight",
+        "model.layers.{L}.mlp.gate.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+        EXPERT_GATE.name,
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+        EXPERT_UP.name,
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
+        EXPERT_DOWN.name,
+        Rename,
+    ),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("lm_head.weight", LM_HEAD.name, Rename),
+];
+
+/// transformers' `GptOssForCausalLM` (unquantized, as `from_pretrained` of a bf16 config
+/// loads it): attention with biases and a learned sink per head, a router with a bias, and the
+/// routed experts fused: `gate_up_proj` `[E, D, 2F]` (gate and up interleaved, even and odd
+/// columns) and `down_proj` `[E, F, D]`, each with a bias. The experts are 3-D, so
+/// `--quantize fp8-block` leaves them (and lists them) as they are.
+const GPT_OSS_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        Always,
+    ),
+    K,
+    param("model.layers.{L}.self_attn.k_proj.bias", &[KvRows], Always),
+    V,
+    param("model.layers.{L}.self_attn.v_proj.bias", &[KvRows], Always),
+    O,
+    param("model.layers.{L}.self_attn.o_proj.bias", &[Hidden], Always),
+    param("model.layers.{L}.self_attn.sinks", &[Heads], Always),
+    param(
+        "model.layers.{L}.mlp.router.weight",
+        &[Experts, Hidden],
+        Always,
+    ),
+    param("model.layers.{L}.mlp.router.bias", &[Experts], Always),
+    param(
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        &[Experts, Hidden, TwoInter],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.mlp.experts.gate_up_proj_bias",
+        &[Experts, TwoInter],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.mlp.experts.down_proj",
+        &[Experts, Inter, Hidden],
+        Always,
+    ),
+    param(
+        "model.layers.{L}.mlp.experts.down_proj_bias",
+        &[Experts, Hidden],
+        Always,
+    ),
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// torchtitan 0.3's gpt-oss: its experts stacked `[E, 2F, D]` and `[E, D, F]` with their
+/// biases, transposed to transformers' layout. (torchtitan's own `to_hf` names them
+/// `mlp1_weight`..., which the model's `mlp1_weight_EGD`... are not, and leaves them out.)
+const TT_GPT_OSS: &[Row] = &[
+    row("tok_embeddings.weight", EMBED.name, Rename),
+    row("layers.{L}.attention.qkv_linear.wq.weight", Q.name, Rename),
+    row(
+        "layers.{L}.attention.qkv_linear.wq.bias",
+        "model.layers.{L}.self_attn.q_proj.bias",
+        Rename,
+    ),
+    row("layers.{L}.attention.qkv_linear.wk.weight", K.name, Rename),
+    row(
+        "layers.{L}.attention.qkv_linear.wk.bias",
+        "model.layers.{L}.self_attn.k_proj.bias",
+        Rename,
+    ),
+    row("layers.{L}.attention.qkv_linear.wv.weight", V.name, Rename),
+    row(
+        "layers.{L}.attention.qkv_linear.wv.bias",
+        "model.layers.{L}.self_attn.v_proj.bias",
+        Rename,
+    ),
+    row("layers.{L}.attention.wo.weight", O.name, Rename),
+    row(
+        "layers.{L}.attention.wo.bias",
+        "model.layers.{L}.self_attn.o_proj.bias",
+        Rename,
+    ),
+    row(
+        "layers.{L}.attention.sinks",
+        "model.layers.{L}.self_attn.sinks",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.router.gate.weight",
+        "model.layers.{L}.mlp.router.weight",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.router.gate.bias",
+        "model.layers.{L}.mlp.router.bias",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp1_weight_EGD",
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        Transpose,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp1_bias_EG",
+        "model.layers.{L}.mlp.experts.gate_up_proj_bias",
+        Rename,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp2_weight_EDF",
+        "model.layers.{L}.mlp.experts.down_proj",
+        Transpose,
+    ),
+    row(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp2_bias_ED",
+        "model.layers.{L}.mlp.experts.down_proj_bias",
+        Rename,
+    ),
+    row("layers.{L}.attention_norm.weight", IN_NORM.name, Rename),
+    row("layers.{L}.ffn_norm.weight", POST_NORM.name, Rename),
+    row("norm.weight", NORM.name, Rename),
+    row("lm_head.weight", LM_HEAD.name, Rename),
+];
+
 /// Every architecture ckpt exports to.
 pub(crate) const ARCHS: &[Arch] = &[
     Arch {
@@ -528,6 +767,8 @@ pub(crate) const ARCHS: &[Arch] = &[
         torchtitan02: Some(TT02_LLAMA),
         megatron: Some(MEGATRON_LLAMA),
         extra_modules: &[],
+        no_place: &[],
+        moe_layers: MoeLayers::None,
     },
     Arch {
         // torchtitan has no Qwen2.
@@ -540,6 +781,8 @@ pub(crate) const ARCHS: &[Arch] = &[
         torchtitan02: None,
         megatron: Some(MEGATRON_QWEN2),
         extra_modules: &[],
+        no_place: &[],
+        moe_layers: MoeLayers::None,
     },
     Arch {
         name: "Qwen3ForCausalLM",
@@ -551,6 +794,8 @@ pub(crate) const ARCHS: &[Arch] = &[
         torchtitan02: Some(TT02_QWEN3),
         megatron: Some(MEGATRON_QWEN3),
         extra_modules: &[],
+        no_place: &[],
+        moe_layers: MoeLayers::None,
     },
     Arch {
         name: "DeepseekV3ForCausalLM",
@@ -563,5 +808,33 @@ pub(crate) const ARCHS: &[Arch] = &[
         torchtitan02: None,
         megatron: None,
         extra_modules: &["mtp_layers"],
+        no_place: &[],
+        moe_layers: MoeLayers::AfterFirstDense,
+    },
+    Arch {
+        name: "Qwen3MoeForCausalLM",
+        model_type: "qwen3_moe",
+        tied_by_default: false,
+        params: QWEN3_MOE_PARAMS,
+        hf_in_memory: HF_QWEN3_MOE_FUSED,
+        torchtitan: Some(TT_QWEN3_MOE),
+        torchtitan02: None,
+        megatron: None,
+        extra_modules: &[],
+        no_place: &[TT_EXPERT_BIAS],
+        moe_layers: MoeLayers::SparseStep,
+    },
+    Arch {
+        name: "GptOssForCausalLM",
+        model_type: "gpt_oss",
+        tied_by_default: false,
+        params: GPT_OSS_PARAMS,
+        hf_in_memory: &[],
+        torchtitan: Some(TT_GPT_OSS),
+        torchtitan02: None,
+        megatron: None,
+        extra_modules: &[],
+        no_place: &[TT_EXPERT_BIAS],
+        moe_layers: MoeLayers::All,
     },
 ];

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::tables::{self, Arch, Dim, When};
+use super::tables::{self, Arch, Dim, MoeLayers, When};
 use super::views::Sizes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -35,23 +35,35 @@ pub(crate) struct HfConfig {
     pub tied: bool,
     pub attention_bias: bool,
     pub mlp_bias: bool,
-    /// DeepSeek-V3's fields, by name (`n_routed_experts`, `kv_lora_rank`, ...), where the
-    /// config has them: read only for the dims of the architecture's parameters.
+    /// The fields of mixture-of-experts and latent-attention models, by name
+    /// (`n_routed_experts`, `kv_lora_rank`, ...), where the config has them: read only for the
+    /// dims and layers of the architecture's parameters.
     moe: Vec<(&'static str, u64)>,
+    /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP among mixture-of-experts ones.
+    mlp_only_layers: Vec<u64>,
 }
 
 /// The fields of mixture-of-experts and latent-attention models, zero allowed.
-const MOE_FIELDS: [&str; 9] = [
+const MOE_FIELDS: [&str; 13] = [
     "n_routed_experts",
+    "num_experts",
+    "num_local_experts",
     "moe_intermediate_size",
     "n_shared_experts",
     "first_k_dense_replace",
+    "decoder_sparse_step",
+    "num_nextn_predict_layers",
     "q_lora_rank",
     "kv_lora_rank",
     "qk_rope_head_dim",
     "qk_nope_head_dim",
     "v_head_dim",
 ];
+
+/// The names of the number of routed experts, in the order they are looked for: DeepSeek's and
+/// GLM's `n_routed_experts`, Qwen3-MoE's `num_experts`, Mixtral's and gpt-oss's
+/// `num_local_experts` (which transformers 5 also writes for Qwen3-MoE).
+const EXPERT_FIELDS: [&str; 3] = ["n_routed_experts", "num_experts", "num_local_experts"];
 
 impl HfConfig {
     /// Read `--hf-config`: a model directory holding config.json, or a config.json.
@@ -143,8 +155,21 @@ impl HfConfig {
                 )),
             }
         }
+        let mlp_only_layers = match json.get("mlp_only_layers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().ok_or_else(|| {
+                        bad("mlp_only_layers", &format!("holds {v}, not a layer index"))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(v) => return Err(bad("mlp_only_layers", &format!("is {v}, not a list"))),
+        };
         Ok(HfConfig {
             moe,
+            mlp_only_layers,
             arch,
             hidden,
             heads,
@@ -172,7 +197,7 @@ impl HfConfig {
         }
     }
 
-    /// A DeepSeek-V3 field (see `MOE_FIELDS`), if the config has it.
+    /// A mixture-of-experts or latent-attention field (see `MOE_FIELDS`), if the config has it.
     fn moe_field(&self, field: &str) -> Option<u64> {
         self.moe.iter().find(|(f, _)| *f == field).map(|(_, n)| *n)
     }
@@ -183,17 +208,50 @@ impl HfConfig {
         self.moe_field("first_k_dense_replace").unwrap_or(3)
     }
 
+    /// The fields that decide which layers are dense, as config.json gives them (for messages).
+    pub(crate) fn moe_rule(&self) -> String {
+        match self.arch.moe_layers {
+            MoeLayers::None | MoeLayers::All => "architecture".to_string(),
+            MoeLayers::AfterFirstDense => {
+                format!("`first_k_dense_replace` = {}", self.dense_layers())
+            }
+            MoeLayers::SparseStep => format!(
+                "`mlp_only_layers` = {:?} and `decoder_sparse_step` = {}",
+                self.mlp_only_layers,
+                self.moe_field("decoder_sparse_step").unwrap_or(1)
+            ),
+        }
+    }
+
+    /// Whether layer `layer` is a mixture of experts, by the architecture's rule.
+    pub(crate) fn is_moe_layer(&self, layer: u64) -> bool {
+        match self.arch.moe_layers {
+            MoeLayers::None => false,
+            MoeLayers::All => true,
+            MoeLayers::AfterFirstDense => layer >= self.dense_layers(),
+            // transformers' Qwen3MoeDecoderLayer: not in `mlp_only_layers`, experts, and every
+            // `decoder_sparse_step`-th layer.
+            MoeLayers::SparseStep => {
+                let step = self.moe_field("decoder_sparse_step").unwrap_or(1);
+                let experts = EXPERT_FIELDS.iter().find_map(|f| self.moe_field(f));
+                !self.mlp_only_layers.contains(&layer)
+                    && experts.unwrap_or(0) > 0
+                    && step > 0
+                    && (layer + 1) % step == 0
+            }
+        }
+    }
+
     /// Whether the model has a parameter that is there `when`, in `layer` for a layer's.
     pub(crate) fn has(&self, when: When, layer: Option<u64>) -> bool {
-        let dense = self.dense_layers();
         let q_lora = self.moe_field("q_lora_rank").is_some_and(|r| r > 0);
         match when {
             When::Always => true,
             When::AttentionBias => self.attention_bias,
             When::MlpBias => self.mlp_bias,
             When::Untied => !self.tied,
-            When::DenseLayer => layer.is_some_and(|l| l < dense),
-            When::MoeLayer | When::MoeLayerIfSaved => layer.is_some_and(|l| l >= dense),
+            When::DenseLayer => layer.is_some_and(|l| !self.is_moe_layer(l)),
+            When::MoeLayer | When::MoeLayerIfSaved => layer.is_some_and(|l| self.is_moe_layer(l)),
             When::QLora => q_lora,
             When::NoQLora => !q_lora,
         }
@@ -237,7 +295,22 @@ impl HfConfig {
                 "`head_dim`",
                 self.head_dim,
             ),
-            Dim::Experts => one("n_routed_experts")?,
+            Dim::Experts => match EXPERT_FIELDS.iter().find(|f| self.moe_field(f).is_some()) {
+                Some(name) => one(name)?,
+                None => one(EXPERT_FIELDS[0])?,
+            },
+            Dim::Heads => (
+                self.heads,
+                format!("`num_attention_heads` = {}", self.heads),
+            ),
+            Dim::TwoInter => (
+                self.inter.saturating_mul(2),
+                format!(
+                    "2 × `intermediate_size` = 2 × {} = {}",
+                    self.inter,
+                    self.inter.saturating_mul(2)
+                ),
+            ),
             Dim::MoeInter => one("moe_intermediate_size")?,
             Dim::QLoraRank => one("q_lora_rank")?,
             Dim::KvLoraRank => one("kv_lora_rank")?,
@@ -323,6 +396,7 @@ impl HfConfig {
                 "v_head_dim",
                 field("v_head_dim")?,
             ),
+            Dim::TwoInter => (n % 2 == 0).then(|| format!("`intermediate_size` = {}", n / 2)),
             Dim::SharedInter => product(
                 "n_shared_experts",
                 field("n_shared_experts")?,

@@ -155,6 +155,13 @@ fn not_a_parameter(rest: &str, arch: &Arch) -> Option<&'static str> {
     if arch.extra_modules.contains(&first) {
         return Some("a module transformers' model does not have");
     }
+    if let Some((_, why)) = arch
+        .no_place
+        .iter()
+        .find(|(pattern, _)| tables::match_pattern(pattern, rest).is_some())
+    {
+        return Some(why);
+    }
     BUFFERS
         .iter()
         .any(|b| rest == *b || rest.ends_with(&format!(".{b}")))
@@ -413,8 +420,8 @@ fn missing(
         _ => String::new(),
     };
     // The field that put the parameter there: a dense or MoE layer is first_k_dense_replace's
-    // doing, not num_hidden_layers'.
-    let dense = cfg.dense_layers();
+    // (or mlp_only_layers') doing, not num_hidden_layers'.
+    let rule = cfg.moe_rule();
     let why = match (param.when, layer) {
         (_, Some(l)) if !saved_layers.contains(&l) => format!(
             "; config.json's `num_hidden_layers` is {}, but the checkpoint has no tensor of layer {l} (it has {})",
@@ -422,10 +429,10 @@ fn missing(
             saved_layers.len()
         ),
         (When::DenseLayer, Some(l)) => format!(
-            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} dense, so the checkpoint's would be at most {l}"
+            "; config.json's {rule} makes layer {l} dense, but the checkpoint has no dense MLP there"
         ),
         (When::MoeLayer, Some(l)) => format!(
-            "; config.json's `first_k_dense_replace` = {dense} makes layer {l} a mixture of experts, so the checkpoint's would be more than {l}"
+            "; config.json's {rule} makes layer {l} a mixture of experts, but the checkpoint has no experts there"
         ),
         (When::QLora, _) => "; config.json's `q_lora_rank` is set".to_string(),
         (_, Some(_)) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),

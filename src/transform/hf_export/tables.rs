@@ -65,8 +65,12 @@ pub(crate) enum Dim {
     HeadSize,
     /// `intermediate_size`
     Inter,
-    /// `n_routed_experts`
+    /// the number of routed experts: `n_routed_experts`, `num_experts` or `num_local_experts`
     Experts,
+    /// `num_attention_heads` (gpt-oss's attention sinks, one per head)
+    Heads,
+    /// `2 × intermediate_size` (gpt-oss's fused gate and up projections)
+    TwoInter,
     /// `moe_intermediate_size`
     MoeInter,
     /// `moe_intermediate_size × n_shared_experts`
@@ -95,9 +99,10 @@ pub(crate) enum When {
     MlpBias,
     /// `tie_word_embeddings` is false.
     Untied,
-    /// The layer is dense: its index is below `first_k_dense_replace`.
+    /// The layer is dense, by the architecture's [`MoeLayers`] rule (below
+    /// `first_k_dense_replace`, in `mlp_only_layers`).
     DenseLayer,
-    /// The layer is a mixture of experts: its index is `first_k_dense_replace` or above.
+    /// The layer is a mixture of experts, by the architecture's [`MoeLayers`] rule.
     MoeLayer,
     /// As [`When::MoeLayer`], but the model starts from zeros where the checkpoint has none
     /// (torchtitan saves no expert bias without load balancing).
@@ -116,8 +121,12 @@ impl When {
             When::AttentionBias => "`attention_bias` is false",
             When::MlpBias => "`mlp_bias` is false",
             When::Untied => "`tie_word_embeddings` is true",
-            When::DenseLayer => "the layer is at or past `first_k_dense_replace`",
-            When::MoeLayer | When::MoeLayerIfSaved => "the layer is before `first_k_dense_replace`",
+            When::DenseLayer => {
+                "the layer is a mixture of experts (`first_k_dense_replace`, `mlp_only_layers`, `decoder_sparse_step`)"
+            }
+            When::MoeLayer | When::MoeLayerIfSaved => {
+                "the layer is dense (`first_k_dense_replace`, `mlp_only_layers`, `decoder_sparse_step`)"
+            }
             When::QLora => "`q_lora_rank` is null",
             When::NoQLora => "`q_lora_rank` is set",
         }
@@ -154,6 +163,19 @@ pub(super) const fn linear(name: &'static str, shape: &'static [Dim], when: When
     }
 }
 
+/// Which layers of an architecture are mixtures of experts, as its transformers model decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MoeLayers {
+    /// None: a dense model.
+    None,
+    /// Every layer (Mixtral, gpt-oss).
+    All,
+    /// Those from `first_k_dense_replace` on (DeepSeek-V3, GLM-4.5).
+    AfterFirstDense,
+    /// Every `decoder_sparse_step`-th layer not in `mlp_only_layers` (Qwen3-MoE).
+    SparseStep,
+}
+
 /// A Hugging Face architecture (`architectures[0]` of config.json) and its name maps.
 #[derive(Debug)]
 pub(crate) struct Arch {
@@ -176,6 +198,11 @@ pub(crate) struct Arch {
     /// Top-level names of the source's that the architecture has no place for and that are
     /// left out (torchtitan's multi-token prediction layers, which transformers does not load).
     pub extra_modules: &'static [&'static str],
+    /// Source tensors (patterns of any naming) the architecture has no place for, left out
+    /// with why: what the user is told in the export's note and `inspect --hf-config`.
+    pub no_place: &'static [(&'static str, &'static str)],
+    /// Which layers are mixtures of experts.
+    pub moe_layers: MoeLayers,
 }
 
 impl Arch {

@@ -31,6 +31,9 @@ pub(crate) enum ViewKind {
     Qkv(QkvPart),
     /// The first `vocab_size` rows: Megatron pads its vocabulary to a multiple of 128 × TP.
     TrimVocab,
+    /// The last two axes swapped: torchtitan's gpt-oss experts `[E, 2F, D]` as transformers'
+    /// `[E, D, 2F]`.
+    Transpose,
 }
 
 /// Which of a fused QKV's projections a [`ViewKind::Qkv`] takes.
@@ -64,6 +67,7 @@ impl ViewKind {
             ViewKind::Qkv(QkvPart::K) => "k rows of each query group",
             ViewKind::Qkv(QkvPart::V) => "v rows of each query group",
             ViewKind::TrimVocab => "rows up to vocab_size",
+            ViewKind::Transpose => "last two axes swapped",
         }
     }
 
@@ -71,7 +75,9 @@ impl ViewKind {
     /// view of every row; an error saying why the rows do not fit.
     fn runs(self, rows: u64, s: &Sizes) -> Result<Option<Vec<(u64, u64)>>, String> {
         match self {
-            ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv => Ok(None),
+            ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv | ViewKind::Transpose => {
+                Ok(None)
+            }
             ViewKind::Split { part, of } => {
                 if of == 0 || rows % of != 0 {
                     return Err(format!("{rows} rows are not {of} equal parts"));
@@ -122,6 +128,14 @@ impl ViewKind {
         if self == ViewKind::Rename {
             return Ok(out);
         }
+        if self == ViewKind::Transpose {
+            let n = out.len();
+            if n < 2 {
+                return Err(format!("a {n}-dim tensor has no two axes to swap"));
+            }
+            out.swap(n - 2, n - 1);
+            return Ok(out);
+        }
         let Some(rows) = out.first_mut() else {
             return Err("a 0-dim tensor has no rows".into());
         };
@@ -143,6 +157,7 @@ impl ViewKind {
         let heads = match self {
             ViewKind::RopeQuery => s.heads,
             ViewKind::RopeKv => s.kv_heads,
+            ViewKind::Transpose => return transpose(pieces),
             _ => {
                 return match self.runs(rows, s).map_err(Error::usage)? {
                     None => Ok(pieces.clone()),
@@ -219,6 +234,32 @@ fn rope_rows(pieces: &Pieces, rows: u64, heads: u64, elem: u64) -> Result<Pieces
                 )?;
             }
         }
+    }
+    Ok(out)
+}
+
+/// Pieces with their last two axes swapped: each piece's box and strides swapped, its bytes
+/// where they are (the executor gathers them in the new order).
+fn transpose(pieces: &Pieces) -> Result<Pieces> {
+    let n = pieces.ndim();
+    if n < 2 {
+        return Err(Error::bug("a transpose of a tensor of fewer than 2 dims"));
+    }
+    let mut out = Pieces::new(n);
+    for p in pieces.iter() {
+        let (mut offsets, mut sizes) = (p.offsets().to_vec(), p.sizes().to_vec());
+        let mut strides = p.strides().to_vec();
+        for v in [&mut offsets, &mut sizes, &mut strides] {
+            v.swap(n - 2, n - 1);
+        }
+        out.push_parts(
+            &offsets,
+            &sizes,
+            Arc::clone(p.file()),
+            p.offset(),
+            &strides,
+            p.encoding(),
+        )?;
     }
     Ok(out)
 }
