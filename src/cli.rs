@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::exec::IoMode;
 use crate::geometry::Placement;
 use crate::part::PartSpec;
+use crate::transform::hf_export::Trainer;
 
 pub use crate::commands::{terminal_safe, to_stderr};
 
@@ -153,6 +154,13 @@ struct ReshardArgs {
     replicate: Vec<String>,
     #[arg(long, value_enum, default_value = "dcp")]
     format: ShardedFormat,
+    /// With `--format megatron`: the tensor-parallel size the run will use, for Megatron-LM's
+    /// vocabulary padding (to a multiple of `--make-vocab-size-divisible-by` × this).
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    tensor_parallel_size: u64,
+    /// With `--format megatron`: Megatron-LM's `--make-vocab-size-divisible-by`.
+    #[arg(long, value_name = "M", default_value_t = 128)]
+    make_vocab_size_divisible_by: u64,
     #[command(flatten)]
     lora: LoraArgs,
     #[command(flatten)]
@@ -187,6 +195,12 @@ enum ShardedFormat {
     DcpSafetensors,
     /// A DeepSpeed ZeRO checkpoint (input: DeepSpeed, stages 0-3) at `--world-size` ranks.
     Deepspeed,
+    /// A Hugging Face release (input: its model directory) as a Megatron-core `torch_dist`
+    /// save root that Megatron-LM starts a run from (`--load OUT --finetune`).
+    Megatron,
+    /// A Hugging Face release (input: its model directory) as a torchtitan DCP, the initial
+    /// checkpoint of a torchtitan run.
+    Torchtitan,
 }
 
 #[derive(clap::Args, Debug)]
@@ -374,6 +388,25 @@ fn conversion(
 
 /// `reshard`'s target: DeepSpeed's own files at `--world-size` ranks, or a DCP over a mesh.
 fn sharded_layout(args: &ReshardArgs) -> Result<Layout> {
+    if let ShardedFormat::Megatron | ShardedFormat::Torchtitan = args.format {
+        if args.mesh.is_some() || !args.replicate.is_empty() {
+            return Err(Error::usage(
+                "an import writes over --world-size writers: --mesh and --replicate do not apply",
+            )
+            .hint("the trainer reshards on load: any world size serves"));
+        }
+        let trainer = match args.format {
+            ShardedFormat::Megatron => Trainer::Megatron {
+                tensor_parallel: args.tensor_parallel_size,
+                vocab_multiple: args.make_vocab_size_divisible_by,
+            },
+            _ => Trainer::Torchtitan,
+        };
+        return Ok(Layout::Import {
+            trainer,
+            world: args.world_size.unwrap_or(1),
+        });
+    }
     if let ShardedFormat::Deepspeed = args.format {
         let Some(world) = args.world_size else {
             return Err(Error::usage("--format deepspeed needs --world-size N")

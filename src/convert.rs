@@ -17,9 +17,10 @@ use crate::layout::ReadOptions;
 use crate::model::Checkpoint;
 use crate::output::{Destination, Done, OutputKind, PartRun};
 use crate::part::PartSpec;
+use crate::plan::FileRole;
 use crate::plan::{self, MeshSpec, PlanOptions, Target};
 use crate::transform::fsdp_local::ResolveLocal;
-use crate::transform::hf_export::{Export, HfConfig};
+use crate::transform::hf_export::{Export, HfConfig, Import, Trainer};
 use crate::transform::lora::LoraOptions;
 use crate::transform::select::Selection;
 use crate::transform::{self, Report, Step};
@@ -80,6 +81,9 @@ pub(crate) enum Layout {
     },
     /// `reshard --format deepspeed`: DeepSpeed's own files at `world` data-parallel ranks.
     DeepSpeed { world: usize },
+    /// `reshard --format megatron|torchtitan` of a Hugging Face release: the trainer's names
+    /// and layouts, over `world` writers.
+    Import { trainer: Trainer, world: usize },
 }
 
 /// Hugging Face's default shard size, as `save_pretrained` splits.
@@ -298,8 +302,10 @@ pub(crate) enum Written {
 /// Read, transform, plan and write `job`'s output.
 pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summary> {
     job.check()?;
-    if let Layout::DeepSpeed { world } = job.layout {
-        return convert_deepspeed(job, world, exec_opts);
+    match job.layout {
+        Layout::DeepSpeed { world } => return convert_deepspeed(job, world, exec_opts),
+        Layout::Import { trainer, world } => return convert_import(job, trainer, world, exec_opts),
+        _ => {}
     }
     // Every item read is copied: small ones in object storage are opened when copied.
     let opts = ReadOptions {
@@ -328,7 +334,11 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
             Layout::sharded_target(mesh, placements, replicate, *format, &ckpt)?,
             OutputKind::Dir,
         ),
-        Layout::DeepSpeed { .. } => return Err(Error::bug("a DeepSpeed layout planned as DCP")),
+        Layout::DeepSpeed { .. } | Layout::Import { .. } => {
+            return Err(Error::bug(
+                "a DeepSpeed or import layout planned as a checkpoint's",
+            ))
+        }
     };
     let opts = PlanOptions { cast: job.cast };
     plan::check_dtypes(&ckpt, &target, &opts)?;
@@ -367,6 +377,94 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         notes: plan.notes,
         done,
     })
+}
+
+/// `reshard --format megatron|torchtitan`: the Hugging Face release at the input, under the
+/// trainer's names and layouts ([`Import`]), as a DCP over `world` writers; for Megatron in a
+/// save root as Megatron-LM's `save_checkpoint` leaves one (`latest_checkpointed_iteration.txt`
+/// naming `release/`, which holds the DCP, `common.pt` and `metadata.json`).
+fn convert_import(
+    job: &Conversion,
+    trainer: Trainer,
+    world: usize,
+    exec_opts: &ExecOptions,
+) -> Result<Summary> {
+    // The release's own config.json says what it is.
+    let cfg = HfConfig::read(job.input.path()).map_err(|e| {
+        e.hint("the import reads the release's config.json beside its weights: point ckpt at the model directory")
+    })?;
+    let opts = ReadOptions {
+        open_items_when_copied: true,
+        ..ReadOptions::default()
+    };
+    let ckpt = read(&job.input, &job.reading, opts)?;
+    let mut report = Report::default();
+    let select = Selection::new(&job.include, &job.exclude, &job.strip_prefix)?;
+    let steps: Vec<Box<dyn Step>> = vec![Box::new(select), Box::new(Import { cfg, trainer })];
+    let ckpt = transform::run(&steps, ckpt, &mut report)?;
+    let target = Target::Dcp(MeshSpec {
+        shape: vec![world],
+        placements: vec![Placement::Shard(0)],
+        replicated: Default::default(),
+    });
+    let opts = PlanOptions { cast: job.cast };
+    plan::check_dtypes(&ckpt, &target, &opts)?;
+    let mut plan = plan::plan(&ckpt, &target, &opts)?;
+    plan.notes.extend(uncast_note(&ckpt, job.cast));
+    plan.notes.extend(report.notes);
+    if let Trainer::Megatron { .. } = trainer {
+        let release = PathBuf::from(MEGATRON_RELEASE);
+        plan.nest(release.clone());
+        let common = megatron_common()?;
+        plan.add_file(release.join("common.pt"), common, FileRole::Data)?;
+        plan.add_file(
+            release.join("metadata.json"),
+            MEGATRON_METADATA.as_bytes().to_vec(),
+            FileRole::Data,
+        )?;
+        plan.add_file(
+            PathBuf::from(MEGATRON_LATEST),
+            MEGATRON_RELEASE.as_bytes().to_vec(),
+            FileRole::CommitMarker,
+        )?;
+    }
+    let description = format!(
+        "ckpt {}\nimport {trainer:?} world {world}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}",
+        env!("CARGO_PKG_VERSION"),
+        job.include,
+        job.exclude,
+        job.strip_prefix,
+        job.cast,
+    );
+    let done = crate::output::write(
+        &plan,
+        &job.destination(OutputKind::Dir, description),
+        exec_opts,
+    )?;
+    Ok(Summary {
+        written: Written::Tensors(ckpt.tensors.len()),
+        notes: plan.notes,
+        done,
+    })
+}
+
+/// Megatron-LM's save root: the file naming the iteration to load, and the directory of a
+/// release (iteration 0, loaded with `--finetune` or as a new run's start).
+const MEGATRON_LATEST: &str = "latest_checkpointed_iteration.txt";
+const MEGATRON_RELEASE: &str = "release";
+/// megatron-core's `metadata.json` of a `torch_dist` save, as `dist_checkpointing.save` writes it.
+const MEGATRON_METADATA: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
+
+/// megatron-core's `common.pt` of an imported release: what Megatron-LM's `save_checkpoint`
+/// puts beside the model's sharded state (`checkpoint_version` 3.0, `iteration` 0), no
+/// arguments of a run.
+fn megatron_common() -> Result<Vec<u8>> {
+    use crate::pickle::Value;
+    let common = Value::Dict(vec![
+        (Value::Str("checkpoint_version".into()), Value::Float(3.0)),
+        (Value::Str("iteration".into()), Value::Int(0)),
+    ]);
+    crate::formats::torch_save::save_value("common", &common)
 }
 
 /// `reshard --format deepspeed`: DeepSpeed's own files at `world` data-parallel ranks (ZeRO

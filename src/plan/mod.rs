@@ -47,6 +47,12 @@ pub struct Plan<'a> {
     /// Things the user should hear about (skipped entries, replicated tensors).
     pub notes: Vec<String>,
     files: PlannedFiles<'a>,
+    /// The directory of the output the planned files go in (Megatron's `release/`), if not its
+    /// root.
+    dir: Option<PathBuf>,
+    /// Files of known bytes beside the planned ones, relative to the output's root (an export's
+    /// config.json, Megatron's `latest_checkpointed_iteration.txt`): after them in file order.
+    beside: Vec<FilePlan>,
 }
 
 /// The destination files of a [`Plan`], by how they are planned.
@@ -248,24 +254,44 @@ impl Plan<'_> {
             inputs,
             notes: Vec::new(),
             files: PlannedFiles::Listed(files),
+            dir: None,
+            beside: Vec::new(),
         })
     }
 
     /// Number of destination files.
     pub fn file_count(&self) -> usize {
+        self.planned_count() + self.beside.len()
+    }
+
+    /// Number of files planned from the checkpoint (the files beside them come after).
+    fn planned_count(&self) -> usize {
         match &self.files {
             PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files.len(),
             PlannedFiles::Dcp(dcp) => dcp.file_count(),
         }
     }
 
+    /// File `i` beside the planned ones, if it is one.
+    fn beside(&self, i: usize) -> Option<&FilePlan> {
+        i.checked_sub(self.planned_count())
+            .and_then(|k| self.beside.get(k))
+    }
+
     /// Path of destination file `i`, relative to the output root.
     pub fn path(&self, i: usize) -> PathBuf {
-        match &self.files {
+        if let Some(f) = self.beside(i) {
+            return f.path.clone();
+        }
+        let path = match &self.files {
             PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
                 files.get(i).map(|f| f.path.clone()).unwrap_or_default()
             }
             PlannedFiles::Dcp(dcp) => dcp.path(i),
+        };
+        match &self.dir {
+            Some(dir) => dir.join(path),
+            None => path,
         }
     }
 
@@ -278,6 +304,9 @@ impl Plan<'_> {
     /// [`Plan::write_streamed`]) has no regions or literals here.
     pub fn file(&self, i: usize) -> Result<std::borrow::Cow<'_, FilePlan>> {
         use std::borrow::Cow;
+        if let Some(f) = self.beside(i) {
+            return Ok(Cow::Borrowed(f));
+        }
         match &self.files {
             PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => files
                 .get(i)
@@ -290,6 +319,9 @@ impl Plan<'_> {
     /// Length of destination file `i` without planning its regions (0 for a streamed file, whose
     /// length is known only once it is written): what a partitioned run lays out its shares by.
     pub fn file_len(&self, i: usize) -> u64 {
+        if let Some(f) = self.beside(i) {
+            return f.len;
+        }
         match &self.files {
             PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
                 files.get(i).map_or(0, |f| f.len)
@@ -300,6 +332,9 @@ impl Plan<'_> {
 
     /// What destination file `i` is to the output.
     pub fn role(&self, i: usize) -> FileRole {
+        if let Some(f) = self.beside(i) {
+            return f.role;
+        }
         match &self.files {
             PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files) => {
                 files.get(i).map_or(FileRole::Data, |f| f.role)
@@ -322,7 +357,7 @@ impl Plan<'_> {
         stop: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<u64> {
         match &self.files {
-            PlannedFiles::Dcp(dcp) if self.is_streamed(i) => {
+            PlannedFiles::Dcp(dcp) if i < self.planned_count() && self.is_streamed(i) => {
                 dcp_metadata::write_to(sink, &&**dcp, stop)
             }
             _ => Ok(0),
@@ -373,14 +408,23 @@ impl Plan<'_> {
             .map(|c| (c, t.dtype, b.offsets.as_slice()))
     }
 
-    /// Add a file of known bytes to a plan of whole files: what an export writes beside the
-    /// weights (config.json, the tokenizer's files), staged and committed with them.
+    /// Put the planned files in directory `dir` of the output (Megatron's `release/`); the
+    /// files beside them stay where they are.
+    pub fn nest(&mut self, dir: PathBuf) {
+        self.dir = Some(dir);
+    }
+
+    /// Add a file of known bytes beside the planned ones (`path` relative to the output's
+    /// root): what an export writes beside the weights (config.json, the tokenizer's files),
+    /// staged and committed with them. `role` says whether it makes the output a checkpoint
+    /// (Megatron's `latest_checkpointed_iteration.txt`), and so is written last.
     pub fn add_literal_file(&mut self, path: PathBuf, bytes: Vec<u8>) -> Result<()> {
-        let (PlannedFiles::Whole { files, .. } | PlannedFiles::Listed(files)) = &mut self.files
-        else {
-            return Err(Error::bug("a literal file added to a DCP plan"));
-        };
-        if files.iter().any(|f| f.path == path) {
+        self.add_file(path, bytes, FileRole::Data)
+    }
+
+    /// [`Plan::add_literal_file`] with the file's role.
+    pub fn add_file(&mut self, path: PathBuf, bytes: Vec<u8>, role: FileRole) -> Result<()> {
+        if (0..self.file_count()).any(|i| self.path(i) == path) {
             return Err(Error::usage(format!(
                 "`{}` would be written twice in the output",
                 path.display()
@@ -392,10 +436,11 @@ impl Plan<'_> {
         } else {
             vec![(0, bytes)]
         };
-        files.push(FilePlan {
+        self.beside.push(FilePlan {
             path,
             len,
             literals,
+            role,
             ..FilePlan::default()
         });
         Ok(())
@@ -462,6 +507,8 @@ pub fn plan<'a>(ckpt: &'a Checkpoint, target: &Target, opts: &PlanOptions) -> Re
             inputs: dcp.sourcing().inputs.clone(),
             notes,
             files: PlannedFiles::Dcp(Box::new(dcp)),
+            dir: None,
+            beside: Vec::new(),
         });
     }
     let mut planner = Planner {
@@ -491,6 +538,8 @@ pub fn plan<'a>(ckpt: &'a Checkpoint, target: &Target, opts: &PlanOptions) -> Re
         inputs: src.inputs.clone(),
         notes,
         files: PlannedFiles::Whole { files, src },
+        dir: None,
+        beside: Vec::new(),
     })
 }
 

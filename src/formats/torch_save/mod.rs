@@ -47,7 +47,7 @@ use weights_only::*;
 
 #[cfg(test)]
 mod tests;
-pub use write::{check_key_paths, data_pkl, records, WriteLeaf};
+pub use write::{check_key_paths, data_pkl, records, save_value, WriteLeaf};
 
 fn bad(message: impl Into<String>) -> Error {
     Error::invalid(format!("malformed `data.pkl`: {}", message.into()))

@@ -65,6 +65,13 @@ fn protocol2_spelling(value: Value) -> Value {
 
 /// Check that `items` describe one object: distinct key paths, none a prefix of another, and an
 /// empty path only when it is the only item.
+/// The bytes `torch.save(value, f)` writes for plain data (no tensors), archive named `prefix`:
+/// a small file written whole (Megatron's `common.pt`).
+pub fn save_value(prefix: &str, value: &crate::pickle::Value) -> Result<Vec<u8>> {
+    let pkl = data_pkl(&[(Vec::new(), WriteLeaf::Value(value.clone()))]);
+    crate::zip::build(&records(prefix, pkl, &[]), &[])
+}
+
 pub fn check_key_paths(items: &[(Vec<KeyPart>, WriteLeaf)]) -> Result<()> {
     let mut paths: Vec<&[KeyPart]> = items.iter().map(|(p, _)| p.as_slice()).collect();
     if items.len() > 1 && paths.iter().any(|p| p.is_empty()) {

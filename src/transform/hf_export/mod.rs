@@ -18,6 +18,7 @@
 mod archs;
 pub(crate) mod config;
 mod export;
+mod import;
 pub(crate) mod report;
 pub(crate) mod tables;
 pub(crate) mod views;
@@ -28,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Tensor};
 pub(crate) use config::HfConfig;
 pub(crate) use export::Export;
+pub(crate) use import::{Import, Trainer};
 use tables::{Arch, Dim, Naming, Row, When};
 use views::ViewKind;
 

@@ -122,6 +122,12 @@ impl ViewKind {
         }
     }
 
+    /// The runs of rows (start, length) the view takes of a tensor of `rows` rows, in order, laid
+    /// end to end in the view; one run of every row for a view that moves none.
+    pub(crate) fn source_runs(self, rows: u64, s: &Sizes) -> Result<Vec<(u64, u64)>, String> {
+        Ok(self.runs(rows, s)?.unwrap_or_else(|| vec![(0, rows)]))
+    }
+
     /// The shape of the view of a tensor of `shape`, or why it does not fit.
     pub(crate) fn shape(self, shape: &[u64], s: &Sizes) -> Result<Vec<u64>, String> {
         let mut out = shape.to_vec();

@@ -1,0 +1,500 @@
+//! The import (`reshard HF_MODEL --format megatron|torchtitan`): a Hugging Face release under a
+//! trainer's names and layouts, so that the trainer starts from it. The export's tables read the
+//! other way: each row that places a trainer tensor's view on a Hugging Face parameter here
+//! places that parameter's pieces back where the view took them from (rows of a fused QKV or a
+//! `[gate; up]`, one layer of a layer-stacked weight, one expert of an expert-stacked one, the
+//! RoPE rows of torchtitan's queries and keys, a vocabulary padded with zeros), without a byte
+//! read or gathered: the trainer's tensors are views of the release's files, written as any
+//! reshard writes them.
+//!
+//! Where the export has several rows for one parameter (Megatron's layer-stacked and per-layer
+//! names, a norm under its own name and under the linear it precedes), the first row of the
+//! table is the one written: the layer-stacked names and the norms under the linears, what
+//! megatron-core's `GPTModel` saves.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::tables::{self, Naming, Param, Row};
+use super::views::{Sizes, ViewKind};
+use super::HfConfig;
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, Encoding, NonTensor, Pieces, Tensor};
+use crate::pickle::Value;
+use crate::transform::{Report, Step};
+
+/// The trainer a release is imported for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Trainer {
+    /// Megatron-core's `GPTModel` in `torch_dist`: the vocabulary padded to a multiple of
+    /// `vocab_multiple` × `tensor_parallel` rows, as Megatron-LM pads it.
+    Megatron {
+        tensor_parallel: u64,
+        vocab_multiple: u64,
+    },
+    /// torchtitan's model, as its `create_seed_checkpoint` saves it.
+    Torchtitan,
+}
+
+impl Trainer {
+    fn naming(self) -> Naming {
+        match self {
+            Trainer::Megatron { .. } => Naming::Megatron,
+            Trainer::Torchtitan => Naming::Torchtitan,
+        }
+    }
+}
+
+/// `reshard --format megatron|torchtitan` of a Hugging Face release.
+pub(crate) struct Import {
+    /// The release's own config.json: the source of truth for the architecture.
+    pub cfg: HfConfig,
+    pub trainer: Trainer,
+}
+
+/// One Hugging Face tensor placed in a trainer tensor.
+struct Placement {
+    /// Index of the Hugging Face tensor.
+    hf: usize,
+    view: ViewKind,
+    /// The index of the trainer tensor's leading axis it is, when the trainer stacks it.
+    stacked: Option<u64>,
+}
+
+/// A trainer tensor being assembled.
+struct Assembly {
+    name: String,
+    /// The view's parts present, for the ones a fused tensor needs all of.
+    placements: Vec<Placement>,
+    /// How many the leading axis holds, when stacked (layers, experts).
+    stack: Option<(char, u64)>,
+}
+
+impl Step for Import {
+    fn apply(&self, ckpt: Checkpoint, report: &mut Report) -> Result<Checkpoint> {
+        let cfg = &self.cfg;
+        let naming = self.trainer.naming();
+        let rows = cfg.arch.rows(naming).ok_or_else(|| {
+            Error::usage(format!(
+                "ckpt has no map of {} to {}'s names",
+                cfg.arch.name,
+                naming.describe()
+            ))
+            .file(&cfg.path)
+        })?;
+        let assemblies = self.assemble(&ckpt, &rows, report)?;
+        let sizes = cfg.sizes();
+        let padded = self.padded_vocab();
+        let mut tensors = Vec::with_capacity(assemblies.len());
+        for a in assemblies {
+            tensors.push(self.tensor(&ckpt, a, &sizes, padded)?);
+        }
+        let values = match self.trainer {
+            Trainer::Megatron { .. } => megatron_extra_states(&tensors, cfg.layers),
+            Trainer::Torchtitan => Vec::new(),
+        };
+        Ok(Checkpoint {
+            tensors,
+            values,
+            unsupported: Vec::new(),
+            ..ckpt
+        })
+    }
+}
+
+impl Import {
+    /// Megatron-LM's padded vocabulary: `ceil(V / (M·T))·M·T`; torchtitan's is the release's.
+    fn padded_vocab(&self) -> u64 {
+        let v = self.cfg.vocab;
+        match self.trainer {
+            Trainer::Megatron {
+                tensor_parallel,
+                vocab_multiple,
+            } => {
+                let m = vocab_multiple.max(1).saturating_mul(tensor_parallel.max(1));
+                v.div_ceil(m).saturating_mul(m)
+            }
+            Trainer::Torchtitan => v,
+        }
+    }
+
+    /// Every Hugging Face tensor placed in the trainer tensor the table's first row for its
+    /// parameter names; the trainer tensors in table order.
+    fn assemble(
+        &self,
+        ckpt: &Checkpoint,
+        rows: &[Row],
+        report: &mut Report,
+    ) -> Result<Vec<Assembly>> {
+        let cfg = &self.cfg;
+        // The first row that places each parameter, and the order trainer tensors come in.
+        let mut row_of: BTreeMap<&str, &Row> = BTreeMap::new();
+        for r in rows {
+            row_of.entry(r.target).or_insert(r);
+        }
+        let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
+        let mut out: Vec<Assembly> = Vec::new();
+        let mut left = 0;
+        for (i, t) in ckpt.tensors.iter().enumerate() {
+            let Some((param, indices)) = param_of(cfg, &t.name) else {
+                if is_buffer(&t.name) {
+                    left += 1;
+                    continue;
+                }
+                return Err(Error::usage(format!(
+                    "tensor `{}` is not a parameter of {} as ckpt knows it",
+                    t.name, cfg.arch.name
+                ))
+                .tensor(&t.name)
+                .file(&cfg.path)
+                .hint("check that config.json is the release's own"));
+            };
+            let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
+            if !cfg.has(param.when, layer) {
+                return Err(Error::usage(format!(
+                    "tensor `{}` is a parameter {} does not have: config.json's {}",
+                    t.name,
+                    cfg.arch.name,
+                    param.when.absent_because()
+                ))
+                .tensor(&t.name)
+                .file(&cfg.path));
+            }
+            let Some(row) = row_of.get(param.name) else {
+                return Err(Error::usage(format!(
+                    "{}'s `{}` has no place in {}'s names",
+                    cfg.arch.name,
+                    param.name,
+                    self.trainer.naming().describe()
+                ))
+                .tensor(&t.name));
+            };
+            let axis = tables::unstacked(row);
+            let own: Vec<(char, u64)> = indices
+                .iter()
+                .copied()
+                .filter(|(c, _)| Some(*c) != axis)
+                .collect();
+            let name = tables::fill(row.source, &own);
+            let stacked = axis.and_then(|a| indices.iter().find(|(c, _)| *c == a).map(|x| x.1));
+            let stack = match axis {
+                Some('L') => Some(('L', cfg.layers)),
+                Some(a) => Some((a, cfg.size(tables::Dim::Experts)?.0)),
+                None => None,
+            };
+            let k = *by_name.entry(name.clone()).or_insert_with(|| {
+                out.push(Assembly {
+                    name,
+                    placements: Vec::new(),
+                    stack,
+                });
+                out.len() - 1
+            });
+            out[k].placements.push(Placement {
+                hf: i,
+                view: row.view,
+                stacked,
+            });
+        }
+        if left > 0 {
+            report.notes.push(format!(
+                "the import left out {left} buffers of the release (rotary frequencies), which the trainer makes itself"
+            ));
+        }
+        // Table order: what the trainer's state dict lists first comes first.
+        let position = |name: &str| {
+            rows.iter()
+                .position(|r| tables::match_pattern(r.source, name).is_some())
+                .unwrap_or(usize::MAX)
+        };
+        out.sort_by_key(|a| position(&a.name));
+        Ok(out)
+    }
+
+    /// The trainer tensor `a`: its shape, and every Hugging Face tensor's pieces placed in it.
+    fn tensor(&self, ckpt: &Checkpoint, a: Assembly, s: &Sizes, padded: u64) -> Result<Tensor> {
+        let first = &ckpt.tensors[a.placements[0].hf];
+        let dtype = first.dtype;
+        if let Some(p) = a
+            .placements
+            .iter()
+            .find(|p| ckpt.tensors[p.hf].dtype != dtype)
+        {
+            return Err(Error::usage(format!(
+                "`{}` and `{}` go into one tensor `{}` but are {} and {}",
+                first.name, ckpt.tensors[p.hf].name, a.name, dtype, ckpt.tensors[p.hf].dtype
+            ))
+            .hint("pass --dtype to write one dtype"));
+        }
+        let inner = inner_shape(first, a.placements[0].view, s, padded)?;
+        let mut shape = inner.clone();
+        if let Some((_, n)) = a.stack {
+            shape.insert(0, n);
+        }
+        let mut pieces = Pieces::new(shape.len());
+        for p in &a.placements {
+            let t = &ckpt.tensors[p.hf];
+            super::views::check_copied(t)?;
+            if inner_shape(t, p.view, s, padded)? != inner {
+                return Err(Error::usage(format!(
+                    "`{}` of shape {:?} does not fit `{}` beside `{}` of shape {:?}",
+                    t.name, t.shape, a.name, first.name, first.shape
+                ))
+                .tensor(&t.name));
+            }
+            place(&mut pieces, t, p, &inner, s)?;
+        }
+        if let Some(v) = a.placements.iter().find(|p| p.view == ViewKind::TrimVocab) {
+            pad_rows(&mut pieces, &ckpt.tensors[v.hf], &inner, s.vocab)?;
+        }
+        let want = crate::model::numel(&shape).unwrap_or(0);
+        let got: u64 = pieces
+            .iter()
+            .map(|p| crate::model::numel(p.sizes()).unwrap_or(0))
+            .sum();
+        if got != want {
+            let names: Vec<&str> = a
+                .placements
+                .iter()
+                .map(|p| ckpt.tensors[p.hf].name.as_str())
+                .collect();
+            return Err(Error::usage(format!(
+                "`{}` of shape {shape:?} is made of {}, which hold {got} of its {want} elements: a part of it is missing from the release",
+                a.name,
+                names.join(", ")
+            ))
+            .tensor(&a.name));
+        }
+        Ok(Tensor {
+            name: a.name,
+            key_path: Vec::new(),
+            dtype,
+            shape,
+            pieces,
+        })
+    }
+}
+
+/// The architecture's parameter `name` is, with the indices it holds.
+fn param_of(cfg: &HfConfig, name: &str) -> Option<(&'static Param, Vec<(char, u64)>)> {
+    cfg.arch
+        .params
+        .iter()
+        .find_map(|p| Some((p, tables::match_pattern(p.name, name)?)))
+}
+
+/// Buffers a release may hold that are not parameters (old transformers' rotary frequencies).
+fn is_buffer(name: &str) -> bool {
+    name.ends_with("rotary_emb.inv_freq")
+}
+
+/// The shape of the trainer tensor (one entry of its stack) that `t` is a view of.
+fn inner_shape(t: &Tensor, view: ViewKind, s: &Sizes, padded: u64) -> Result<Vec<u64>> {
+    let mut shape = t.shape.clone();
+    let Some(rows) = shape.first_mut() else {
+        return Ok(shape);
+    };
+    match view {
+        ViewKind::Rename | ViewKind::RopeQuery | ViewKind::RopeKv => {}
+        ViewKind::Split { of, .. } => *rows = rows.saturating_mul(of),
+        ViewKind::Qkv(_) => {
+            *rows = s
+                .heads
+                .saturating_add(s.kv_heads.saturating_mul(2))
+                .saturating_mul(s.head_dim)
+        }
+        ViewKind::TrimVocab => *rows = padded,
+        ViewKind::Transpose => {
+            let n = shape.len();
+            if n < 2 {
+                return Err(Error::bug("a transpose of fewer than 2 dims").tensor(&t.name));
+            }
+            shape.swap(n - 2, n - 1);
+        }
+    }
+    // Checked by the forward view: `t` is what the trainer tensor's view gives.
+    let back = view.shape(&shape, s).map_err(Error::usage)?;
+    if back != t.shape {
+        return Err(Error::usage(format!(
+            "`{}` of shape {:?} is not a {} of a tensor config.json's sizes give",
+            t.name,
+            t.shape,
+            view.describe()
+        ))
+        .tensor(&t.name));
+    }
+    Ok(shape)
+}
+
+/// `t`'s pieces placed where placement `p`'s view takes them from in a trainer tensor whose
+/// stack entries are `inner`.
+fn place(out: &mut Pieces, t: &Tensor, p: &Placement, inner: &[u64], s: &Sizes) -> Result<()> {
+    let elem = t.dtype.size() as u64;
+    if p.view == ViewKind::Transpose {
+        // Its own inverse: the axes swapped back.
+        let n = t.shape.len();
+        for piece in t.pieces.iter() {
+            let (mut offsets, mut sizes) = (piece.offsets().to_vec(), piece.sizes().to_vec());
+            let mut strides = piece.strides().to_vec();
+            for v in [&mut offsets, &mut sizes, &mut strides] {
+                v.swap(n - 2, n - 1);
+            }
+            push(
+                out,
+                p.stacked,
+                &offsets,
+                &sizes,
+                piece,
+                piece.offset(),
+                &strides,
+            )?;
+        }
+        return Ok(());
+    }
+    let rows = inner.first().copied().unwrap_or(0);
+    // (row of `t`, row of the trainer tensor, rows): the view's runs, laid end to end in `t`.
+    let runs: Vec<(u64, u64, u64)> = match p.view {
+        ViewKind::RopeQuery | ViewKind::RopeKv => {
+            let heads = match p.view {
+                ViewKind::RopeQuery => s.heads,
+                _ => s.kv_heads,
+            };
+            rope_rows(rows, heads).map_err(|e| e.tensor(&t.name))?
+        }
+        _ => {
+            let runs = p
+                .view
+                .source_runs(rows, s)
+                .map_err(|e| Error::usage(e).tensor(&t.name))?;
+            let mut at = 0;
+            runs.into_iter()
+                .map(|(start, len)| {
+                    let run = (at, start, len);
+                    at += len;
+                    run
+                })
+                .collect()
+        }
+    };
+    for piece in t.pieces.iter() {
+        if piece.sizes().contains(&0) {
+            continue;
+        }
+        let (o, n) = (piece.offsets()[0], piece.sizes()[0]);
+        let strides = piece.strides();
+        for &(from, to, len) in &runs {
+            let (lo, hi) = (o.max(from), (o + n).min(from + len));
+            if lo >= hi {
+                continue;
+            }
+            let mut offsets = piece.offsets().to_vec();
+            let mut sizes = piece.sizes().to_vec();
+            offsets[0] = to + (lo - from);
+            sizes[0] = hi - lo;
+            let at = piece.offset() + (lo - o) * strides[0] * elem;
+            push(out, p.stacked, &offsets, &sizes, piece, at, &strides)?;
+        }
+    }
+    Ok(())
+}
+
+/// A piece of `source`'s file at byte `at`, put at `offsets` (behind the stack index, if any).
+fn push(
+    out: &mut Pieces,
+    stacked: Option<u64>,
+    offsets: &[u64],
+    sizes: &[u64],
+    source: crate::model::PieceRef<'_>,
+    at: u64,
+    strides: &[u64],
+) -> Result<()> {
+    let (mut o, mut z, mut st) = (offsets.to_vec(), sizes.to_vec(), strides.to_vec());
+    if let Some(k) = stacked {
+        o.insert(0, k);
+        z.insert(0, 1);
+        st.insert(0, crate::model::numel(sizes).unwrap_or(1).max(1));
+    }
+    out.push_parts(
+        &o,
+        &z,
+        Arc::clone(source.file()),
+        at,
+        &st,
+        source.encoding(),
+    )
+}
+
+/// The zero rows of a padded vocabulary: rows `vocab..` of a tensor whose stack entries are
+/// `inner`, as pieces that read nothing (they name `t`'s first file, never opened for them).
+fn pad_rows(out: &mut Pieces, t: &Tensor, inner: &[u64], vocab: u64) -> Result<()> {
+    let rows = inner.first().copied().unwrap_or(0);
+    if rows <= vocab {
+        return Ok(());
+    }
+    let Some(first) = t.pieces.iter().next() else {
+        return Ok(());
+    };
+    let mut offsets = vec![0; inner.len()];
+    let mut sizes = inner.to_vec();
+    offsets[0] = vocab;
+    sizes[0] = rows - vocab;
+    let strides = crate::model::contiguous_strides(&sizes);
+    out.push_parts(
+        &offsets,
+        &sizes,
+        Arc::clone(first.file()),
+        0,
+        &strides,
+        Encoding::Zeros,
+    )
+}
+
+/// (row of the Hugging Face tensor, row of torchtitan's, 1) for every row of a RoPE-permuted
+/// weight of `rows` rows over `heads` heads: the export's `HF[h*hd + j*hd/2 + i] = TT[h*hd + 2i
+/// + j]` the other way.
+fn rope_rows(rows: u64, heads: u64) -> Result<Vec<(u64, u64, u64)>> {
+    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+        return Err(Error::usage(format!(
+            "its {rows} rows are not {heads} heads of an even number of rows each"
+        )));
+    }
+    let hd = rows / heads;
+    let half = hd / 2;
+    Ok((0..rows)
+        .map(|r| {
+            let (h, rem) = (r / hd, r % hd);
+            let (j, i) = (rem / half, rem % half);
+            (r, h * hd + 2 * i + j, 1)
+        })
+        .collect())
+}
+
+/// What megatron-core's `GPTModel.sharded_state_dict()` saves beside each linear's weights: its
+/// `_extra_state` (FP8 metadata under Transformer Engine, `None` otherwise) per layer, as the
+/// ShardedObjects `<module>._extra_state/shard_<layer>_<layers>`. `dist_checkpointing.load`
+/// asks for them, so an import writes them empty.
+fn megatron_extra_states(tensors: &[Tensor], layers: u64) -> Vec<NonTensor> {
+    let mut out = Vec::new();
+    for t in tensors {
+        let Some(module) = t.name.strip_suffix(".weight") else {
+            continue;
+        };
+        let stacked = module.starts_with("decoder.layers.")
+            && !module["decoder.layers.".len()..].starts_with(|c: char| c.is_ascii_digit());
+        let linear = ["linear_proj", "linear_qkv", "linear_fc1", "linear_fc2"]
+            .iter()
+            .any(|l| module.ends_with(l));
+        if !(stacked && linear) {
+            continue;
+        }
+        for l in 0..layers {
+            out.push(NonTensor {
+                name: format!("{module}._extra_state/shard_{l}_{layers}"),
+                key_path: Vec::new(),
+                value: Some(Value::None),
+                raw: None,
+            });
+        }
+    }
+    out
+}
