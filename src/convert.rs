@@ -19,6 +19,7 @@ use crate::output::{Destination, Done, OutputKind, PartRun};
 use crate::part::PartSpec;
 use crate::plan::FileRole;
 use crate::plan::{self, MeshSpec, PlanOptions, Target};
+use crate::transform::fp8::dequant::Dequantize;
 use crate::transform::fsdp_local::ResolveLocal;
 use crate::transform::hf_export::{Export, HfConfig, Import, Trainer};
 use crate::transform::lora::LoraOptions;
@@ -271,8 +272,17 @@ impl Conversion {
             &self.strip_prefix,
         )?));
         if let Some(path) = &self.hf_config {
+            let cfg = HfConfig::read(path)?;
+            // A blockwise-FP8 release is read as its values, bf16 unless `--dtype` says.
+            if let Some(block) = cfg.fp8_block {
+                steps.push(Box::new(Dequantize {
+                    block,
+                    dtype: self.cast.unwrap_or(DType::BF16),
+                    io,
+                }));
+            }
             steps.push(Box::new(Export {
-                cfg: HfConfig::read(path)?,
+                cfg,
                 cast: self.cast,
                 fp8_block: self.fp8_block,
                 io,
@@ -400,7 +410,16 @@ fn convert_import(
     let ckpt = read(&job.input, &job.reading, opts)?;
     let mut report = Report::default();
     let select = Selection::new(&job.include, &job.exclude, &job.strip_prefix)?;
-    let steps: Vec<Box<dyn Step>> = vec![Box::new(select), Box::new(Import { cfg, trainer })];
+    let mut steps: Vec<Box<dyn Step>> = vec![Box::new(select)];
+    // A blockwise-FP8 release is imported as its values, bf16 unless `--dtype` says.
+    if let Some(block) = cfg.fp8_block {
+        steps.push(Box::new(Dequantize {
+            block,
+            dtype: job.cast.unwrap_or(DType::BF16),
+            io: exec_opts.io,
+        }));
+    }
+    steps.push(Box::new(Import { cfg, trainer }));
     let ckpt = transform::run(&steps, ckpt, &mut report)?;
     let target = Target::Dcp(MeshSpec {
         shape: vec![world],

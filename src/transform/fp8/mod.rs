@@ -11,6 +11,7 @@
 //! the other bands again (one band of 128 rows at a time) rather than wait for them. Memory
 //! stays one copy block per worker and a few floats per band. The arithmetic is in [`quant`].
 
+pub(crate) mod dequant;
 pub(crate) mod quant;
 
 use std::collections::BTreeSet;

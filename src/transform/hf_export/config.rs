@@ -11,6 +11,7 @@ use super::tables::{self, Arch, Dim, MoeLayers, When};
 use super::views::Sizes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::transform::fp8::dequant::Block;
 
 /// config.json's name in a model directory.
 pub(crate) const CONFIG_JSON: &str = "config.json";
@@ -41,6 +42,9 @@ pub(crate) struct HfConfig {
     moe: Vec<(&'static str, u64)>,
     /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP among mixture-of-experts ones.
     mlp_only_layers: Vec<u64>,
+    /// A blockwise-FP8 release's tiles (`quantization_config` with `quant_method` `fp8` and
+    /// `weight_block_size`), whose weights are dequantized on the way.
+    pub fp8_block: Option<Block>,
 }
 
 /// The fields of mixture-of-experts and latent-attention models, zero allowed.
@@ -167,9 +171,11 @@ impl HfConfig {
                 .collect::<Result<_>>()?,
             Some(v) => return Err(bad("mlp_only_layers", &format!("is {v}, not a list"))),
         };
+        let fp8_block = fp8_block(&json).map_err(|why| bad("quantization_config", &why))?;
         Ok(HfConfig {
             moe,
             mlp_only_layers,
+            fp8_block,
             arch,
             hidden,
             heads,
@@ -456,6 +462,11 @@ impl HfConfig {
         if !set {
             json.insert("torch_dtype".into(), name);
         }
+        // A blockwise-FP8 release's own quantization is undone on the way (the weights are
+        // dequantized); what the output holds is `quantization`'s.
+        if self.fp8_block.is_some() {
+            json.remove("quantization_config");
+        }
         if let Some(q) = quantization {
             json.insert("quantization_config".into(), q);
         }
@@ -484,6 +495,32 @@ impl HfConfig {
                 Ok((name, bytes))
             })
             .collect()
+    }
+}
+
+/// The tiles of a blockwise-FP8 release's `quantization_config`, or `None` for a model that is
+/// not one; why a config that says FP8 cannot be read.
+fn fp8_block(json: &Map<String, Value>) -> std::result::Result<Option<Block>, String> {
+    let Some(q) = json.get("quantization_config").and_then(Value::as_object) else {
+        return Ok(None);
+    };
+    if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
+        return Ok(None);
+    }
+    let Some(size) = q.get("weight_block_size") else {
+        return Err("is fp8 without `weight_block_size`: ckpt dequantizes blockwise FP8".into());
+    };
+    match size
+        .as_array()
+        .map(|a| a.iter().map(Value::as_u64).collect::<Vec<_>>())
+    {
+        Some(v) if v.len() == 2 && v.iter().all(|n| n.is_some_and(|n| n > 0)) => Ok(Some(Block {
+            rows: v[0].unwrap_or(1),
+            cols: v[1].unwrap_or(1),
+        })),
+        _ => Err(format!(
+            "has `weight_block_size` {size}, not two positive integers"
+        )),
     }
 }
 

@@ -71,14 +71,27 @@ impl Export {
     }
 }
 
-/// The floating-point dtype holding most of the model's bytes (float32 if none).
+/// The floating-point dtype holding most of the model's bytes as written (float32 if none):
+/// a computed tensor's (a dequantized weight's) is what its computation writes, and FP8 codes
+/// (which `quantization_config` names) do not count.
 fn model_dtype(ckpt: &Checkpoint) -> DType {
     let mut bytes: Vec<(DType, u64)> = Vec::new();
-    for t in ckpt.tensors.iter().filter(|t| t.dtype.is_float()) {
-        let n = t.nbytes().unwrap_or(u64::MAX);
-        match bytes.iter_mut().find(|(d, _)| *d == t.dtype) {
+    for t in ckpt.tensors.iter() {
+        let dtype = t
+            .pieces
+            .computed()
+            .and_then(|c| c.0.out_dtype())
+            .unwrap_or(t.dtype);
+        if !dtype.is_float() || dtype == DType::F8E4M3 {
+            continue;
+        }
+        let n = t
+            .numel()
+            .unwrap_or(u64::MAX)
+            .saturating_mul(dtype.size() as u64);
+        match bytes.iter_mut().find(|(d, _)| *d == dtype) {
             Some((_, sum)) => *sum = sum.saturating_add(n),
-            None => bytes.push((t.dtype, n)),
+            None => bytes.push((dtype, n)),
         }
     }
     bytes

@@ -19,7 +19,7 @@ use super::tables::{self, Naming, Param, Row};
 use super::views::{Sizes, ViewKind};
 use super::HfConfig;
 use crate::error::{Error, Result};
-use crate::model::{Checkpoint, Encoding, NonTensor, Pieces, Tensor};
+use crate::model::{Checkpoint, Compute, Computed, Encoding, NonTensor, Pieces, Tensor};
 use crate::pickle::Value;
 use crate::transform::{Report, Step};
 
@@ -232,9 +232,9 @@ impl Import {
             shape.insert(0, n);
         }
         let mut pieces = Pieces::new(shape.len());
+        let computed = computed_rows(ckpt, &a, &inner, s)?;
         for p in &a.placements {
             let t = &ckpt.tensors[p.hf];
-            super::views::check_copied(t)?;
             if inner_shape(t, p.view, s, padded)? != inner {
                 return Err(Error::usage(format!(
                     "`{}` of shape {:?} does not fit `{}` beside `{}` of shape {:?}",
@@ -246,6 +246,9 @@ impl Import {
         }
         if let Some(v) = a.placements.iter().find(|p| p.view == ViewKind::TrimVocab) {
             pad_rows(&mut pieces, &ckpt.tensors[v.hf], &inner, s.vocab)?;
+        }
+        if let Some(c) = computed {
+            pieces.set_computed(c);
         }
         let want = crate::model::numel(&shape).unwrap_or(0);
         let got: u64 = pieces
@@ -396,6 +399,154 @@ fn place(out: &mut Pieces, t: &Tensor, p: &Placement, inner: &[u64], s: &Sizes) 
         }
     }
     Ok(())
+}
+
+/// When the Hugging Face tensors of `a` are computed (an FP8 release's weights, dequantized as
+/// they are copied), the computation of the trainer tensor: each box handed to the tensors'
+/// own computations a run of rows at a time, in their coordinates. Only views that move whole
+/// rows keep a computation (a transposed or padded one is refused).
+fn computed_rows(
+    ckpt: &Checkpoint,
+    a: &Assembly,
+    inner: &[u64],
+    s: &Sizes,
+) -> Result<Option<Computed>> {
+    let of = |p: &Placement| ckpt.tensors[p.hf].pieces.computed();
+    if a.placements.iter().all(|p| of(p).is_none()) {
+        return Ok(None);
+    }
+    let name = &ckpt.tensors[a.placements[0].hf].name;
+    let refuse = |why: &str| {
+        Err(Error::usage(format!(
+            "`{}` is computed (dequantized) as it is copied, which {why}",
+            a.name
+        ))
+        .tensor(name))
+    };
+    if a.placements.iter().any(|p| of(p).is_none()) {
+        return refuse("its other parts are not");
+    }
+    if inner.len() != 2 {
+        return refuse("ckpt does for 2-D weights only");
+    }
+    let mut runs = Vec::new();
+    for (k, p) in a.placements.iter().enumerate() {
+        let rows = inner[0];
+        let placed: Vec<(u64, u64, u64)> = match p.view {
+            ViewKind::Transpose | ViewKind::TrimVocab => {
+                return refuse(&format!("the view `{}` does not keep", p.view.describe()))
+            }
+            ViewKind::RopeQuery | ViewKind::RopeKv => {
+                let heads = match p.view {
+                    ViewKind::RopeQuery => s.heads,
+                    _ => s.kv_heads,
+                };
+                rope_rows(rows, heads)?
+            }
+            _ => {
+                let mut at = 0;
+                p.view
+                    .source_runs(rows, s)
+                    .map_err(Error::usage)?
+                    .into_iter()
+                    .map(|(start, len)| {
+                        let run = (at, start, len);
+                        at += len;
+                        run
+                    })
+                    .collect()
+            }
+        };
+        for (from, to, len) in placed {
+            runs.push(RowRun {
+                stack: p.stacked,
+                rows: to..to + len,
+                source_row: from,
+                part: k,
+            });
+        }
+    }
+    let parts = a
+        .placements
+        .iter()
+        .filter_map(|p| of(p).cloned())
+        .collect::<Vec<_>>();
+    let out = parts[0].0.out_dtype();
+    Ok(Some(Computed(Arc::new(ViewedRows {
+        runs,
+        parts,
+        stacked: a.stack.is_some(),
+        out,
+    }))))
+}
+
+/// A run of a trainer tensor's rows that is rows `source_row..` of part `part`.
+struct RowRun {
+    stack: Option<u64>,
+    rows: std::ops::Range<u64>,
+    source_row: u64,
+    part: usize,
+}
+
+/// The computation of a trainer tensor whose rows are runs of computed Hugging Face tensors'.
+struct ViewedRows {
+    runs: Vec<RowRun>,
+    parts: Vec<Computed>,
+    /// The tensor has a leading stack axis before its rows.
+    stacked: bool,
+    out: Option<crate::dtype::DType>,
+}
+
+impl Compute for ViewedRows {
+    fn compute(
+        &self,
+        start: &[u64],
+        sizes: &[u64],
+        src: &[u8],
+        dst: &mut [u8],
+        dst_dtype: crate::dtype::DType,
+    ) -> Result<()> {
+        let (lead, (start, sizes)) = match self.stacked {
+            true => (Some((start[0], sizes[0])), (&start[1..], &sizes[1..])),
+            false => (None, (start, sizes)),
+        };
+        let (&[r0, c0], &[nr, nc]) = (start, sizes) else {
+            return Err(Error::bug("a dequantized view's box is not 2-D"));
+        };
+        let (se, de) = (src.len() as u64, dst.len() as u64);
+        let boxes = lead.map_or(1, |(_, n)| n);
+        let (src_row, dst_row) = (se / (boxes * nr).max(1), de / (boxes * nr).max(1));
+        let mut covered = 0;
+        for b in 0..boxes {
+            let stack = lead.map(|(k, _)| k + b);
+            for run in self.runs.iter().filter(|r| r.stack == stack) {
+                let (lo, hi) = (run.rows.start.max(r0), run.rows.end.min(r0 + nr));
+                if lo >= hi {
+                    continue;
+                }
+                let first = b * nr + (lo - r0);
+                let n = hi - lo;
+                let s = &src[(first * src_row) as usize..((first + n) * src_row) as usize];
+                let d = &mut dst[(first * dst_row) as usize..((first + n) * dst_row) as usize];
+                let at = [run.source_row + (lo - run.rows.start), c0];
+                self.parts[run.part]
+                    .0
+                    .compute(&at, &[n, nc], s, d, dst_dtype)?;
+                covered += n;
+            }
+        }
+        if covered != boxes * nr {
+            return Err(Error::bug(format!(
+                "{covered} of {} rows of a dequantized view were computed",
+                boxes * nr
+            )));
+        }
+        Ok(())
+    }
+
+    fn out_dtype(&self) -> Option<crate::dtype::DType> {
+        self.out
+    }
 }
 
 /// A piece of `source`'s file at byte `at`, put at `offsets` (behind the stack index, if any).
