@@ -42,6 +42,11 @@ pub(crate) struct HfConfig {
     moe: Vec<(&'static str, u64)>,
     /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP among mixture-of-experts ones.
     mlp_only_layers: Vec<u64>,
+    /// Multi-token prediction layers the model has after its decoder's
+    /// (`num_nextn_predict_layers`); 0 with `--no-mtp`.
+    pub mtp_layers: u64,
+    /// `--no-mtp`: the checkpoint's MTP layers are left out (and the output's config says 0).
+    pub no_mtp: bool,
     /// A blockwise-FP8 release's tiles (`quantization_config` with `quant_method` `fp8` and
     /// `weight_block_size`), whose weights are dequantized on the way.
     pub fp8_block: Option<Block>,
@@ -172,10 +177,13 @@ impl HfConfig {
             Some(v) => return Err(bad("mlp_only_layers", &format!("is {v}, not a list"))),
         };
         let fp8_block = fp8_block(&json).map_err(|why| bad("quantization_config", &why))?;
+        let mtp_layers = int("num_nextn_predict_layers")?.unwrap_or(0);
         Ok(HfConfig {
             moe,
             mlp_only_layers,
             fp8_block,
+            mtp_layers,
+            no_mtp: false,
             arch,
             hidden,
             heads,
@@ -248,6 +256,14 @@ impl HfConfig {
         }
     }
 
+    /// The same config with `--no-mtp`: no multi-token prediction layer is written (config.json
+    /// then says `num_nextn_predict_layers` 0) and the checkpoint's are left out.
+    pub(crate) fn without_mtp(mut self) -> HfConfig {
+        self.no_mtp = true;
+        self.mtp_layers = 0;
+        self
+    }
+
     /// Whether the model has a parameter that is there `when`, in `layer` for a layer's.
     pub(crate) fn has(&self, when: When, layer: Option<u64>) -> bool {
         let q_lora = self.moe_field("q_lora_rank").is_some_and(|r| r > 0);
@@ -260,6 +276,8 @@ impl HfConfig {
             When::MoeLayer | When::MoeLayerIfSaved => layer.is_some_and(|l| self.is_moe_layer(l)),
             When::QLora => q_lora,
             When::NoQLora => !q_lora,
+            When::MtpLayer => layer.is_some_and(|l| l >= self.layers),
+            When::QkNorm => self.json.get("use_qk_norm").and_then(Value::as_bool) == Some(true),
         }
     }
 
@@ -466,6 +484,9 @@ impl HfConfig {
         // dequantized); what the output holds is `quantization`'s.
         if self.fp8_block.is_some() {
             json.remove("quantization_config");
+        }
+        if self.no_mtp && json.contains_key("num_nextn_predict_layers") {
+            json.insert("num_nextn_predict_layers".into(), Value::from(0));
         }
         if let Some(q) = quantization {
             json.insert("quantization_config".into(), q);

@@ -57,8 +57,8 @@ struct Placement {
     /// Index of the Hugging Face tensor.
     hf: usize,
     view: ViewKind,
-    /// The index of the trainer tensor's leading axis it is, when the trainer stacks it.
-    stacked: Option<u64>,
+    /// The indices of the trainer tensor's leading (stack) axes it is at, outermost first.
+    stacked: Vec<u64>,
 }
 
 /// A trainer tensor being assembled.
@@ -66,8 +66,8 @@ struct Assembly {
     name: String,
     /// The view's parts present, for the ones a fused tensor needs all of.
     placements: Vec<Placement>,
-    /// How many the leading axis holds, when stacked (layers, experts).
-    stack: Option<(char, u64)>,
+    /// How many each leading stack axis holds (layers, experts), outermost first.
+    stack: Vec<u64>,
 }
 
 impl Step for Import {
@@ -85,14 +85,14 @@ impl Step for Import {
         let assemblies = self.assemble(&ckpt, &rows, report)?;
         let sizes = cfg.sizes();
         let padded = self.padded_vocab();
+        let values = match self.trainer {
+            Trainer::Megatron { .. } => megatron_extra_states(&assemblies),
+            Trainer::Torchtitan => Vec::new(),
+        };
         let mut tensors = Vec::with_capacity(assemblies.len());
         for a in assemblies {
             tensors.push(self.tensor(&ckpt, a, &sizes, padded)?);
         }
-        let values = match self.trainer {
-            Trainer::Megatron { .. } => megatron_extra_states(&tensors, cfg.layers),
-            Trainer::Torchtitan => Vec::new(),
-        };
         Ok(Checkpoint {
             tensors,
             values,
@@ -127,14 +127,13 @@ impl Import {
         report: &mut Report,
     ) -> Result<Vec<Assembly>> {
         let cfg = &self.cfg;
-        // The first row that places each parameter, and the order trainer tensors come in.
-        let mut row_of: BTreeMap<&str, &Row> = BTreeMap::new();
-        for r in rows {
-            row_of.entry(r.target).or_insert(r);
-        }
+        // Megatron saves layer-stacked weights when every decoder layer is alike, and one
+        // tensor per layer when they are not (dense and MoE layers).
+        let per_layer = !(0..cfg.layers).all(|l| cfg.is_moe_layer(l) == cfg.is_moe_layer(0));
         let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
         let mut out: Vec<Assembly> = Vec::new();
         let mut left = 0;
+        let mut copies = 0;
         for (i, t) in ckpt.tensors.iter().enumerate() {
             let Some((param, indices)) = param_of(cfg, &t.name) else {
                 if is_buffer(&t.name) {
@@ -150,17 +149,25 @@ impl Import {
                 .hint("check that config.json is the release's own"));
             };
             let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
-            if !cfg.has(param.when, layer) {
+            let mtp = layer.is_some_and(|l| l >= cfg.layers);
+            let present = match (layer, mtp) {
+                (Some(l), true) => l < cfg.layers + cfg.mtp_layers,
+                _ => cfg.has(param.when, layer),
+            } && (!mtp || param.when != tables::When::MtpLayer || cfg.has(param.when, layer));
+            if !present {
                 return Err(Error::usage(format!(
                     "tensor `{}` is a parameter {} does not have: config.json's {}",
                     t.name,
                     cfg.arch.name,
-                    param.when.absent_because()
+                    match mtp {
+                        true => "`num_nextn_predict_layers` has fewer multi-token prediction layers",
+                        false => param.when.absent_because(),
+                    }
                 ))
                 .tensor(&t.name)
                 .file(&cfg.path));
             }
-            let Some(row) = row_of.get(param.name) else {
+            let Some(row) = row_for(rows, param, mtp, per_layer) else {
                 return Err(Error::usage(format!(
                     "{}'s `{}` has no place in {}'s names",
                     cfg.arch.name,
@@ -169,19 +176,33 @@ impl Import {
                 ))
                 .tensor(&t.name));
             };
-            let axis = tables::unstacked(row);
-            let own: Vec<(char, u64)> = indices
+            if row.target.contains(tables::MTP) {
+                // An MTP layer's copy of the embedding or head: the trainer has the one.
+                copies += 1;
+                continue;
+            }
+            let axes = tables::unstacked(row);
+            let mut own: Vec<(char, u64)> = indices
                 .iter()
                 .copied()
-                .filter(|(c, _)| Some(*c) != axis)
+                .filter(|(c, _)| !axes.contains(c))
                 .collect();
+            if let Some(l) = layer.filter(|_| mtp) {
+                own.retain(|(c, _)| *c != 'L');
+                own.push((tables::MTP_INDEX, l - cfg.layers));
+            }
             let name = tables::fill(row.source, &own);
-            let stacked = axis.and_then(|a| indices.iter().find(|(c, _)| *c == a).map(|x| x.1));
-            let stack = match axis {
-                Some('L') => Some(('L', cfg.layers)),
-                Some(a) => Some((a, cfg.size(tables::Dim::Experts)?.0)),
-                None => None,
-            };
+            let stacked: Vec<u64> = axes
+                .iter()
+                .filter_map(|a| indices.iter().find(|(c, _)| c == a).map(|x| x.1))
+                .collect();
+            let mut stack = Vec::with_capacity(axes.len());
+            for a in &axes {
+                stack.push(match a {
+                    'L' => cfg.layers,
+                    _ => cfg.size(tables::Dim::Experts)?.0,
+                });
+            }
             let k = *by_name.entry(name.clone()).or_insert_with(|| {
                 out.push(Assembly {
                     name,
@@ -195,6 +216,11 @@ impl Import {
                 view: row.view,
                 stacked,
             });
+        }
+        if copies > 0 {
+            report.notes.push(format!(
+                "the import wrote the embedding and head once: the release's {copies} copies of them in its multi-token prediction layers are the trainer's shared ones"
+            ));
         }
         if left > 0 {
             report.notes.push(format!(
@@ -227,10 +253,8 @@ impl Import {
             .hint("pass --dtype to write one dtype"));
         }
         let inner = inner_shape(first, a.placements[0].view, s, padded)?;
-        let mut shape = inner.clone();
-        if let Some((_, n)) = a.stack {
-            shape.insert(0, n);
-        }
+        let mut shape = a.stack.clone();
+        shape.extend_from_slice(&inner);
         let mut pieces = Pieces::new(shape.len());
         let computed = computed_rows(ckpt, &a, &inner, s)?;
         for p in &a.placements {
@@ -245,6 +269,9 @@ impl Import {
             place(&mut pieces, t, p, &inner, s)?;
         }
         if let Some(v) = a.placements.iter().find(|p| p.view == ViewKind::TrimVocab) {
+            if !a.stack.is_empty() {
+                return Err(Error::bug("a padded vocabulary in a stacked tensor").tensor(&a.name));
+            }
             pad_rows(&mut pieces, &ckpt.tensors[v.hf], &inner, s.vocab)?;
         }
         if let Some(c) = computed {
@@ -275,6 +302,30 @@ impl Import {
             shape,
             pieces,
         })
+    }
+}
+
+/// The row that places `param` for the import: the first of the table's, among those of an MTP
+/// layer's (`{M}`) when `mtp`, and of one layer's (`decoder.layers.{L}`) rather than the
+/// layer-stacked ones when `per_layer`.
+fn row_for<'r>(rows: &'r [Row], param: &Param, mtp: bool, per_layer: bool) -> Option<&'r Row> {
+    let targets = |r: &&Row| r.target.replace(tables::MTP, "{L}") == param.name;
+    let of_mtp = |r: &&Row| {
+        r.source.contains(&format!("{{{}}}", tables::MTP_INDEX)) || r.target.contains(tables::MTP)
+    };
+    let candidates: Vec<&Row> = rows
+        .iter()
+        .filter(targets)
+        .filter(|r| of_mtp(r) == mtp)
+        .collect();
+    let one_layer = |r: &&&Row| r.source.contains("{L}");
+    match per_layer {
+        true => candidates
+            .iter()
+            .find(one_layer)
+            .or(candidates.first())
+            .copied(),
+        false => candidates.first().copied(),
     }
 }
 
@@ -344,7 +395,7 @@ fn place(out: &mut Pieces, t: &Tensor, p: &Placement, inner: &[u64], s: &Sizes) 
             }
             push(
                 out,
-                p.stacked,
+                &p.stacked,
                 &offsets,
                 &sizes,
                 piece,
@@ -395,7 +446,7 @@ fn place(out: &mut Pieces, t: &Tensor, p: &Placement, inner: &[u64], s: &Sizes) 
             offsets[0] = to + (lo - from);
             sizes[0] = hi - lo;
             let at = piece.offset() + (lo - o) * strides[0] * elem;
-            push(out, p.stacked, &offsets, &sizes, piece, at, &strides)?;
+            push(out, &p.stacked, &offsets, &sizes, piece, at, &strides)?;
         }
     }
     Ok(())
@@ -459,7 +510,7 @@ fn computed_rows(
         };
         for (from, to, len) in placed {
             runs.push(RowRun {
-                stack: p.stacked,
+                stack: p.stacked.clone(),
                 rows: to..to + len,
                 source_row: from,
                 part: k,
@@ -475,14 +526,15 @@ fn computed_rows(
     Ok(Some(Computed(Arc::new(ViewedRows {
         runs,
         parts,
-        stacked: a.stack.is_some(),
+        stack: a.stack.clone(),
         out,
     }))))
 }
 
 /// A run of a trainer tensor's rows that is rows `source_row..` of part `part`.
 struct RowRun {
-    stack: Option<u64>,
+    /// The stack axes' indices the run is at.
+    stack: Vec<u64>,
     rows: std::ops::Range<u64>,
     source_row: u64,
     part: usize,
@@ -492,8 +544,8 @@ struct RowRun {
 struct ViewedRows {
     runs: Vec<RowRun>,
     parts: Vec<Computed>,
-    /// The tensor has a leading stack axis before its rows.
-    stacked: bool,
+    /// The sizes of the tensor's leading stack axes before its rows.
+    stack: Vec<u64>,
     out: Option<crate::dtype::DType>,
 }
 
@@ -506,20 +558,24 @@ impl Compute for ViewedRows {
         dst: &mut [u8],
         dst_dtype: crate::dtype::DType,
     ) -> Result<()> {
-        let (lead, (start, sizes)) = match self.stacked {
-            true => (Some((start[0], sizes[0])), (&start[1..], &sizes[1..])),
-            false => (None, (start, sizes)),
-        };
-        let (&[r0, c0], &[nr, nc]) = (start, sizes) else {
+        let n = self.stack.len();
+        let (lead_start, lead_sizes) = (&start[..n], &sizes[..n]);
+        let (&[r0, c0], &[nr, nc]) = (&start[n..], &sizes[n..]) else {
             return Err(Error::bug("a dequantized view's box is not 2-D"));
         };
         let (se, de) = (src.len() as u64, dst.len() as u64);
-        let boxes = lead.map_or(1, |(_, n)| n);
+        let boxes: u64 = lead_sizes.iter().product();
         let (src_row, dst_row) = (se / (boxes * nr).max(1), de / (boxes * nr).max(1));
         let mut covered = 0;
         for b in 0..boxes {
-            let stack = lead.map(|(k, _)| k + b);
-            for run in self.runs.iter().filter(|r| r.stack == stack) {
+            // The stack indices of box `b`, row-major over the leading axes.
+            let mut at = vec![0u64; n];
+            let mut rest = b;
+            for d in (0..n).rev() {
+                at[d] = lead_start[d] + rest % lead_sizes[d];
+                rest /= lead_sizes[d];
+            }
+            for run in self.runs.iter().filter(|r| r.stack == at) {
                 let (lo, hi) = (run.rows.start.max(r0), run.rows.end.min(r0 + nr));
                 if lo >= hi {
                     continue;
@@ -549,22 +605,23 @@ impl Compute for ViewedRows {
     }
 }
 
-/// A piece of `source`'s file at byte `at`, put at `offsets` (behind the stack index, if any).
+/// A piece of `source`'s file at byte `at`, put at `offsets` (behind the stack indices, if any).
 fn push(
     out: &mut Pieces,
-    stacked: Option<u64>,
+    stacked: &[u64],
     offsets: &[u64],
     sizes: &[u64],
     source: crate::model::PieceRef<'_>,
     at: u64,
     strides: &[u64],
 ) -> Result<()> {
-    let (mut o, mut z, mut st) = (offsets.to_vec(), sizes.to_vec(), strides.to_vec());
-    if let Some(k) = stacked {
-        o.insert(0, k);
-        z.insert(0, 1);
-        st.insert(0, crate::model::numel(sizes).unwrap_or(1).max(1));
-    }
+    let step = crate::model::numel(sizes).unwrap_or(1).max(1);
+    let mut o = stacked.to_vec();
+    o.extend_from_slice(offsets);
+    let mut z = vec![1; stacked.len()];
+    z.extend_from_slice(sizes);
+    let mut st = vec![step; stacked.len()];
+    st.extend_from_slice(strides);
     out.push_parts(
         &o,
         &z,
@@ -621,26 +678,55 @@ fn rope_rows(rows: u64, heads: u64) -> Result<Vec<(u64, u64, u64)>> {
 }
 
 /// What megatron-core's `GPTModel.sharded_state_dict()` saves beside each linear's weights: its
-/// `_extra_state` (FP8 metadata under Transformer Engine, `None` otherwise) per layer, as the
-/// ShardedObjects `<module>._extra_state/shard_<layer>_<layers>`. `dist_checkpointing.load`
-/// asks for them, so an import writes them empty.
-fn megatron_extra_states(tensors: &[Tensor], layers: u64) -> Vec<NonTensor> {
+/// `_extra_state` (FP8 metadata under Transformer Engine, `None` otherwise), one ShardedObject
+/// per entry of the weight's stack axes: `<module>._extra_state/shard_<l>_<L>` of a
+/// layer-stacked linear, `shard_<l>.<e>_<L>.<E>` of layer- and expert-stacked experts,
+/// `shard_0_1` of one layer's. `dist_checkpointing.load` asks for them, so an import writes them
+/// empty.
+fn megatron_extra_states(assemblies: &[Assembly]) -> Vec<NonTensor> {
+    const LINEARS: [&str; 10] = [
+        "linear_proj",
+        "linear_qkv",
+        "linear_fc1",
+        "linear_fc2",
+        "linear_q_proj",
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+        "linear_kv_up_proj",
+        "eh_proj",
+    ];
     let mut out = Vec::new();
-    for t in tensors {
-        let Some(module) = t.name.strip_suffix(".weight") else {
+    for a in assemblies {
+        let Some(module) = a.name.strip_suffix(".weight") else {
             continue;
         };
-        let stacked = module.starts_with("decoder.layers.")
-            && !module["decoder.layers.".len()..].starts_with(|c: char| c.is_ascii_digit());
-        let linear = ["linear_proj", "linear_qkv", "linear_fc1", "linear_fc2"]
-            .iter()
-            .any(|l| module.ends_with(l));
-        if !(stacked && linear) {
+        if !LINEARS.iter().any(|l| module.ends_with(&format!(".{l}"))) {
             continue;
         }
-        for l in 0..layers {
+        let (stack, counts) = match a.stack.is_empty() {
+            true => (vec![vec![0]], vec![1]),
+            false => {
+                let mut combos: Vec<Vec<u64>> = vec![Vec::new()];
+                for &n in &a.stack {
+                    combos = combos
+                        .into_iter()
+                        .flat_map(|c| {
+                            (0..n).map(move |k| {
+                                let mut c = c.clone();
+                                c.push(k);
+                                c
+                            })
+                        })
+                        .collect();
+                }
+                (combos, a.stack.clone())
+            }
+        };
+        let join = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+        for at in stack {
             out.push(NonTensor {
-                name: format!("{module}._extra_state/shard_{l}_{layers}"),
+                name: format!("{module}._extra_state/shard_{}_{}", join(&at), join(&counts)),
                 key_path: Vec::new(),
                 value: Some(Value::None),
                 raw: None,

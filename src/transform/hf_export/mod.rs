@@ -41,8 +41,9 @@ pub(crate) struct Placed {
     pub source_name: String,
     pub target: String,
     pub view: ViewKind,
-    /// The index of the leading axis an unstacking view takes.
-    pub index: Option<u64>,
+    /// The indices of the leading axes unstacking takes, outermost first (a layer of a
+    /// layer-stacked weight, an expert of an expert-stacked one, or both).
+    pub stack: Vec<u64>,
     /// The target is a linear layer's weight ([`tables::Param::linear`]).
     pub linear: bool,
 }
@@ -202,6 +203,24 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
         if matches.is_empty() {
             unplaced.push(t.name.as_str());
         }
+        // A multi-token prediction layer past the config's: left out with --no-mtp, else refused.
+        let mtp = matches
+            .iter()
+            .find_map(|(_, at)| at.iter().find(|(c, _)| *c == tables::MTP_INDEX))
+            .map(|&(_, m)| m);
+        if let Some(m) = mtp.filter(|&m| m >= cfg.mtp_layers) {
+            if cfg.no_mtp {
+                left_out.push(left(&t.name, "multi-token prediction layers (--no-mtp)"));
+                continue;
+            }
+            return Err(Error::usage(format!(
+                "tensor `{}` is of multi-token prediction layer {m}, but config.json's `num_nextn_predict_layers` is {}",
+                t.name, cfg.mtp_layers
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint("set `num_nextn_predict_layers` to the trained model's, or pass --no-mtp to leave the MTP layers out"));
+        }
         for (row, indices) in matches {
             place(i, t, row, &indices, cfg, &mut placed, &mut left_out)?;
         }
@@ -256,44 +275,87 @@ fn place(
             .hint(CONFIG_HINT));
         }
     }
-    let target = tables::fill(row.target, indices);
-    if cfg.tied && target == "lm_head.weight" {
-        left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
-        return Ok(());
+    // A multi-token prediction layer `M` is layer `num_hidden_layers + M` of the Hugging Face
+    // model; a source without one (the embedding, the head) goes to every MTP layer.
+    let mtp: Vec<u64> = match indices.iter().find(|(c, _)| *c == 'M') {
+        Some(&(_, m)) => vec![cfg.layers + m],
+        None if row.target.contains(tables::MTP) => (0..cfg.mtp_layers)
+            .map(|j| cfg.layers + j)
+            .collect(),
+        None => Vec::new(),
+    };
+    let targets: Vec<String> = match mtp.is_empty() {
+        true => vec![tables::fill(row.target, indices)],
+        false => mtp
+            .iter()
+            .map(|&l| {
+                let mut with = indices.to_vec();
+                with.push(('L', l));
+                tables::fill(&row.target.replace(tables::MTP, "{L}"), &with)
+            })
+            .collect(),
+    };
+    for target in targets {
+        if cfg.tied && target == "lm_head.weight" {
+            left_out.push(left(&t.name, "tied to the embedding (tie_word_embeddings)"));
+            continue;
+        }
+        unstack_into(i, t, row, target, cfg, placed)?;
     }
-    let Some(axis) = tables::unstacked(row) else {
+    Ok(())
+}
+
+/// Tensor `i` placed at `target` by `row`: itself, or one tensor per index of each leading axis
+/// its target names and its source does not (per layer, per expert, or both).
+fn unstack_into(
+    i: usize,
+    t: &Tensor,
+    row: &Row,
+    target: String,
+    cfg: &HfConfig,
+    placed: &mut Vec<Placed>,
+) -> Result<()> {
+    let axes = tables::unstacked(row);
+    let mut counts = Vec::with_capacity(axes.len());
+    for (d, &axis) in axes.iter().enumerate() {
+        let (count, says) = match axis {
+            'L' => (cfg.layers, format!("`num_hidden_layers` = {}", cfg.layers)),
+            _ => cfg.size(Dim::Experts)?,
+        };
+        let leading = t.shape.get(d).copied().unwrap_or(0);
+        if t.shape.len() < axes.len() + 1 || leading != count {
+            return Err(Error::usage(format!(
+                "tensor `{}` has shape {:?}, whose axis {d} should be config.json's {says}",
+                t.name, t.shape
+            ))
+            .file(&cfg.path)
+            .tensor(&t.name)
+            .hint(CONFIG_HINT));
+        }
+        counts.push(count);
+    }
+    // Every combination of the stacked axes' indices, outermost first.
+    let mut combos: Vec<Vec<u64>> = vec![Vec::new()];
+    for &n in &counts {
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                (0..n).map(move |k| {
+                    let mut c = c.clone();
+                    c.push(k);
+                    c
+                })
+            })
+            .collect();
+    }
+    for stack in combos {
+        let at: Vec<(char, u64)> = axes.iter().copied().zip(stack.iter().copied()).collect();
         placed.push(Placed {
             source: i,
             source_name: t.name.clone(),
-            target,
+            target: tables::fill(&target, &at),
             view: row.view,
-            index: None,
-            linear: false,
-        });
-        return Ok(());
-    };
-    // One tensor per index of the leading axis: per layer, or per expert.
-    let (count, says) = match axis {
-        'L' => (cfg.layers, format!("`num_hidden_layers` = {}", cfg.layers)),
-        _ => cfg.size(Dim::Experts)?,
-    };
-    let leading = t.shape.first().copied().unwrap_or(0);
-    if t.shape.len() < 2 || leading != count {
-        return Err(Error::usage(format!(
-            "tensor `{}` has shape {:?}, whose leading axis should be config.json's {says}",
-            t.name, t.shape
-        ))
-        .file(&cfg.path)
-        .tensor(&t.name)
-        .hint(CONFIG_HINT));
-    }
-    for k in 0..count {
-        placed.push(Placed {
-            source: i,
-            source_name: t.name.clone(),
-            target: tables::fill(&target, &[(axis, k)]),
-            view: row.view,
-            index: Some(k),
+            stack,
             linear: false,
         });
     }
@@ -345,14 +407,16 @@ fn order_and_check(
         }
         Ok((0..cfg.size(Dim::Experts)?.0).map(Some).collect())
     };
+    // The decoder's layers, then the multi-token prediction layers after them.
+    let all_layers = cfg.layers + cfg.mtp_layers;
     let order = head
         .iter()
         .map(|p| (p, None))
-        .chain((0..cfg.layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
+        .chain((0..all_layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
         .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
     // Layers the checkpoint has a tensor of: a layer it lacks whole is `num_hidden_layers`'
     // doing, whatever else the config says of that layer.
-    let saved_layers: BTreeSet<u64> = (0..cfg.layers)
+    let saved_layers: BTreeSet<u64> = (0..all_layers)
         .filter(|&l| {
             rest.iter()
                 .filter(layered)
@@ -361,7 +425,9 @@ fn order_and_check(
         .collect();
     let mut out = Vec::with_capacity(by_target.len());
     for (param, layer) in order {
-        let present = cfg.has(param.when, layer);
+        // An MTP layer holds a decoder layer's parameters and its own; a decoder layer only its.
+        let mtp_layer = layer.is_some_and(|l| l >= cfg.layers);
+        let present = cfg.has(param.when, layer) && (mtp_layer || param.when != When::MtpLayer);
         for expert in experts(param)? {
             let mut indices = Vec::new();
             indices.extend(layer.map(|l| ('L', l)));
@@ -437,6 +503,10 @@ fn missing(
             "; config.json's {rule} makes layer {l} a mixture of experts, but the checkpoint has no experts there"
         ),
         (When::QLora, _) => "; config.json's `q_lora_rank` is set".to_string(),
+        (_, Some(l)) if l >= cfg.layers => format!(
+            "; config.json's `num_nextn_predict_layers` = {} makes layer {l} a multi-token prediction layer (pass --no-mtp to leave them out)",
+            cfg.mtp_layers
+        ),
         (_, Some(_)) => format!("; config.json's `num_hidden_layers` is {}", cfg.layers),
         (_, None) => String::new(),
     };
@@ -451,11 +521,7 @@ fn missing(
 /// Refuse a tensor whose shape (after its view) disagrees with what the config gives it.
 fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> Result<()> {
     let here = format!("tensor `{}` (`{}`)", t.name, p.target);
-    let stacked = if p.index.is_some() {
-        t.shape.get(1..).unwrap_or_default()
-    } else {
-        &t.shape[..]
-    };
+    let stacked = t.shape.get(p.stack.len()..).unwrap_or_default();
     let shape = p.view.shape(stacked, &cfg.sizes()).map_err(|why| {
         Error::usage(format!(
             "{here} cannot be viewed as {}: {why}",
@@ -499,15 +565,15 @@ pub(crate) fn apply(ckpt: Checkpoint, cfg: &HfConfig, mapping: &Mapping) -> Resu
     let sizes = cfg.sizes();
     for p in &mapping.placed {
         let t = &ckpt.tensors[p.source];
-        let (pieces, stacked) = match p.index {
-            Some(k) => (views::unstack(t, k)?, t.shape.get(1..).unwrap_or_default()),
-            None => {
-                if p.view != ViewKind::Rename {
-                    views::check_copied(t)?;
-                }
-                (t.pieces.clone(), &t.shape[..])
-            }
-        };
+        if !p.stack.is_empty() || p.view != ViewKind::Rename {
+            views::check_copied(t)?;
+        }
+        let mut pieces = t.pieces.clone();
+        for (d, &k) in p.stack.iter().enumerate() {
+            pieces = views::unstack(&pieces, &t.shape[d..], t.dtype.size() as u64, k)
+                .map_err(|e| e.tensor(&t.name))?;
+        }
+        let stacked = t.shape.get(p.stack.len()..).unwrap_or_default();
         // `map` checked every view's shape against the config.
         let shape = p.view.shape(stacked, &sizes).map_err(Error::usage)?;
         let elem = t.dtype.size() as u64;

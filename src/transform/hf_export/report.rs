@@ -22,11 +22,16 @@ pub(crate) struct Report<'a> {
 pub(crate) struct Row<'a> {
     pub source: &'a str,
     pub target: &'a str,
-    /// The view, after `unstack N, ` when the target is index N of the source's leading axis.
+    /// The view, after `unstack N, ` when the target is index N of the source's leading axis
+    /// (`unstack N M, ` of two).
     pub view: String,
     /// The index of the leading axis an `unstack` takes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub index: Option<u64>,
+    /// The indices of the leading axes, where an `unstack` takes more than one (a layer and an
+    /// expert of Megatron's layer- and expert-stacked experts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub indices: Option<&'a [u64]>,
 }
 
 #[derive(Serialize)]
@@ -46,12 +51,21 @@ pub(crate) fn report(m: &Mapping) -> Report<'_> {
             .map(|p| Row {
                 source: &p.source_name,
                 target: &p.target,
-                view: match p.index {
-                    Some(i) if p.view == ViewKind::Rename => format!("unstack {i}"),
-                    Some(i) => format!("unstack {i}, {}", p.view.describe()),
-                    None => p.view.describe().to_string(),
+                view: {
+                    let at: Vec<String> = p.stack.iter().map(u64::to_string).collect();
+                    match (p.stack.is_empty(), p.view == ViewKind::Rename) {
+                        (true, _) => p.view.describe().to_string(),
+                        (false, true) => format!("unstack {}", at.join(" ")),
+                        (false, false) => {
+                            format!("unstack {}, {}", at.join(" "), p.view.describe())
+                        }
+                    }
                 },
-                index: p.index,
+                index: match p.stack[..] {
+                    [i] => Some(i),
+                    _ => None,
+                },
+                indices: (p.stack.len() > 1).then_some(&p.stack[..]),
             })
             .collect(),
         left_out: m

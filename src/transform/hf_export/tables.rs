@@ -111,6 +111,11 @@ pub(crate) enum When {
     QLora,
     /// `q_lora_rank` is null.
     NoQLora,
+    /// The layer is a multi-token prediction layer (`num_nextn_predict_layers` of them after the
+    /// decoder's).
+    MtpLayer,
+    /// `use_qk_norm` is true (GLM-4.5's per-head q/k norms).
+    QkNorm,
 }
 
 impl When {
@@ -129,6 +134,8 @@ impl When {
             }
             When::QLora => "`q_lora_rank` is null",
             When::NoQLora => "`q_lora_rank` is set",
+            When::MtpLayer => "the layer is not a multi-token prediction layer",
+            When::QkNorm => "`use_qk_norm` is false",
         }
     }
 }
@@ -229,13 +236,28 @@ pub(crate) fn arch(name: &str) -> Option<&'static Arch> {
     ARCHS.iter().find(|a| a.name == name)
 }
 
-/// The placeholder of `row`'s target that its source lacks (`L` of a layer-stacked source, `E`
-/// of an expert-stacked one): the source's leading axis, one target per index.
-pub(crate) fn unstacked(row: &Row) -> Option<char> {
-    ['L', 'E'].into_iter().find(|c| {
-        let hole = format!("{{{c}}}");
-        row.target.contains(&hole) && !row.source.contains(&hole)
-    })
+/// The placeholder of a Megatron multi-token prediction layer's index in a source pattern
+/// (`mtp.layers.{M}.enorm.weight`): the Hugging Face model numbers it after the decoder's
+/// layers, `{L}` = `num_hidden_layers + M`.
+pub(crate) const MTP_INDEX: char = 'M';
+
+/// A target placeholder for every multi-token prediction layer of the Hugging Face model, for a
+/// source that has no index of its own (the embedding and head each MTP layer holds a copy of).
+pub(crate) const MTP: &str = "{MTP}";
+
+/// The placeholders of `row`'s target that its source lacks (`L` of a layer-stacked source, `E`
+/// of an expert-stacked one, both of Megatron's layer- and expert-stacked experts): the
+/// source's leading axes, outermost first, one target per index.
+pub(crate) fn unstacked(row: &Row) -> Vec<char> {
+    ['L', 'E']
+        .into_iter()
+        .filter(|c| {
+            let hole = format!("{{{c}}}");
+            // An MTP layer's `{L}` comes from its `{M}`.
+            let mtp = *c == 'L' && row.source.contains(&format!("{{{MTP_INDEX}}}"));
+            row.target.contains(&hole) && !row.source.contains(&hole) && !mtp
+        })
+        .collect()
 }
 
 /// `name` matched against `pattern`: the `{L}`/`{E}` indices it holds, in order, or `None`.

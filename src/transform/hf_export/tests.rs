@@ -607,7 +607,7 @@ fn megatron_per_layer_keys_map_as_the_stacked_ones() {
     let cfg = config("LlamaForCausalLM", &[]);
     let m = map(&checkpoint(per_layer), &cfg).unwrap();
     assert_eq!(targets(&m), hf_names("LlamaForCausalLM", false));
-    assert!(m.placed.iter().all(|p| p.index.is_none()));
+    assert!(m.placed.iter().all(|p| p.stack.is_empty()));
 }
 
 #[test]

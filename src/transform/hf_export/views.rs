@@ -270,21 +270,17 @@ fn transpose(pieces: &Pieces) -> Result<Pieces> {
     Ok(out)
 }
 
-/// Index `index` of `t`'s leading axis, that axis dropped: one layer of a layer-stacked weight,
-/// one expert of an expert-stacked one.
-pub(crate) fn unstack(t: &Tensor, index: u64) -> Result<Pieces> {
-    check_copied(t)?;
-    let n = t.shape.first().copied().unwrap_or(0);
-    if t.shape.is_empty() || index >= n {
+/// Index `index` of the leading axis of pieces of a tensor of `shape` (`elem`-byte elements),
+/// that axis dropped: one layer of a layer-stacked weight, one expert of an expert-stacked one.
+pub(crate) fn unstack(pieces: &Pieces, shape: &[u64], elem: u64, index: u64) -> Result<Pieces> {
+    let n = shape.first().copied().unwrap_or(0);
+    if shape.is_empty() || index >= n {
         return Err(Error::bug(format!(
-            "index {index} of a leading axis of {n} (shape {:?})",
-            t.shape
-        ))
-        .tensor(&t.name));
+            "index {index} of a leading axis of {n} (shape {shape:?})"
+        )));
     }
-    let elem = t.dtype.size() as u64;
-    let mut out = Pieces::new(t.pieces.ndim() - 1);
-    for p in t.pieces.iter() {
+    let mut out = Pieces::new(pieces.ndim() - 1);
+    for p in pieces.iter() {
         let (o, s) = (p.offsets()[0], p.sizes()[0]);
         if index < o || index >= o + s {
             continue;
@@ -496,13 +492,13 @@ mod tests {
             let shape = [3u64, 4, 5];
             let (t, buf) = saved(&shape, dim, cuts);
             for e in 0..3 {
-                let got = materialize(&shape[1..], &unstack(&t, e).unwrap(), &buf);
+                let got = materialize(&shape[1..], &unstack(&t.pieces, &t.shape, 4, e).unwrap(), &buf);
                 let want: Vec<u32> = (0..20).map(|i| (e * 20 + i) as u32).collect();
                 assert_eq!(got, want, "cut {dim}/{cuts} expert {e}");
             }
         }
         let (t, _) = saved(&[3, 4, 5], 0, 1);
-        assert!(unstack(&t, 3).is_err());
+        assert!(unstack(&t.pieces, &t.shape, 4, 3).is_err());
     }
 
     const SIZES: Sizes = Sizes {
