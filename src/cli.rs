@@ -123,6 +123,10 @@ struct ConsolidateArgs {
     /// Qwen3-FP8 ship; the rest stays in --dtype. Needs --hf-config.
     #[arg(long, value_enum, value_name = "KIND")]
     quantize: Option<Quantize>,
+    /// Leave out the model's multi-token prediction layers (DeepSeek-V3's, GLM-4.5's): the
+    /// export's config.json then says `num_nextn_predict_layers` 0. Needs --hf-config.
+    #[arg(long)]
+    no_mtp: bool,
     #[command(flatten)]
     lora: LoraArgs,
     #[command(flatten)]
@@ -319,6 +323,7 @@ pub fn run(cli: Cli, cancel: &AtomicBool) -> Result<i32> {
             let job = Conversion {
                 hf_config: args.hf_config,
                 fp8_block,
+                no_mtp: args.no_mtp,
                 ..job
             };
             commands::convert::run(&job, run, quiet, cancel)
@@ -377,6 +382,7 @@ fn conversion(
         }),
         hf_config: None,
         fp8_block: false,
+        no_mtp: false,
         part: write.part,
         force: write.force,
         command_line: write

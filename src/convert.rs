@@ -189,6 +189,8 @@ pub(crate) struct Conversion {
     pub hf_config: Option<PathBuf>,
     /// `--quantize fp8-block`: the export's linear weights as blockwise FP8 (needs `hf_config`).
     pub fp8_block: bool,
+    /// `--no-mtp`: the export leaves the model's multi-token prediction layers out.
+    pub no_mtp: bool,
     /// `--part I/N`: one share of the output's bytes.
     pub part: Option<PartSpec>,
     /// Replace an existing output.
@@ -202,6 +204,12 @@ impl Conversion {
     pub(crate) fn check(&self) -> Result<()> {
         if self.fp8_block && self.hf_config.is_none() {
             return Err(crate::transform::fp8::needs_hf_config());
+        }
+        if self.no_mtp && self.hf_config.is_none() {
+            return Err(Error::usage(
+                "--no-mtp leaves out the multi-token prediction layers of a Hugging Face export",
+            )
+            .hint("pass --hf-config with the model's config.json"));
         }
         if let Layout::Sharded {
             mesh, placements, ..
@@ -272,7 +280,10 @@ impl Conversion {
             &self.strip_prefix,
         )?));
         if let Some(path) = &self.hf_config {
-            let cfg = HfConfig::read(path)?;
+            let mut cfg = HfConfig::read(path)?;
+            if self.no_mtp {
+                cfg = cfg.without_mtp();
+            }
             // A blockwise-FP8 release is read as its values, bf16 unless `--dtype` says.
             if let Some(block) = cfg.fp8_block {
                 steps.push(Box::new(Dequantize {
@@ -361,7 +372,7 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
     // Everything that changes the output's bytes, and nothing that does not (threads, --io,
     // --force, the part's own index): what the parts of a partitioned run must agree on.
     let description = format!(
-        "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}{}{}\nfp8-block {}",
+        "ckpt {}\ntarget {target:?}\nkind {kind:?}\ninclude {:?}\nexclude {:?}\nstrip {:?}\ncast {:?}{}{}\nfp8-block {}\nno-mtp {}",
         env!("CARGO_PKG_VERSION"),
         job.include,
         job.exclude,
@@ -369,7 +380,8 @@ pub(crate) fn convert(job: &Conversion, exec_opts: &ExecOptions) -> Result<Summa
         job.cast,
         crate::transform::fsdp_local::fingerprint("shapes-from", job.reading.shapes_from.as_deref())?,
         crate::transform::fsdp_local::fingerprint("hf-config", job.hf_config.as_deref())?,
-        job.fp8_block
+        job.fp8_block,
+        job.no_mtp
     );
     let description = match &job.lora {
         Some((config, adapter)) => format!(

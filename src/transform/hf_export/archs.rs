@@ -9,9 +9,9 @@ use Dim::*;
 use ViewKind::{Qkv, Rename, RopeKv, RopeQuery, Split, Transpose, TrimVocab};
 use When::*;
 
-const EMBED: Param = param("model.embed_tokens.weight", &[Vocab, Hidden], Always);
+const EMBED: Param = param(super::tables::EMBEDDING, &[Vocab, Hidden], Always);
 const NORM: Param = param("model.norm.weight", &[Hidden], Always);
-const LM_HEAD: Param = param("lm_head.weight", &[Vocab, Hidden], Untied);
+const LM_HEAD: Param = param(super::tables::LM_HEAD, &[Vocab, Hidden], Untied);
 const Q: Param = linear(
     "model.layers.{L}.self_attn.q_proj.weight",
     &[QueryRows, Hidden],
@@ -590,7 +590,7 @@ const HF_QWEN3_MOE_FUSED: &[Row] = HF_DEEPSEEK_V3_FUSED;
 /// which experts a token goes to. Qwen3-MoE and gpt-oss have no such parameter: the export
 /// routes without it, as torchtitan's own `to_hf` does, and says so.
 const TT_EXPERT_BIAS: (&str, &str) = (
-    "layers.{L}.moe.expert_bias_E",
+    super::tables::TT_ROUTING_BIAS,
     "routing biases of torchtitan's load balancing, which the architecture has no place for (the export routes without them, as torchtitan's to_hf does)",
 );
 

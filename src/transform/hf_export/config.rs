@@ -177,7 +177,10 @@ impl HfConfig {
             Some(v) => return Err(bad("mlp_only_layers", &format!("is {v}, not a list"))),
         };
         let fp8_block = fp8_block(&json).map_err(|why| bad("quantization_config", &why))?;
-        let mtp_layers = int("num_nextn_predict_layers")?.unwrap_or(0);
+        let mtp_layers = moe
+            .iter()
+            .find(|(f, _)| *f == "num_nextn_predict_layers")
+            .map_or(0, |(_, n)| *n);
         Ok(HfConfig {
             moe,
             mlp_only_layers,
@@ -253,6 +256,14 @@ impl HfConfig {
                     && step > 0
                     && (layer + 1) % step == 0
             }
+        }
+    }
+
+    /// The same config, its model with `n` multi-token prediction layers (config.json as is).
+    pub(crate) fn with_mtp_layers(&self, n: u64) -> HfConfig {
+        HfConfig {
+            mtp_layers: n,
+            ..self.clone()
         }
     }
 

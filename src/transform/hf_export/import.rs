@@ -93,6 +93,10 @@ impl Step for Import {
         for a in assemblies {
             tensors.push(self.tensor(&ckpt, a, &sizes, padded)?);
         }
+        if self.trainer == Trainer::Torchtitan {
+            tensors.extend(self.tied_head(&tensors, &rows));
+            tensors.extend(self.trainer_zeros(&ckpt, &rows, report)?);
+        }
         Ok(Checkpoint {
             tensors,
             values,
@@ -116,6 +120,69 @@ impl Import {
             }
             Trainer::Torchtitan => v,
         }
+    }
+
+    /// torchtitan's head when the release ties it to the embedding: a tied torchtitan model
+    /// saves (and its load asks for) the one parameter under both names.
+    fn tied_head(&self, tensors: &[Tensor], rows: &[Row]) -> Option<Tensor> {
+        if !self.cfg.tied {
+            return None;
+        }
+        let name_of = |target: &str| rows.iter().find(|r| r.target == target).map(|r| r.source);
+        let head = name_of(tables::LM_HEAD)?;
+        let embedding = name_of(tables::EMBEDDING)?;
+        let e = tensors.iter().find(|t| t.name == embedding)?;
+        Some(Tensor {
+            name: head.to_string(),
+            ..e.clone()
+        })
+    }
+
+    /// The trainer tensors no release holds, as the trainer initializes them: torchtitan's
+    /// load-balancing routing bias of each MoE layer (zeros), where the architecture has no
+    /// place for it.
+    fn trainer_zeros(
+        &self,
+        ckpt: &Checkpoint,
+        rows: &[Row],
+        report: &mut Report,
+    ) -> Result<Vec<Tensor>> {
+        let cfg = &self.cfg;
+        let mut out = Vec::new();
+        for &(pattern, _) in cfg.arch.no_place {
+            if pattern != tables::TT_ROUTING_BIAS || rows.iter().any(|r| r.source == pattern) {
+                continue;
+            }
+            let Some(file) = ckpt.tensors.iter().find_map(|t| t.pieces.iter().next()) else {
+                continue;
+            };
+            let experts = cfg.size(tables::Dim::Experts)?.0;
+            for l in (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)) {
+                let mut pieces = Pieces::new(1);
+                pieces.push_parts(
+                    &[0],
+                    &[experts],
+                    Arc::clone(file.file()),
+                    0,
+                    &[1],
+                    Encoding::Zeros,
+                )?;
+                out.push(Tensor {
+                    name: tables::fill(pattern, &[('L', l)]),
+                    key_path: Vec::new(),
+                    dtype: crate::dtype::DType::F32,
+                    shape: vec![experts],
+                    pieces,
+                });
+            }
+        }
+        if !out.is_empty() {
+            report.notes.push(format!(
+                "the import wrote torchtitan's load-balancing routing bias of {} MoE layers as zeros, as torchtitan starts it: the release has none",
+                out.len()
+            ));
+        }
+        Ok(out)
     }
 
     /// Every Hugging Face tensor placed in the trainer tensor the table's first row for its
@@ -146,27 +213,37 @@ impl Import {
                 ))
                 .tensor(&t.name)
                 .file(&cfg.path)
-                .hint("check that config.json is the release's own"));
+                .hint(RELEASE_HINT));
             };
             let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
             let mtp = layer.is_some_and(|l| l >= cfg.layers);
-            let present = match (layer, mtp) {
-                (Some(l), true) => l < cfg.layers + cfg.mtp_layers,
-                _ => cfg.has(param.when, layer),
-            } && (!mtp || param.when != tables::When::MtpLayer || cfg.has(param.when, layer));
+            let present =
+                match (layer, mtp) {
+                    (Some(l), true) => l < cfg.layers + cfg.mtp_layers,
+                    _ => cfg.has(param.when, layer),
+                } && (!mtp || param.when != tables::When::MtpLayer || cfg.has(param.when, layer));
             if !present {
                 return Err(Error::usage(format!(
                     "tensor `{}` is a parameter {} does not have: config.json's {}",
                     t.name,
                     cfg.arch.name,
                     match mtp {
-                        true => "`num_nextn_predict_layers` has fewer multi-token prediction layers",
+                        true =>
+                            "`num_nextn_predict_layers` has fewer multi-token prediction layers",
                         false => param.when.absent_because(),
                     }
                 ))
                 .tensor(&t.name)
                 .file(&cfg.path));
             }
+            super::check_dims(
+                &format!("tensor `{}`", t.name),
+                &t.name,
+                &t.shape,
+                param.shape,
+                cfg,
+                RELEASE_HINT,
+            )?;
             let Some(row) = row_for(rows, param, mtp, per_layer) else {
                 return Err(Error::usage(format!(
                     "{}'s `{}` has no place in {}'s names",
@@ -217,6 +294,7 @@ impl Import {
                 stacked,
             });
         }
+        complete(ckpt, cfg)?;
         if copies > 0 {
             report.notes.push(format!(
                 "the import wrote the embedding and head once: the release's {copies} copies of them in its multi-token prediction layers are the trainer's shared ones"
@@ -305,18 +383,50 @@ impl Import {
     }
 }
 
+/// What to do when the release and its config.json disagree.
+const RELEASE_HINT: &str = "check that config.json is the release's own";
+
+/// Every parameter config.json gives the model is in the release (routing biases a release
+/// may leave out aside).
+fn complete(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<()> {
+    let names: std::collections::BTreeSet<&str> =
+        ckpt.tensors.iter().map(|t| t.name.as_str()).collect();
+    let wanted = super::parameters(cfg)?;
+    let lacking = wanted
+        .iter()
+        .filter(|w| w.present && w.param.when != tables::When::MoeLayerIfSaved)
+        .find(|w| !names.contains(w.name.as_str()));
+    let Some(w) = lacking else {
+        return Ok(());
+    };
+    let layer = w.indices.iter().find(|(c, _)| *c == 'L').map(|x| x.1);
+    let why = match layer {
+        Some(l) if l >= cfg.layers => format!(
+            "config.json's `num_nextn_predict_layers` = {} makes layer {l} a multi-token prediction layer",
+            cfg.mtp_layers
+        ),
+        Some(l) => format!(
+            "config.json's `num_hidden_layers` = {} has a layer {l}",
+            cfg.layers
+        ),
+        None => format!("{} has it", cfg.arch.name),
+    };
+    Err(
+        Error::usage(format!("the release has no tensor `{}`, but {why}", w.name))
+            .file(&cfg.path)
+            .hint(RELEASE_HINT),
+    )
+}
+
 /// The row that places `param` for the import: the first of the table's, among those of an MTP
 /// layer's (`{M}`) when `mtp`, and of one layer's (`decoder.layers.{L}`) rather than the
 /// layer-stacked ones when `per_layer`.
 fn row_for<'r>(rows: &'r [Row], param: &Param, mtp: bool, per_layer: bool) -> Option<&'r Row> {
     let targets = |r: &&Row| r.target.replace(tables::MTP, "{L}") == param.name;
-    let of_mtp = |r: &&Row| {
-        r.source.contains(&format!("{{{}}}", tables::MTP_INDEX)) || r.target.contains(tables::MTP)
-    };
     let candidates: Vec<&Row> = rows
         .iter()
         .filter(targets)
-        .filter(|r| of_mtp(r) == mtp)
+        .filter(|r| r.is_mtp() == mtp)
         .collect();
     let one_layer = |r: &&&Row| r.source.contains("{L}");
     match per_layer {
@@ -370,7 +480,7 @@ fn inner_shape(t: &Tensor, view: ViewKind, s: &Sizes, padded: u64) -> Result<Vec
     let back = view.shape(&shape, s).map_err(Error::usage)?;
     if back != t.shape {
         return Err(Error::usage(format!(
-            "`{}` of shape {:?} is not a {} of a tensor config.json's sizes give",
+            "`{}` of shape {:?} cannot be taken as the {} of a tensor of the sizes config.json gives (it would be {back:?})",
             t.name,
             t.shape,
             view.describe()
@@ -682,7 +792,8 @@ fn rope_rows(rows: u64, heads: u64) -> Result<Vec<(u64, u64, u64)>> {
 /// per entry of the weight's stack axes: `<module>._extra_state/shard_<l>_<L>` of a
 /// layer-stacked linear, `shard_<l>.<e>_<L>.<E>` of layer- and expert-stacked experts,
 /// `shard_0_1` of one layer's. `dist_checkpointing.load` asks for them, so an import writes them
-/// empty.
+/// empty: as megatron-core's own save does, each object is a one-item list (`[None]`), which its
+/// load unpacks by length.
 fn megatron_extra_states(assemblies: &[Assembly]) -> Vec<NonTensor> {
     const LINEARS: [&str; 10] = [
         "linear_proj",
@@ -726,9 +837,13 @@ fn megatron_extra_states(assemblies: &[Assembly]) -> Vec<NonTensor> {
         let join = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
         for at in stack {
             out.push(NonTensor {
-                name: format!("{module}._extra_state/shard_{}_{}", join(&at), join(&counts)),
+                name: format!(
+                    "{module}._extra_state/shard_{}_{}",
+                    join(&at),
+                    join(&counts)
+                ),
                 key_path: Vec::new(),
-                value: Some(Value::None),
+                value: Some(Value::List(vec![Value::None])),
                 raw: None,
             });
         }

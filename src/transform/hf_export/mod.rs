@@ -186,6 +186,7 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
     let mut left_out = Vec::new();
     let mut placed = Vec::new();
     let mut unplaced = Vec::new();
+    let mut saved_mtp = false;
     for (i, t) in ckpt.tensors.iter().enumerate() {
         let Some(rest) = t.name.strip_prefix(prefix.as_str()) else {
             left_out.push(left(&t.name, "not under the model's prefix"));
@@ -208,6 +209,13 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             .iter()
             .find_map(|(_, at)| at.iter().find(|(c, _)| *c == tables::MTP_INDEX))
             .map(|&(_, m)| m);
+        // Hugging Face names number an MTP layer after the decoder's.
+        let hf_layer = matches
+            .iter()
+            .find_map(|(_, at)| at.iter().find(|(c, _)| *c == 'L'))
+            .filter(|_| naming == Naming::HuggingFace)
+            .map(|&(_, l)| l);
+        saved_mtp |= mtp.is_some() || hf_layer.is_some_and(|l| l >= cfg.layers);
         if let Some(m) = mtp.filter(|&m| m >= cfg.mtp_layers) {
             if cfg.no_mtp {
                 left_out.push(left(&t.name, "multi-token prediction layers (--no-mtp)"));
@@ -243,7 +251,13 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
     for v in &ckpt.values {
         left_out.push(left(&v.name, "not a tensor"));
     }
-    let placed = order_and_check(ckpt, cfg, placed, &rows)?;
+    // A checkpoint without multi-token prediction layers (torchtitan's are left out above as
+    // an extra module; a model trained without them) is exported without: config.json's count
+    // is not asked of it.
+    let placed = match saved_mtp || cfg.mtp_layers == 0 {
+        true => order_and_check(ckpt, cfg, placed, &rows)?,
+        false => order_and_check(ckpt, &cfg.with_mtp_layers(0), placed, &rows)?,
+    };
     Ok(Mapping {
         architecture: arch.name,
         naming,
@@ -279,9 +293,9 @@ fn place(
     // model; a source without one (the embedding, the head) goes to every MTP layer.
     let mtp: Vec<u64> = match indices.iter().find(|(c, _)| *c == 'M') {
         Some(&(_, m)) => vec![cfg.layers + m],
-        None if row.target.contains(tables::MTP) => (0..cfg.mtp_layers)
-            .map(|j| cfg.layers + j)
-            .collect(),
+        None if row.target.contains(tables::MTP) => {
+            (0..cfg.mtp_layers).map(|j| cfg.layers + j).collect()
+        }
         None => Vec::new(),
     };
     let targets: Vec<String> = match mtp.is_empty() {
@@ -391,72 +405,40 @@ fn order_and_check(
         }
         by_target.insert(p.target.clone(), p);
     }
-    // The model's `state_dict` order: what comes before the layers (the embedding), each
-    // layer's parameters, then what comes after (the final norm, the head).
-    let params = cfg.arch.params;
-    let layered = |p: &&tables::Param| p.name.contains("{L}");
-    let first = params
-        .iter()
-        .position(|p| layered(&p))
-        .unwrap_or(params.len());
-    let (head, rest) = params.split_at(first);
-    // Each parameter once per layer it is in, and a routed expert's once per expert.
-    let experts = |p: &tables::Param| -> Result<Vec<Option<u64>>> {
-        if !p.name.contains("{E}") {
-            return Ok(vec![None]);
-        }
-        Ok((0..cfg.size(Dim::Experts)?.0).map(Some).collect())
-    };
-    // The decoder's layers, then the multi-token prediction layers after them.
-    let all_layers = cfg.layers + cfg.mtp_layers;
-    let order = head
-        .iter()
-        .map(|p| (p, None))
-        .chain((0..all_layers).flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))))
-        .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
+    let wanted = parameters(cfg)?;
     // Layers the checkpoint has a tensor of: a layer it lacks whole is `num_hidden_layers`'
     // doing, whatever else the config says of that layer.
-    let saved_layers: BTreeSet<u64> = (0..all_layers)
-        .filter(|&l| {
-            rest.iter()
-                .filter(layered)
-                .any(|p| by_target.contains_key(&tables::fill(p.name, &[('L', l)])))
-        })
+    let saved_layers: BTreeSet<u64> = wanted
+        .iter()
+        .filter(|w| by_target.contains_key(&w.name))
+        .filter_map(|w| w.layer())
         .collect();
     let mut out = Vec::with_capacity(by_target.len());
-    for (param, layer) in order {
-        // An MTP layer holds a decoder layer's parameters and its own; a decoder layer only its.
-        let mtp_layer = layer.is_some_and(|l| l >= cfg.layers);
-        let present = cfg.has(param.when, layer) && (mtp_layer || param.when != When::MtpLayer);
-        for expert in experts(param)? {
-            let mut indices = Vec::new();
-            indices.extend(layer.map(|l| ('L', l)));
-            indices.extend(expert.map(|e| ('E', e)));
-            let name = tables::fill(param.name, &indices);
-            if !present {
-                if let Some(p) = by_target.get(&name) {
-                    return Err(Error::usage(format!(
-                        "tensor `{}` maps to `{name}`, which {} does not have: config.json's {}",
-                        p.source_name,
-                        cfg.arch.name,
-                        param.when.absent_because()
-                    ))
-                    .file(&cfg.path)
-                    .tensor(&p.source_name)
-                    .hint(CONFIG_HINT));
-                }
+    for w in wanted {
+        let (param, name) = (w.param, &w.name);
+        if !w.present {
+            if let Some(p) = by_target.get(name) {
+                return Err(Error::usage(format!(
+                    "tensor `{}` maps to `{name}`, which {} does not have: config.json's {}",
+                    p.source_name,
+                    cfg.arch.name,
+                    param.when.absent_because()
+                ))
+                .file(&cfg.path)
+                .tensor(&p.source_name)
+                .hint(CONFIG_HINT));
+            }
+            continue;
+        }
+        let Some(mut p) = by_target.remove(name) else {
+            if param.when == When::MoeLayerIfSaved {
                 continue;
             }
-            let Some(mut p) = by_target.remove(&name) else {
-                if param.when == When::MoeLayerIfSaved {
-                    continue;
-                }
-                return Err(missing(cfg, rows, param, &name, &indices, &saved_layers));
-            };
-            check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
-            p.linear = param.linear;
-            out.push(p);
-        }
+            return Err(missing(cfg, rows, param, name, &w.indices, &saved_layers));
+        };
+        check_shape(&ckpt.tensors[p.source], &p, param.shape, cfg)?;
+        p.linear = param.linear;
+        out.push(p);
     }
     if let Some(p) = by_target.values().next() {
         // Every row's target is a parameter of its architecture (a unit test checks the tables).
@@ -465,6 +447,70 @@ fn order_and_check(
             p.target, cfg.arch.name
         ))
         .tensor(&p.source_name));
+    }
+    Ok(out)
+}
+
+/// One parameter of the architecture, at its layer and expert.
+pub(super) struct Wanted {
+    pub param: &'static tables::Param,
+    /// `('L', layer)` and `('E', expert)` where the name has them.
+    pub indices: Vec<(char, u64)>,
+    pub name: String,
+    /// Whether config.json gives the model this parameter.
+    pub present: bool,
+}
+
+impl Wanted {
+    fn layer(&self) -> Option<u64> {
+        self.indices.iter().find(|(c, _)| *c == 'L').map(|x| x.1)
+    }
+}
+
+/// Every parameter of `cfg`'s architecture, in the model's `state_dict` order: what comes
+/// before the layers (the embedding), each layer's parameters (the decoder's layers, then the
+/// multi-token prediction layers), then what comes after (the final norm, the head); a routed
+/// expert's once per expert. Those config.json leaves out are listed too, as not present.
+pub(super) fn parameters(cfg: &HfConfig) -> Result<Vec<Wanted>> {
+    let params = cfg.arch.params;
+    let layered = |p: &&tables::Param| p.name.contains("{L}");
+    let first = params
+        .iter()
+        .position(|p| layered(&p))
+        .unwrap_or(params.len());
+    let (head, rest) = params.split_at(first);
+    let experts = match params.iter().any(|p| p.name.contains("{E}")) {
+        true => cfg.size(Dim::Experts)?.0,
+        false => 0,
+    };
+    let order = head
+        .iter()
+        .map(|p| (p, None))
+        .chain(
+            (0..cfg.layers + cfg.mtp_layers)
+                .flat_map(|l| rest.iter().filter(layered).map(move |p| (p, Some(l)))),
+        )
+        .chain(rest.iter().filter(|p| !layered(p)).map(|p| (p, None)));
+    let mut out = Vec::new();
+    for (param, layer) in order {
+        // An MTP layer holds a decoder layer's parameters and its own; a decoder layer only its.
+        let mtp_layer = layer.is_some_and(|l| l >= cfg.layers);
+        let present = cfg.has(param.when, layer) && (mtp_layer || param.when != When::MtpLayer);
+        let per_expert: Vec<Option<u64>> = match param.name.contains("{E}") {
+            true => (0..experts).map(Some).collect(),
+            false => vec![None],
+        };
+        for expert in per_expert {
+            let mut indices = Vec::new();
+            indices.extend(layer.map(|l| ('L', l)));
+            indices.extend(expert.map(|e| ('E', e)));
+            out.push(Wanted {
+                param,
+                name: tables::fill(param.name, &indices),
+                indices,
+                present,
+            });
+        }
     }
     Ok(out)
 }
@@ -531,14 +577,26 @@ fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> 
         .tensor(&t.name)
         .hint(CONFIG_HINT)
     })?;
-    let shape = &shape[..];
+    check_dims(&here, &t.name, &shape, want, cfg, CONFIG_HINT)
+}
+
+/// `shape`, of the tensor named `tensor` (`here` says which, for errors), has the sizes `want`
+/// gives under config.json; `hint` says what to do when it has not.
+fn check_dims(
+    here: &str,
+    tensor: &str,
+    shape: &[u64],
+    want: &[tables::Dim],
+    cfg: &HfConfig,
+    hint: &str,
+) -> Result<()> {
     if shape.len() != want.len() {
         return Err(Error::usage(format!(
             "{here} has shape {shape:?}, but {} has {} dims there",
             cfg.arch.name,
             want.len()
         ))
-        .tensor(&t.name));
+        .tensor(tensor));
     }
     for (d, (&n, &dim)) in shape.iter().zip(want).enumerate() {
         let (size, says) = cfg.size(dim)?;
@@ -551,8 +609,8 @@ fn check_shape(t: &Tensor, p: &Placed, want: &[tables::Dim], cfg: &HfConfig) -> 
                 "{here} has {n} in dim {d} of its shape {shape:?}, but config.json's {says}{implied}"
             ))
             .file(&cfg.path)
-            .tensor(&t.name)
-            .hint(CONFIG_HINT));
+            .tensor(tensor)
+            .hint(hint));
         }
     }
     Ok(())

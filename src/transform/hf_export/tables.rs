@@ -17,6 +17,14 @@ pub(crate) struct Row {
     pub view: ViewKind,
 }
 
+impl Row {
+    /// Whether the row places a multi-token prediction layer's tensor (`{M}` in its source, or
+    /// an MTP layer's copy of the embedding or head).
+    pub(crate) fn is_mtp(&self) -> bool {
+        self.source.contains("{M}") || self.target.contains(MTP)
+    }
+}
+
 pub(super) const fn row(source: &'static str, target: &'static str, view: ViewKind) -> Row {
     Row {
         source,
@@ -235,6 +243,14 @@ impl Arch {
 pub(crate) fn arch(name: &str) -> Option<&'static Arch> {
     ARCHS.iter().find(|a| a.name == name)
 }
+
+/// The Hugging Face names of the token embedding and the output head, which tied models share.
+pub(crate) const EMBEDDING: &str = "model.embed_tokens.weight";
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
+
+/// torchtitan's load-balancing routing bias of a MoE layer (`load_balance_coeff`): a buffer of
+/// the trainer's that most architectures have no place for.
+pub(crate) const TT_ROUTING_BIAS: &str = "layers.{L}.moe.expert_bias_E";
 
 /// The placeholder of a Megatron multi-token prediction layer's index in a source pattern
 /// (`mtp.layers.{M}.enorm.weight`): the Hugging Face model numbers it after the decoder's

@@ -102,11 +102,16 @@ impl ViewKind {
                 };
                 // Saturating: the sizes come from config.json.
                 let block = (per_group + 2).saturating_mul(hd);
-                if per_group == 0 || rows != groups.saturating_mul(block) {
+                if per_group == 0 {
+                    return Err(format!(
+                        "config.json's `num_attention_heads` {heads} is not a multiple of its \
+                         `num_key_value_heads` {groups}"
+                    ));
+                }
+                if rows != groups.saturating_mul(block) {
                     return Err(format!(
                         "{rows} rows are not config.json's (`num_attention_heads` + 2 × \
-                         `num_key_value_heads`) × `head_dim` = ({heads} + 2 × {groups}) × {hd} = {} \
-                         in {groups} query groups",
+                         `num_key_value_heads`) × `head_dim` = ({heads} + 2 × {groups}) × {hd} = {}",
                         heads
                             .saturating_add(groups.saturating_mul(2))
                             .saturating_mul(hd)
@@ -492,7 +497,11 @@ mod tests {
             let shape = [3u64, 4, 5];
             let (t, buf) = saved(&shape, dim, cuts);
             for e in 0..3 {
-                let got = materialize(&shape[1..], &unstack(&t.pieces, &t.shape, 4, e).unwrap(), &buf);
+                let got = materialize(
+                    &shape[1..],
+                    &unstack(&t.pieces, &t.shape, 4, e).unwrap(),
+                    &buf,
+                );
                 let want: Vec<u32> = (0..20).map(|i| (e * 20 + i) as u32).collect();
                 assert_eq!(got, want, "cut {dim}/{cuts} expert {e}");
             }
