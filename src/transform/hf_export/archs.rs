@@ -239,97 +239,137 @@ const TT02_QWEN3: &[Row] = &[
     row("output.weight", LM_HEAD.name, Rename),
 ];
 
+/// A mixture-of-experts layer's router and its score-correction bias (DeepSeek-V3's and
+/// GLM-4.5's sigmoid routing; kept in F32), and its shared experts.
+const ROUTER: Param = param(
+    "model.layers.{L}.mlp.gate.weight",
+    &[Experts, Hidden],
+    MoeLayer,
+);
+const SCORE_CORRECTION: Param = param(
+    "model.layers.{L}.mlp.gate.e_score_correction_bias",
+    &[Experts],
+    MoeLayerIfSaved,
+);
+const SHARED_GATE: Param = linear(
+    "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+    &[SharedInter, Hidden],
+    MoeLayer,
+);
+const SHARED_UP: Param = linear(
+    "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+    &[SharedInter, Hidden],
+    MoeLayer,
+);
+const SHARED_DOWN: Param = linear(
+    "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+    &[Hidden, SharedInter],
+    MoeLayer,
+);
+
+/// A multi-token prediction layer's own parameters, as DeepSeek-V3's release holds them at
+/// layer `num_hidden_layers + M` (GLM-4.5's the same): the norms of the token's embedding and of
+/// the previous hidden state, their projection `[H, 2H]`, and the shared head (its norm, and a
+/// copy of the model's head); and a copy of the embedding. transformers does not load them;
+/// vLLM's and SGLang's speculative decoding do.
+const MTP_EMBED: Param = param(
+    "model.layers.{L}.embed_tokens.weight",
+    &[Vocab, Hidden],
+    MtpLayer,
+);
+const MTP_ENORM: Param = param("model.layers.{L}.enorm.weight", &[Hidden], MtpLayer);
+const MTP_HNORM: Param = param("model.layers.{L}.hnorm.weight", &[Hidden], MtpLayer);
+const MTP_EH_PROJ: Param = param(
+    "model.layers.{L}.eh_proj.weight",
+    &[Hidden, TwoHidden],
+    MtpLayer,
+);
+const MTP_HEAD_NORM: Param = param(
+    "model.layers.{L}.shared_head.norm.weight",
+    &[Hidden],
+    MtpLayer,
+);
+const MTP_HEAD: Param = param(
+    "model.layers.{L}.shared_head.head.weight",
+    &[Vocab, Hidden],
+    MtpLayer,
+);
+
+/// Multi-head latent attention's parameters (DeepSeek-V3's).
+const MLA_Q: Param = linear(
+    "model.layers.{L}.self_attn.q_proj.weight",
+    &[QkRows, Hidden],
+    NoQLora,
+);
+const MLA_Q_A: Param = linear(
+    "model.layers.{L}.self_attn.q_a_proj.weight",
+    &[QLoraRank, Hidden],
+    QLora,
+);
+const MLA_Q_A_NORM: Param = param(
+    "model.layers.{L}.self_attn.q_a_layernorm.weight",
+    &[QLoraRank],
+    QLora,
+);
+const MLA_Q_B: Param = linear(
+    "model.layers.{L}.self_attn.q_b_proj.weight",
+    &[QkRows, QLoraRank],
+    QLora,
+);
+const MLA_KV_A: Param = linear(
+    "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+    &[KvARows, Hidden],
+    Always,
+);
+const MLA_KV_A_NORM: Param = param(
+    "model.layers.{L}.self_attn.kv_a_layernorm.weight",
+    &[KvLoraRank],
+    Always,
+);
+const MLA_KV_B: Param = linear(
+    "model.layers.{L}.self_attn.kv_b_proj.weight",
+    &[KvBRows, KvLoraRank],
+    Always,
+);
+const MLA_O: Param = linear(
+    "model.layers.{L}.self_attn.o_proj.weight",
+    &[Hidden, VRows],
+    Always,
+);
+
 /// transformers' `DeepseekV3ForCausalLM`: multi-head latent attention (queries through a
 /// low-rank projection when `q_lora_rank` is set), dense MLPs in the first
 /// `first_k_dense_replace` layers, routed experts (one name per expert), a router with its
 /// score-correction bias and shared experts in the others.
 const DEEPSEEK_V3_PARAMS: &[Param] = &[
     EMBED,
-    linear(
-        "model.layers.{L}.self_attn.q_proj.weight",
-        &[QkRows, Hidden],
-        NoQLora,
-    ),
-    linear(
-        "model.layers.{L}.self_attn.q_a_proj.weight",
-        &[QLoraRank, Hidden],
-        QLora,
-    ),
-    param(
-        "model.layers.{L}.self_attn.q_a_layernorm.weight",
-        &[QLoraRank],
-        QLora,
-    ),
-    linear(
-        "model.layers.{L}.self_attn.q_b_proj.weight",
-        &[QkRows, QLoraRank],
-        QLora,
-    ),
-    linear(
-        "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
-        &[KvARows, Hidden],
-        Always,
-    ),
-    param(
-        "model.layers.{L}.self_attn.kv_a_layernorm.weight",
-        &[KvLoraRank],
-        Always,
-    ),
-    linear(
-        "model.layers.{L}.self_attn.kv_b_proj.weight",
-        &[KvBRows, KvLoraRank],
-        Always,
-    ),
-    linear(
-        "model.layers.{L}.self_attn.o_proj.weight",
-        &[Hidden, VRows],
-        Always,
-    ),
-    linear(GATE.name, &[Inter, Hidden], DenseLayer),
-    linear(UP.name, &[Inter, Hidden], DenseLayer),
-    linear(DOWN.name, &[Hidden, Inter], DenseLayer),
-    linear(
-        "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
-        &[MoeInter, Hidden],
-        MoeLayer,
-    ),
-    linear(
-        "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-        &[MoeInter, Hidden],
-        MoeLayer,
-    ),
-    linear(
-        "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
-        &[Hidden, MoeInter],
-        MoeLayer,
-    ),
-    param(
-        "model.layers.{L}.mlp.gate.weight",
-        &[Experts, Hidden],
-        MoeLayer,
-    ),
-    param(
-        "model.layers.{L}.mlp.gate.e_score_correction_bias",
-        &[Experts],
-        MoeLayerIfSaved,
-    ),
-    linear(
-        "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
-        &[SharedInter, Hidden],
-        MoeLayer,
-    ),
-    linear(
-        "model.layers.{L}.mlp.shared_experts.up_proj.weight",
-        &[SharedInter, Hidden],
-        MoeLayer,
-    ),
-    linear(
-        "model.layers.{L}.mlp.shared_experts.down_proj.weight",
-        &[Hidden, SharedInter],
-        MoeLayer,
-    ),
+    MLA_Q,
+    MLA_Q_A,
+    MLA_Q_A_NORM,
+    MLA_Q_B,
+    MLA_KV_A,
+    MLA_KV_A_NORM,
+    MLA_KV_B,
+    MLA_O,
+    DENSE_GATE,
+    DENSE_UP,
+    DENSE_DOWN,
+    EXPERT_GATE,
+    EXPERT_UP,
+    EXPERT_DOWN,
+    ROUTER,
+    SCORE_CORRECTION,
+    SHARED_GATE,
+    SHARED_UP,
+    SHARED_DOWN,
     IN_NORM,
     POST_NORM,
+    MTP_EMBED,
+    MTP_ENORM,
+    MTP_HNORM,
+    MTP_EH_PROJ,
+    MTP_HEAD_NORM,
+    MTP_HEAD,
     NORM,
     LM_HEAD,
 ];
@@ -445,49 +485,49 @@ const TT_DEEPSEEK_V3: &[Row] = &[
     row("lm_head.weight", LM_HEAD.name, Rename),
 ];
 
-/// The rows of a Megatron-core GPT (as its `torch_dist` checkpoint names them: the layer norms
-/// under the linears they precede, which the local layer spec saves as Transformer Engine's
-/// do). Each decoder row comes twice: layer-stacked (`decoder.layers.X`, one leading axis over
-/// the layers, what `TransformerBlock` saves) and per layer (`decoder.layers.N.X`, what
-/// heterogeneous layers save). Megatron rotates half-split rows as transformers does: no row
-/// moves.
-macro_rules! megatron_rows {
+/// Megatron-core's names of what is not in a decoder layer: the vocabulary-parallel embedding
+/// and head, padded past `vocab_size` (Megatron-LM's rule), and the final norm.
+const MEGATRON_COMMON: &[Row] = &[
+    row("embedding.word_embeddings.weight", EMBED.name, TrimVocab),
+    row("decoder.final_layernorm.weight", NORM.name, Rename),
+    row("output_layer.weight", LM_HEAD.name, TrimVocab),
+];
+
+/// Rows of a Megatron-core decoder layer's tensors, each three times: layer-stacked
+/// (`decoder.layers.X`, one leading axis over the layers, what `TransformerBlock` saves when its
+/// layers are alike), per layer (`decoder.layers.N.X`, what it saves when they are not: dense and
+/// MoE layers), and in a multi-token prediction layer (`mtp.layers.M.transformer_layer.X`, Hugging
+/// Face's layer `num_hidden_layers + M`). Megatron rotates half-split rows as transformers does:
+/// no row moves.
+macro_rules! megatron_layer_rows {
     ($(($layer:literal, $target:expr, $view:expr)),* $(,)?) => {
         &[
-            row("embedding.word_embeddings.weight", EMBED.name, TrimVocab),
-            row("decoder.final_layernorm.weight", NORM.name, Rename),
-            row("output_layer.weight", LM_HEAD.name, TrimVocab),
             $(
                 row(concat!("decoder.layers.", $layer), $target, $view),
                 row(concat!("decoder.layers.{L}.", $layer), $target, $view),
+                row(concat!("mtp.layers.{M}.transformer_layer.", $layer), $target, $view),
             )*
         ]
     };
 }
 
-macro_rules! megatron_gpt {
-    ($($extra:tt),* $(,)?) => {
-        megatron_rows![
-            ("self_attention.linear_qkv.weight", Q.name, Qkv(QkvPart::Q)),
-            ("self_attention.linear_qkv.weight", K.name, Qkv(QkvPart::K)),
-            ("self_attention.linear_qkv.weight", V.name, Qkv(QkvPart::V)),
-            ("self_attention.linear_qkv.layer_norm_weight", IN_NORM.name, Rename),
-            ("input_layernorm.weight", IN_NORM.name, Rename),
-            ("self_attention.linear_proj.weight", O.name, Rename),
-            ("mlp.linear_fc1.weight", GATE.name, Split { part: 0, of: 2 }),
-            ("mlp.linear_fc1.weight", UP.name, Split { part: 1, of: 2 }),
-            ("mlp.linear_fc1.layer_norm_weight", POST_NORM.name, Rename),
-            ("pre_mlp_layernorm.weight", POST_NORM.name, Rename),
-            ("mlp.linear_fc2.weight", DOWN.name, Rename),
-            $($extra,)*
-        ]
-    };
-}
+/// Grouped-query attention: the fused QKV, interleaved per query group, and its input norm
+/// under the linear (local spec and Transformer Engine alike) or its own name.
+const MEGATRON_GQA: &[Row] = megatron_layer_rows![
+    ("self_attention.linear_qkv.weight", Q.name, Qkv(QkvPart::Q)),
+    ("self_attention.linear_qkv.weight", K.name, Qkv(QkvPart::K)),
+    ("self_attention.linear_qkv.weight", V.name, Qkv(QkvPart::V)),
+    (
+        "self_attention.linear_qkv.layer_norm_weight",
+        IN_NORM.name,
+        Rename
+    ),
+    ("input_layernorm.weight", IN_NORM.name, Rename),
+    ("self_attention.linear_proj.weight", O.name, Rename),
+];
 
-const MEGATRON_LLAMA: &[Row] = megatron_gpt![];
-
-/// Qwen2's q/k/v biases are the fused QKV's bias, interleaved per group as its rows.
-const MEGATRON_QWEN2: &[Row] = megatron_gpt![
+/// The q/k/v biases (Qwen2's, GLM-4.5's) are the fused QKV's bias, interleaved as its rows.
+const MEGATRON_QKV_BIAS: &[Row] = megatron_layer_rows![
     (
         "self_attention.linear_qkv.bias",
         QKV_BIAS[0],
@@ -511,10 +551,437 @@ const QKV_BIAS: [&str; 3] = [
     "model.layers.{L}.self_attn.v_proj.bias",
 ];
 
-const MEGATRON_QWEN3: &[Row] = megatron_gpt![
+/// Per-head RMS norms of queries and keys (Qwen3's, GLM-4.5's `use_qk_norm`).
+const MEGATRON_QK_NORM: &[Row] = megatron_layer_rows![
     ("self_attention.q_layernorm.weight", Q_NORM.name, Rename),
     ("self_attention.k_layernorm.weight", K_NORM.name, Rename),
 ];
+
+/// The norm before the MLP: under the dense MLP's first linear (local spec, and Transformer
+/// Engine's dense layers) or its own name (Transformer Engine's MoE layers, MLA models).
+const MEGATRON_MLP_NORM: &[Row] = megatron_layer_rows![
+    ("mlp.linear_fc1.layer_norm_weight", POST_NORM.name, Rename),
+    ("pre_mlp_layernorm.weight", POST_NORM.name, Rename),
+];
+
+/// A dense SwiGLU MLP: `linear_fc1` is `[gate; up]`, or its two halves under `weight_w` and
+/// `weight_v` where megatron-core saves singleton local shards.
+const MEGATRON_DENSE_MLP: &[Row] = megatron_layer_rows![
+    ("mlp.linear_fc1.weight", GATE.name, Split { part: 0, of: 2 }),
+    ("mlp.linear_fc1.weight", UP.name, Split { part: 1, of: 2 }),
+    ("mlp.linear_fc1.weight_w", GATE.name, Rename),
+    ("mlp.linear_fc1.weight_v", UP.name, Rename),
+    ("mlp.linear_fc2.weight", DOWN.name, Rename),
+];
+
+/// megatron-core's mixture of experts (`MoELayer`) onto DeepSeek-V3's, Qwen3-MoE's and
+/// GLM-4.5's names: the router and the routed experts. The experts are saved under global expert indices whatever
+/// the expert parallelism: SequentialMLP and the grouped GEMMs alike as one tensor stacked over
+/// the experts (`experts.experts.linear_fc1.weight` `[E, 2F, H]`, each expert's `[gate; up]`),
+/// one tensor per expert with singleton local shards (`weight_w`/`weight_v`), and under the
+/// module's own names in a plain `state_dict` (`local_experts.E`).
+const MEGATRON_MOE: &[Row] = megatron_layer_rows![
+    ("mlp.router.weight", ROUTER.name, Rename),
+    (
+        "mlp.experts.experts.linear_fc1.weight",
+        EXPERT_GATE.name,
+        Split { part: 0, of: 2 }
+    ),
+    (
+        "mlp.experts.experts.linear_fc1.weight",
+        EXPERT_UP.name,
+        Split { part: 1, of: 2 }
+    ),
+    (
+        "mlp.experts.experts.linear_fc2.weight",
+        EXPERT_DOWN.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc1.weight_w",
+        EXPERT_GATE.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc1.weight_v",
+        EXPERT_UP.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc2.weight",
+        EXPERT_DOWN.name,
+        Rename
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+        EXPERT_GATE.name,
+        Split { part: 0, of: 2 }
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+        EXPERT_UP.name,
+        Split { part: 1, of: 2 }
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc2.weight",
+        EXPERT_DOWN.name,
+        Rename
+    ),
+];
+
+/// The router's load-balancing bias (`moe_router_enable_expert_bias`, kept in F32), which
+/// DeepSeek-V3's and GLM-4.5's sigmoid routing adds to the scores as `e_score_correction_bias`.
+const MEGATRON_SCORE_CORRECTION: &[Row] =
+    megatron_layer_rows![("mlp.router.expert_bias", SCORE_CORRECTION.name, Rename)];
+
+/// Shared experts, always on (DeepSeek-V3's, GLM-4.5's): a SwiGLU MLP beside the routed ones.
+const MEGATRON_SHARED_EXPERTS: &[Row] = megatron_layer_rows![
+    (
+        "mlp.shared_experts.linear_fc1.weight",
+        SHARED_GATE.name,
+        Split { part: 0, of: 2 }
+    ),
+    (
+        "mlp.shared_experts.linear_fc1.weight",
+        SHARED_UP.name,
+        Split { part: 1, of: 2 }
+    ),
+    (
+        "mlp.shared_experts.linear_fc2.weight",
+        SHARED_DOWN.name,
+        Rename
+    ),
+];
+
+/// A multi-token prediction layer's own tensors (its transformer layer's rows are the decoder's):
+/// the norms of the embedding and of the hidden state, their projection, and its final norm,
+/// which DeepSeek-V3's checkpoints hold as the shared head's; beside them each Hugging Face MTP
+/// layer holds a copy of the embedding and of the head, which Megatron shares.
+const MEGATRON_MTP: &[Row] = &[
+    row("mtp.layers.{M}.enorm.weight", MTP_ENORM.name, Rename),
+    row("mtp.layers.{M}.hnorm.weight", MTP_HNORM.name, Rename),
+    row("mtp.layers.{M}.eh_proj.weight", MTP_EH_PROJ.name, Rename),
+    row(
+        "mtp.layers.{M}.final_layernorm.weight",
+        MTP_HEAD_NORM.name,
+        Rename,
+    ),
+    row(
+        "embedding.word_embeddings.weight",
+        "model.layers.{MTP}.embed_tokens.weight",
+        TrimVocab,
+    ),
+    row(
+        "output_layer.weight",
+        "model.layers.{MTP}.shared_head.head.weight",
+        TrimVocab,
+    ),
+];
+
+/// Multi-head latent attention (DeepSeek-V3's): the query's and the key-value's down and up
+/// projections, each latent's norm under its own name (local spec) or under the up projection
+/// it precedes (Transformer Engine), and the input norm under its own name. Megatron and
+/// transformers lay out each head's rows `[nope; rope]` alike: every row is a rename.
+const MEGATRON_MLA: &[Row] = megatron_layer_rows![
+    ("input_layernorm.weight", IN_NORM.name, Rename),
+    ("self_attention.linear_q_proj.weight", MLA_Q.name, Rename),
+    (
+        "self_attention.linear_q_down_proj.weight",
+        MLA_Q_A.name,
+        Rename
+    ),
+    (
+        "self_attention.q_layernorm.weight",
+        MLA_Q_A_NORM.name,
+        Rename
+    ),
+    (
+        "self_attention.linear_q_up_proj.layer_norm_weight",
+        MLA_Q_A_NORM.name,
+        Rename
+    ),
+    (
+        "self_attention.linear_q_up_proj.weight",
+        MLA_Q_B.name,
+        Rename
+    ),
+    (
+        "self_attention.linear_kv_down_proj.weight",
+        MLA_KV_A.name,
+        Rename
+    ),
+    (
+        "self_attention.kv_layernorm.weight",
+        MLA_KV_A_NORM.name,
+        Rename
+    ),
+    (
+        "self_attention.linear_kv_up_proj.layer_norm_weight",
+        MLA_KV_A_NORM.name,
+        Rename
+    ),
+    (
+        "self_attention.linear_kv_up_proj.weight",
+        MLA_KV_B.name,
+        Rename
+    ),
+    ("self_attention.linear_proj.weight", MLA_O.name, Rename),
+];
+
+/// Mixtral's experts under megatron-core's MoE names: the router, and SequentialMLP's or the
+/// grouped GEMMs' experts (see [`MEGATRON_MOE`]) onto `block_sparse_moe`.
+const MEGATRON_MIXTRAL_MOE: &[Row] = megatron_layer_rows![
+    ("mlp.router.weight", MIXTRAL_ROUTER.name, Rename),
+    (
+        "mlp.experts.experts.linear_fc1.weight",
+        MIXTRAL_W1.name,
+        Split { part: 0, of: 2 }
+    ),
+    (
+        "mlp.experts.experts.linear_fc1.weight",
+        MIXTRAL_W3.name,
+        Split { part: 1, of: 2 }
+    ),
+    (
+        "mlp.experts.experts.linear_fc2.weight",
+        MIXTRAL_W2.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc1.weight_w",
+        MIXTRAL_W1.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc1.weight_v",
+        MIXTRAL_W3.name,
+        Rename
+    ),
+    (
+        "mlp.experts.experts.{E}.linear_fc2.weight",
+        MIXTRAL_W2.name,
+        Rename
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+        MIXTRAL_W1.name,
+        Split { part: 0, of: 2 }
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+        MIXTRAL_W3.name,
+        Split { part: 1, of: 2 }
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc2.weight",
+        MIXTRAL_W2.name,
+        Rename
+    ),
+];
+
+const MEGATRON_LLAMA: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+];
+const MEGATRON_QWEN2: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+    MEGATRON_QKV_BIAS,
+];
+const MEGATRON_QWEN3: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+    MEGATRON_QK_NORM,
+];
+
+/// megatron-core's Qwen3-MoE (`Qwen3MoEBridge`'s model): Qwen3's attention, and megatron-core's
+/// MoE without shared experts; layers it makes dense (`moe_layer_freq`) a dense MLP.
+const MEGATRON_QWEN3_MOE: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_QK_NORM,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+    MEGATRON_MOE,
+];
+
+/// megatron-core's DeepSeek-V3: latent attention, dense first layers, routed and shared experts
+/// with the score-correction bias, and multi-token prediction layers.
+const MEGATRON_DEEPSEEK_V3: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_MLA,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+    MEGATRON_MOE,
+    MEGATRON_SCORE_CORRECTION,
+    MEGATRON_SHARED_EXPERTS,
+    MEGATRON_MTP,
+];
+
+/// megatron-core's GLM-4.5: grouped-query attention with q/k/v biases (and q/k norms with
+/// `use_qk_norm`), otherwise DeepSeek-V3's MoE and multi-token prediction.
+const MEGATRON_GLM4_MOE: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_QKV_BIAS,
+    MEGATRON_QK_NORM,
+    MEGATRON_MLP_NORM,
+    MEGATRON_DENSE_MLP,
+    MEGATRON_MOE,
+    MEGATRON_SCORE_CORRECTION,
+    MEGATRON_SHARED_EXPERTS,
+    MEGATRON_MTP,
+];
+
+/// megatron-core's Mixtral: Llama's attention, every layer's MLP a mixture of experts.
+const MEGATRON_MIXTRAL: &[&[Row]] = &[
+    MEGATRON_COMMON,
+    MEGATRON_GQA,
+    MEGATRON_MLP_NORM,
+    MEGATRON_MIXTRAL_MOE,
+];
+
+/// transformers' `Glm4MoeForCausalLM` (GLM-4.5, 4.6): grouped-query attention with q/k/v biases
+/// (`attention_bias`) and optional per-head q/k norms (`use_qk_norm`), dense MLPs in the first
+/// `first_k_dense_replace` layers, DeepSeek-V3's experts, router and shared experts in the others,
+/// and its multi-token prediction layers.
+const GLM4_MOE_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    param(
+        "model.layers.{L}.self_attn.q_proj.bias",
+        &[QueryRows],
+        AttentionBias,
+    ),
+    K,
+    param(
+        "model.layers.{L}.self_attn.k_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    V,
+    param(
+        "model.layers.{L}.self_attn.v_proj.bias",
+        &[KvRows],
+        AttentionBias,
+    ),
+    O,
+    param(Q_NORM.name, &[HeadSize], QkNorm),
+    param(K_NORM.name, &[HeadSize], QkNorm),
+    DENSE_GATE,
+    DENSE_UP,
+    DENSE_DOWN,
+    EXPERT_GATE,
+    EXPERT_UP,
+    EXPERT_DOWN,
+    ROUTER,
+    SCORE_CORRECTION,
+    SHARED_GATE,
+    SHARED_UP,
+    SHARED_DOWN,
+    IN_NORM,
+    POST_NORM,
+    MTP_EMBED,
+    MTP_ENORM,
+    MTP_HNORM,
+    MTP_EH_PROJ,
+    MTP_HEAD_NORM,
+    MTP_HEAD,
+    NORM,
+    LM_HEAD,
+];
+
+/// Mixtral's experts as its releases (and transformers' `save_pretrained`) store them: one
+/// tensor each under `block_sparse_moe`, `w1` the gate, `w3` the up and `w2` the down projection,
+/// of `intermediate_size`; the router `block_sparse_moe.gate`.
+const MIXTRAL_ROUTER: Param = param(
+    "model.layers.{L}.block_sparse_moe.gate.weight",
+    &[Experts, Hidden],
+    Always,
+);
+const MIXTRAL_W1: Param = linear(
+    "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+    &[Inter, Hidden],
+    Always,
+);
+const MIXTRAL_W3: Param = linear(
+    "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+    &[Inter, Hidden],
+    Always,
+);
+const MIXTRAL_W2: Param = linear(
+    "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
+    &[Hidden, Inter],
+    Always,
+);
+
+/// transformers' `MixtralForCausalLM`: Llama's attention, every layer a mixture of experts.
+const MIXTRAL_PARAMS: &[Param] = &[
+    EMBED,
+    Q,
+    K,
+    V,
+    O,
+    MIXTRAL_ROUTER,
+    MIXTRAL_W1,
+    MIXTRAL_W2,
+    MIXTRAL_W3,
+    IN_NORM,
+    POST_NORM,
+    NORM,
+    LM_HEAD,
+];
+
+/// transformers 5 holds Mixtral's router under `mlp.gate` and its experts fused as DeepSeek-V3's
+/// (see [`HF_DEEPSEEK_V3_FUSED`]), and saves `block_sparse_moe`'s names.
+const HF_MIXTRAL_FUSED: &[Row] = &[
+    row(
+        "model.layers.{L}.mlp.gate.weight",
+        MIXTRAL_ROUTER.name,
+        Rename,
+    ),
+    row(
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        MIXTRAL_W1.name,
+        Split { part: 0, of: 2 },
+    ),
+    row(
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        MIXTRAL_W3.name,
+        Split { part: 1, of: 2 },
+    ),
+    row(
+        "model.layers.{L}.mlp.experts.down_proj",
+        MIXTRAL_W2.name,
+        Rename,
+    ),
+];
+
+/// megatron-core's routing bias (`moe_router_enable_expert_bias`), which Qwen3-MoE and Mixtral
+/// have no place for.
+const MEGATRON_EXPERT_BIAS: [(&str, &str); 3] = [
+    ("decoder.layers.mlp.router.expert_bias", MEGATRON_BIAS_WHY),
+    (
+        "decoder.layers.{L}.mlp.router.expert_bias",
+        MEGATRON_BIAS_WHY,
+    ),
+    (
+        "mtp.layers.{M}.transformer_layer.mlp.router.expert_bias",
+        MEGATRON_BIAS_WHY,
+    ),
+];
+const MEGATRON_BIAS_WHY: &str = "routing biases of megatron-core's load balancing (moe_router_enable_expert_bias), which the architecture has no place for: the export routes without them";
+
+/// The dense MLP of a model whose other layers are mixtures of experts.
+const DENSE_GATE: Param = linear(GATE.name, &[Inter, Hidden], DenseLayer);
+const DENSE_UP: Param = linear(UP.name, &[Inter, Hidden], DenseLayer);
+const DENSE_DOWN: Param = linear(DOWN.name, &[Hidden, Inter], DenseLayer);
 
 /// A routed expert's gate, up and down projections, one tensor each per expert, as DeepSeek-V3's
 /// and Qwen3-MoE's released checkpoints hold them.
@@ -565,14 +1032,10 @@ const QWEN3_MOE_PARAMS: &[Param] = &[
     ),
     Q_NORM,
     K_NORM,
-    linear(GATE.name, &[Inter, Hidden], DenseLayer),
-    linear(UP.name, &[Inter, Hidden], DenseLayer),
-    linear(DOWN.name, &[Hidden, Inter], DenseLayer),
-    param(
-        "model.layers.{L}.mlp.gate.weight",
-        &[Experts, Hidden],
-        MoeLayer,
-    ),
+    DENSE_GATE,
+    DENSE_UP,
+    DENSE_DOWN,
+    ROUTER,
     EXPERT_GATE,
     EXPERT_UP,
     EXPERT_DOWN,
@@ -804,9 +1267,9 @@ pub(crate) const ARCHS: &[Arch] = &[
         params: DEEPSEEK_V3_PARAMS,
         hf_in_memory: HF_DEEPSEEK_V3_FUSED,
         torchtitan: Some(TT_DEEPSEEK_V3),
-        // torchtitan 0.2's and Megatron's DeepSeek-V3 names are not mapped.
+        // torchtitan 0.2's DeepSeek-V3 names are not mapped.
         torchtitan02: None,
-        megatron: None,
+        megatron: Some(MEGATRON_DEEPSEEK_V3),
         extra_modules: &["mtp_layers"],
         no_place: &[],
         moe_layers: MoeLayers::AfterFirstDense,
@@ -819,9 +1282,14 @@ pub(crate) const ARCHS: &[Arch] = &[
         hf_in_memory: HF_QWEN3_MOE_FUSED,
         torchtitan: Some(TT_QWEN3_MOE),
         torchtitan02: None,
-        megatron: None,
+        megatron: Some(MEGATRON_QWEN3_MOE),
         extra_modules: &[],
-        no_place: &[TT_EXPERT_BIAS],
+        no_place: &[
+            TT_EXPERT_BIAS,
+            MEGATRON_EXPERT_BIAS[0],
+            MEGATRON_EXPERT_BIAS[1],
+            MEGATRON_EXPERT_BIAS[2],
+        ],
         moe_layers: MoeLayers::SparseStep,
     },
     Arch {
@@ -835,6 +1303,34 @@ pub(crate) const ARCHS: &[Arch] = &[
         megatron: None,
         extra_modules: &[],
         no_place: &[TT_EXPERT_BIAS],
+        moe_layers: MoeLayers::All,
+    },
+    Arch {
+        // torchtitan has no GLM-4.5.
+        name: "Glm4MoeForCausalLM",
+        model_type: "glm4_moe",
+        tied_by_default: false,
+        params: GLM4_MOE_PARAMS,
+        hf_in_memory: HF_DEEPSEEK_V3_FUSED,
+        torchtitan: None,
+        torchtitan02: None,
+        megatron: Some(MEGATRON_GLM4_MOE),
+        extra_modules: &[],
+        no_place: &[],
+        moe_layers: MoeLayers::AfterFirstDense,
+    },
+    Arch {
+        // torchtitan has no Mixtral.
+        name: "MixtralForCausalLM",
+        model_type: "mixtral",
+        tied_by_default: false,
+        params: MIXTRAL_PARAMS,
+        hf_in_memory: HF_MIXTRAL_FUSED,
+        torchtitan: None,
+        torchtitan02: None,
+        megatron: Some(MEGATRON_MIXTRAL),
+        extra_modules: &[],
+        no_place: &MEGATRON_EXPERT_BIAS,
         moe_layers: MoeLayers::All,
     },
 ];

@@ -346,6 +346,14 @@ impl HfConfig {
                     self.inter.saturating_mul(2)
                 ),
             ),
+            Dim::TwoHidden => (
+                self.hidden.saturating_mul(2),
+                format!(
+                    "2 × `hidden_size` = 2 × {} = {}",
+                    self.hidden,
+                    self.hidden.saturating_mul(2)
+                ),
+            ),
             Dim::MoeInter => one("moe_intermediate_size")?,
             Dim::QLoraRank => one("q_lora_rank")?,
             Dim::KvLoraRank => one("kv_lora_rank")?,

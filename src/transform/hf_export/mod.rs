@@ -186,7 +186,17 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
     let mut left_out = Vec::new();
     let mut placed = Vec::new();
     let mut unplaced = Vec::new();
-    let mut saved_mtp = false;
+    // A checkpoint without multi-token prediction layers (torchtitan's are left out below as
+    // an extra module; a model trained without them) is exported without: config.json's count
+    // is not asked of it.
+    let without_mtp;
+    let cfg = match has_mtp_layers(ckpt, cfg, &rows, &prefix, naming) {
+        true => cfg,
+        false => {
+            without_mtp = cfg.with_mtp_layers(0);
+            &without_mtp
+        }
+    };
     for (i, t) in ckpt.tensors.iter().enumerate() {
         let Some(rest) = t.name.strip_prefix(prefix.as_str()) else {
             left_out.push(left(&t.name, "not under the model's prefix"));
@@ -209,13 +219,6 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             .iter()
             .find_map(|(_, at)| at.iter().find(|(c, _)| *c == tables::MTP_INDEX))
             .map(|&(_, m)| m);
-        // Hugging Face names number an MTP layer after the decoder's.
-        let hf_layer = matches
-            .iter()
-            .find_map(|(_, at)| at.iter().find(|(c, _)| *c == 'L'))
-            .filter(|_| naming == Naming::HuggingFace)
-            .map(|&(_, l)| l);
-        saved_mtp |= mtp.is_some() || hf_layer.is_some_and(|l| l >= cfg.layers);
         if let Some(m) = mtp.filter(|&m| m >= cfg.mtp_layers) {
             if cfg.no_mtp {
                 left_out.push(left(&t.name, "multi-token prediction layers (--no-mtp)"));
@@ -251,19 +254,39 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
     for v in &ckpt.values {
         left_out.push(left(&v.name, "not a tensor"));
     }
-    // A checkpoint without multi-token prediction layers (torchtitan's are left out above as
-    // an extra module; a model trained without them) is exported without: config.json's count
-    // is not asked of it.
-    let placed = match saved_mtp || cfg.mtp_layers == 0 {
-        true => order_and_check(ckpt, cfg, placed, &rows)?,
-        false => order_and_check(ckpt, &cfg.with_mtp_layers(0), placed, &rows)?,
-    };
+    let placed = order_and_check(ckpt, cfg, placed, &rows)?;
     Ok(Mapping {
         architecture: arch.name,
         naming,
         prefix,
         placed,
         left_out,
+    })
+}
+
+/// Whether the checkpoint holds a multi-token prediction layer: a tensor an MTP row places
+/// (`{M}`), or under Hugging Face names one of a layer past the decoder's.
+fn has_mtp_layers(
+    ckpt: &Checkpoint,
+    cfg: &HfConfig,
+    rows: &[Row],
+    prefix: &str,
+    naming: Naming,
+) -> bool {
+    let mtp_rows: Vec<&Row> = rows.iter().filter(|r| r.source.contains("{M}")).collect();
+    ckpt.tensors.iter().any(|t| {
+        let Some(rest) = t.name.strip_prefix(prefix) else {
+            return false;
+        };
+        let past_decoder = naming == Naming::HuggingFace
+            && rows.iter().any(|r| {
+                tables::match_pattern(r.source, rest)
+                    .is_some_and(|at| at.iter().any(|&(c, l)| c == 'L' && l >= cfg.layers))
+            });
+        past_decoder
+            || mtp_rows
+                .iter()
+                .any(|r| tables::match_pattern(r.source, rest).is_some())
     })
 }
 
@@ -278,11 +301,17 @@ fn place(
     placed: &mut Vec<Placed>,
     left_out: &mut Vec<LeftOut>,
 ) -> Result<()> {
+    // Under Hugging Face names the MTP layers follow the decoder's.
     if let Some(&(_, layer)) = indices.iter().find(|(c, _)| *c == 'L') {
-        if layer >= cfg.layers {
+        if layer >= cfg.layers + cfg.mtp_layers {
             return Err(Error::usage(format!(
-                "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}",
-                t.name, cfg.layers
+                "tensor `{}` is of layer {layer}, but config.json's `num_hidden_layers` is {}{}",
+                t.name,
+                cfg.layers,
+                match cfg.mtp_layers {
+                    0 => String::new(),
+                    n => format!(" and its `num_nextn_predict_layers` {n}"),
+                }
             ))
             .file(&cfg.path)
             .tensor(&t.name)

@@ -79,6 +79,8 @@ pub(crate) enum Dim {
     Heads,
     /// `2 × intermediate_size` (gpt-oss's fused gate and up projections)
     TwoInter,
+    /// `2 × hidden_size` (a multi-token prediction layer's projection of two hidden states)
+    TwoHidden,
     /// `moe_intermediate_size`
     MoeInter,
     /// `moe_intermediate_size × n_shared_experts`
@@ -208,8 +210,9 @@ pub(crate) struct Arch {
     /// The rows for torchtitan 0.3 and 0.2 names (Hugging Face names map to themselves).
     pub torchtitan: Option<&'static [Row]>,
     pub torchtitan02: Option<&'static [Row]>,
-    /// The rows for Megatron-core's names.
-    pub megatron: Option<&'static [Row]>,
+    /// The rows for Megatron-core's names, in groups (attention, MLP, experts...) shared
+    /// between architectures.
+    pub megatron: Option<&'static [&'static [Row]]>,
     /// Top-level names of the source's that the architecture has no place for and that are
     /// left out (torchtitan's multi-token prediction layers, which transformers does not load).
     pub extra_modules: &'static [&'static str],
@@ -234,7 +237,7 @@ impl Arch {
             ),
             Naming::Torchtitan => self.torchtitan.map(<[Row]>::to_vec),
             Naming::Torchtitan02 => self.torchtitan02.map(<[Row]>::to_vec),
-            Naming::Megatron => self.megatron.map(<[Row]>::to_vec),
+            Naming::Megatron => self.megatron.map(<[&[Row]]>::concat),
         }
     }
 }
@@ -333,8 +336,9 @@ mod tests {
     }
 
     /// Each source table maps onto its architecture's parameters one to one: no two rows give
-    /// one name (but a saved and an in-memory Hugging Face name), every parameter comes from a
-    /// row, and every row's patterns have the same placeholders.
+    /// one name (but a saved and an in-memory Hugging Face name, and Megatron's several saved
+    /// forms of one tensor), every parameter comes from a row, and every row's patterns have the
+    /// same placeholders.
     #[test]
     fn tables_place_every_parameter_once() {
         for arch in ARCHS {
@@ -349,41 +353,45 @@ mod tests {
                 let Some(rows) = arch.rows(naming) else {
                     continue;
                 };
-                let targets: Vec<&str> = rows.iter().map(|r| r.target).collect();
-                let unique: BTreeSet<&str> = targets.iter().copied().collect();
-                // transformers' in-memory names; Megatron's norms under their own names or the
-                // linears'.
-                let alternatives = match naming {
-                    Naming::HuggingFace => arch.hf_in_memory.len(),
-                    // Each decoder row twice (stacked, per layer), two norms under two names.
-                    Naming::Megatron => (rows.len() - 3) / 2 + 2,
-                    _ => 0,
-                };
-                assert_eq!(
-                    unique.len() + alternatives,
-                    targets.len(),
-                    "{} {naming:?}",
-                    arch.name
-                );
-                for t in &targets {
-                    assert!(params.contains(t), "{} {naming:?}: {t}", arch.name);
+                // An MTP layer's copies of the embedding and head are its layer's parameters.
+                let targets: Vec<String> =
+                    rows.iter().map(|r| r.target.replace(MTP, "{L}")).collect();
+                let unique: BTreeSet<&str> = targets.iter().map(String::as_str).collect();
+                match naming {
+                    Naming::Megatron => megatron_rows_come_in_every_form(&rows),
+                    // transformers' in-memory names beside the saved ones.
+                    _ => assert_eq!(
+                        unique.len()
+                            + arch.hf_in_memory.len() * (naming == Naming::HuggingFace) as usize,
+                        targets.len(),
+                        "{} {naming:?}",
+                        arch.name
+                    ),
                 }
-                // A source in several rows only for parts of it.
-                let sources: BTreeSet<(&str, String)> = rows
+                for t in &targets {
+                    assert!(params.contains(t.as_str()), "{} {naming:?}: {t}", arch.name);
+                }
+                // A source in several rows only for parts of it (or for the copies of it an
+                // MTP layer holds).
+                let sources: BTreeSet<(&str, String, bool)> = rows
                     .iter()
-                    .map(|r| (r.source, format!("{:?}", r.view)))
+                    .map(|r| (r.source, format!("{:?}", r.view), r.target.contains(MTP)))
                     .collect();
                 assert_eq!(sources.len(), rows.len(), "{} {naming:?}", arch.name);
                 for r in &rows {
-                    // The target has the source's placeholders and at most one more, which
-                    // unstacks the source's leading axis.
+                    // The target has the source's placeholders; an MTP layer's `{M}` is its `{L}`.
                     let holes = |s: &str| ['L', 'E'].map(|c| s.contains(&format!("{{{c}}}")));
-                    let (src, dst) = (holes(r.source), holes(r.target));
+                    let (mut src, dst) = (holes(r.source), holes(&r.target.replace(MTP, "{L}")));
+                    src[0] |= r.source.contains("{M}");
                     assert!(src.iter().zip(&dst).all(|(s, d)| !s || *d), "{r:?}");
                 }
-                // torchtitan has no biases: every parameter but those needs a row.
+                // torchtitan has no biases and no MTP layers: every parameter but those needs a
+                // row.
+                let mtp = rows.iter().any(Row::is_mtp);
                 for p in arch.params {
-                    if !matches!(p.when, AttentionBias | MlpBias) {
+                    let optional = matches!(p.when, AttentionBias | MlpBias)
+                        || (p.when == MtpLayer && !mtp && naming != Naming::HuggingFace);
+                    if !optional {
                         assert!(
                             unique.contains(p.name),
                             "{} {naming:?}: {}",
@@ -392,6 +400,23 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// A Megatron decoder-layer row comes layer-stacked, per layer and in an MTP layer, alike.
+    fn megatron_rows_come_in_every_form(rows: &[Row]) {
+        let has = |source: String, r: &Row| {
+            rows.iter()
+                .any(|o| o.source == source && o.target == r.target && o.view == r.view)
+        };
+        for r in rows {
+            if let Some(rest) = r.source.strip_prefix("decoder.layers.{L}.") {
+                assert!(has(format!("decoder.layers.{rest}"), r), "{r:?}");
+                assert!(
+                    has(format!("mtp.layers.{{M}}.transformer_layer.{rest}"), r),
+                    "{r:?}"
+                );
             }
         }
     }
