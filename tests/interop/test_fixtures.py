@@ -40,6 +40,15 @@ def test_every_fixture_is_committed(fixtures_dir):
         assert (fixtures_dir / "lora" / case / "config.json").is_file()
 
 
+def has_experts(fixture):
+    """Whether the trained model in `fixture` is a mixture of experts, by its Hugging Face config."""
+    config = fixture / "hf" / "config.json"
+    if not config.is_file():
+        return False
+    fields = json.loads(config.read_text())
+    return any(fields.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def test_fixtures_stay_small(fixtures_dir):
     every = [f for f in fixtures_dir.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
 
@@ -61,20 +70,25 @@ def test_fixtures_stay_small(fixtures_dir):
     assert len(deepspeed) < 135
     # the real torchtitan checkpoints (fixtures/generate_torchtitan.py: a DCP save with its optimizer,
     # the HF directory and the references) each have one: under 2 MB
+    top = {f.relative_to(fixtures_dir).parts[0] for f in every}
     torchtitan = [f for f in every if f.relative_to(fixtures_dir).parts[0].startswith("torchtitan_")]
-    # and the trained models of the FP8 export on real sharded saves (dims over 128 and not
-    # multiples of 128: fixtures/generate_fp8.py, generate_megatron_fp8.py and the torchtitan
-    # `_fp8` ones, saved model only): under 7 MB each
-    fp8 = [f for f in every if "fp8" in f.relative_to(fixtures_dir).parts[0] and f.suffix != ".py"]
-    for name in {f.relative_to(fixtures_dir).parts[0] for f in torchtitan + fp8}:
+    # the trained models of the FP8 export on real sharded saves (dims over 128 and not multiples
+    # of 128: fixtures/generate_fp8.py, generate_megatron_fp8.py and the torchtitan `_fp8` ones,
+    # saved model only) and the mixtures of experts (generate_megatron_moe.py's Megatron saves, the
+    # torchtitan ones whose config names experts): under 7 MB each, and at most 14 of them
+    fp8 = {name for name in top if "fp8" in name and not name.endswith(".py")}
+    moe = {name for name in top if name.startswith(("torchtitan_", "megatron_")) and has_experts(fixtures_dir / name)}
+    for name in {n for n in top if n.startswith("torchtitan_")} | fp8 | moe:
         one = [f for f in every if family(name)(f)]
-        budget = 7_000_000 if "fp8" in name else 2_000_000
+        budget = 7_000_000 if name in fp8 | moe else 2_000_000
         assert sum(f.stat().st_size for f in one) < budget, name
         assert len(one) < 20, name
-    assert len({f.relative_to(fixtures_dir).parts[0] for f in fp8}) <= 5
+    assert len(fp8 | moe) <= 14
+    big = [f for f in every if f.relative_to(fixtures_dir).parts[0] in fp8 | moe]
+    assert sum(f.stat().st_size for f in big) < 70_000_000
     files = [
         f for f in every
-        if not family("lora")(f) and not family("deepspeed")(f) and f not in torchtitan and f not in fp8
+        if not family("lora")(f) and not family("deepspeed")(f) and f not in torchtitan and f not in big
     ]
     assert sum(f.stat().st_size for f in files) < 2_000_000
     # per-rank layouts are one small file per rank and prefix (veRL's 3 prefixes x 4 ranks); the
