@@ -319,17 +319,18 @@ fn place(
         }
     }
     // A multi-token prediction layer `M` is layer `num_hidden_layers + M` of the Hugging Face
-    // model; a source without one (the embedding, the head) goes to every MTP layer.
-    let mtp: Vec<u64> = match indices.iter().find(|(c, _)| *c == 'M') {
-        Some(&(_, m)) => vec![cfg.layers + m],
+    // model; a source without one (the embedding, the head) goes to every MTP layer, of which
+    // there may be none (--no-mtp, or a model trained without).
+    let mtp: Option<Vec<u64>> = match indices.iter().find(|(c, _)| *c == 'M') {
+        Some(&(_, m)) => Some(vec![cfg.layers + m]),
         None if row.target.contains(tables::MTP) => {
-            (0..cfg.mtp_layers).map(|j| cfg.layers + j).collect()
+            Some((0..cfg.mtp_layers).map(|j| cfg.layers + j).collect())
         }
-        None => Vec::new(),
+        None => None,
     };
-    let targets: Vec<String> = match mtp.is_empty() {
-        true => vec![tables::fill(row.target, indices)],
-        false => mtp
+    let targets: Vec<String> = match mtp {
+        None => vec![tables::fill(row.target, indices)],
+        Some(layers) => layers
             .iter()
             .map(|&l| {
                 let mut with = indices.to_vec();
