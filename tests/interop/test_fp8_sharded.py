@@ -36,7 +36,14 @@ SHARDED = {
     "torchtitan_qwen3_fp8": ("torchtitan_qwen3_fp8/step-60", "torchtitan_qwen3_fp8/hf"),
     "torchtitan_deepseek_v3_fp8": ("torchtitan_deepseek_v3_fp8/step-60", "torchtitan_deepseek_v3_fp8/hf"),
     "torchtitan_qwen3_moe": ("torchtitan_qwen3_moe/step-60", "torchtitan_qwen3_moe/hf"),
+    # megatron-core MoE saves (fixtures/generate_megatron_moe.py): Qwen3-MoE at TP=2 with experts
+    # cut by expert-tensor parallelism (each expert's fc1 and fc2 over 2 ranks), DeepSeek-V3 at
+    # TP=2 EP=2 (latent attention cut over TP, routed and shared experts, an MTP layer)
+    "megatron_qwen3_moe_ep1": ("megatron_qwen3_moe_ep1/ckpt", "megatron_qwen3_moe_ep1/hf"),
+    "megatron_deepseek_v3": ("megatron_deepseek_v3/ckpt", "megatron_deepseek_v3/hf"),
 }
+# the mixtures of experts among them
+MOE = ["torchtitan_qwen3_moe", "megatron_qwen3_moe_ep1", "megatron_deepseek_v3"]
 
 
 def read_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -121,6 +128,25 @@ def test_codes_and_scales_are_the_reference_quantization_of_the_bf16_export(expo
     assert set(fp8) == set(bf16) | {k + "_scale_inv" for k in bf16 if k + "_scale_inv" in fp8}
     config = json.loads((fp8_dir / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_experts_are_quantized_and_routers_stay_in_dtype(exported, name):
+    """As DeepSeek-V3's and Qwen3-MoE-FP8's releases hold them: every expert's (and shared
+    expert's) projections in FP8, the router's gate, its bias, the norms and the MTP layer's own
+    projection and embedding/head copies in --dtype."""
+    bf16_dir, fp8_dir = exported(name)
+    fp8 = read_dir(fp8_dir)
+    experts = [k for k in fp8 if ".mlp.experts." in k or ".mlp.shared_experts." in k]
+    assert experts
+    for k in experts:
+        assert k.endswith("_scale_inv") or fp8[k].dtype == torch.float8_e4m3fn, k
+    stays = [k for k in fp8 if k.endswith(("mlp.gate.weight", "e_score_correction_bias", "norm.weight",
+                                            "eh_proj.weight", "embed_tokens.weight", "head.weight"))]
+    assert any(k.endswith("mlp.gate.weight") for k in stays)
+    for k in stays:
+        assert fp8[k].dtype in (torch.bfloat16, torch.float32), k
+        assert k + "_scale_inv" not in fp8, k
 
 
 def dequantized_dir(bf16_dir: Path, fp8_dir: Path, out: Path) -> Path:
