@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::exec::IoMode;
 use crate::geometry::Placement;
 use crate::part::PartSpec;
-use crate::transform::hf_export::Trainer;
+use crate::transform::hf_export::{LayerSpec, Trainer};
 
 pub use crate::commands::{terminal_safe, to_stderr};
 
@@ -165,6 +165,15 @@ struct ReshardArgs {
     /// With `--format megatron`: Megatron-LM's `--make-vocab-size-divisible-by`.
     #[arg(long, value_name = "M", default_value_t = 128)]
     make_vocab_size_divisible_by: u64,
+    /// With `--format megatron`: Megatron-LM's `--transformer-impl` of the run, whose layer spec
+    /// decides the names of the norms (fused into the next linear, or modules of their own).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "IMPL",
+        default_value = "transformer_engine"
+    )]
+    transformer_impl: TransformerImplArg,
     #[command(flatten)]
     lora: LoraArgs,
     #[command(flatten)]
@@ -185,6 +194,16 @@ struct CompletionArgs {
 enum Quantize {
     /// Blockwise FP8 (E4M3, 128×128 tiles).
     Fp8Block,
+}
+
+/// Megatron-LM's `--transformer-impl` values, spelt as it spells them.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+#[value(rename_all = "snake_case")]
+enum TransformerImplArg {
+    /// Transformer Engine's layer spec (Megatron-LM's default).
+    TransformerEngine,
+    /// megatron-core's local layer spec.
+    Local,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -401,10 +420,20 @@ fn sharded_layout(args: &ReshardArgs) -> Result<Layout> {
             )
             .hint("the trainer reshards on load: any world size serves"));
         }
+        if args.lora.merge_lora.is_some() {
+            return Err(Error::usage(
+                "an import writes a Hugging Face release as it is: --merge-lora does not apply",
+            )
+            .hint("fold the adapter into the release first (`ckpt consolidate` with --merge-lora), then import that"));
+        }
         let trainer = match args.format {
             ShardedFormat::Megatron => Trainer::Megatron {
                 tensor_parallel: args.tensor_parallel_size,
                 vocab_multiple: args.make_vocab_size_divisible_by,
+                spec: match args.transformer_impl {
+                    TransformerImplArg::TransformerEngine => LayerSpec::TransformerEngine,
+                    TransformerImplArg::Local => LayerSpec::Local,
+                },
             },
             _ => Trainer::Torchtitan,
         };

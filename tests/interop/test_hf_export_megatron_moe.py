@@ -178,3 +178,71 @@ def test_a_config_that_disagrees_is_refused_and_nothing_written(tmp_path, name, 
     assert "panicked" not in r.stderr
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
+
+def megatron_model_tensors(path: Path) -> dict:
+    """The model's tensors of a Megatron `torch_dist` save (optimizer state and the linears'
+    `_extra_state` left out), read by torch's own DCP reader."""
+    from ckpt_helpers import load_with_torch
+
+    return {k: v for k, v in load_with_torch(path).items()
+            if isinstance(v, torch.Tensor) and not k.startswith("optimizer.") and "_extra_state" not in k}
+
+
+@pytest.mark.parametrize("name", ["megatron_qwen3_moe_ep1", "megatron_deepseek_v3", "megatron_glm4_moe"])
+def test_import_of_the_export_is_megatron_cores_own_save(tmp_path, name):
+    """The export read back by `reshard --format megatron --transformer-impl local`: the keys,
+    shapes, dtypes and values megatron-core's local spec saved, bit for bit (latent attention's
+    norms under their own names, the MoE layers' pre-MLP norm under the local spec's fused name
+    or its own, experts stacked, MTP layers under `mtp.layers`), but for the padding rows of the
+    vocabulary, which the export drops and the import writes as zeros."""
+    out = export(name, tmp_path / "hf")
+    r = run_ckpt("reshard", out, "-o", tmp_path / "mg", "--format", "megatron", "--transformer-impl", "local",
+                 "--world-size", "2")
+    assert r.returncode == 0, r.stderr
+    want = megatron_model_tensors(iteration(name))
+    got = megatron_model_tensors(tmp_path / "mg" / "release")
+    assert sorted(got) == sorted(want)
+    vocab = json.loads((hf(name) / "config.json").read_text())["vocab_size"]
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            # the rows past the vocabulary are Megatron's padding, which the export drops and
+            # the import writes as zeros
+            assert torch.equal(got[k][:vocab], w[:vocab]), k
+            assert not got[k][vocab:].any(), k
+        else:
+            assert torch.equal(got[k], w), k
+
+
+@pytest.mark.parametrize("name, te, local", [
+    # Transformer Engine's spec: a MoE layer's pre-MLP norm is a module of its own (there is no
+    # linear to fuse it into), a dense layer's fused into linear_fc1, and latent attention's q
+    # and kv norms fused into the up projections; the local spec maps a grouped-query layer's
+    # norms onto the fused names (its sharded_state_dict_keys_map) but keeps latent
+    # attention's as modules
+    ("megatron_qwen3_moe_ep1",
+     {"decoder.layers.pre_mlp_layernorm.weight"},
+     {"decoder.layers.mlp.linear_fc1.layer_norm_weight"}),
+    ("megatron_deepseek_v3",
+     {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+      "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+      "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
+      "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight"},
+     {"decoder.layers.0.pre_mlp_layernorm.weight",
+      "decoder.layers.1.self_attention.q_layernorm.weight",
+      "decoder.layers.1.self_attention.kv_layernorm.weight",
+      "mtp.layers.0.transformer_layer.self_attention.kv_layernorm.weight"}),
+])
+def test_import_names_norms_as_the_run_s_layer_spec_saves_them(tmp_path, name, te, local):
+    out = export(name, tmp_path / "hf")
+    names = {}
+    for impl in ("transformer_engine", "local"):
+        args = ["--transformer-impl", impl] if impl == "local" else []
+        r = run_ckpt("reshard", out, "-o", tmp_path / impl, "--format", "megatron", *args)
+        assert r.returncode == 0, r.stderr
+        names[impl] = {t["name"] for t in json.loads(run_ckpt("inspect", tmp_path / impl, "--json").stdout)["tensors"]}
+    # Megatron-LM's default is Transformer Engine's
+    assert te <= names["transformer_engine"] - names["local"], sorted(te - names["transformer_engine"])
+    assert local <= names["local"] - names["transformer_engine"], sorted(local - names["local"])
+    assert len(names["local"]) == len(names["transformer_engine"])

@@ -462,3 +462,17 @@ def test_tensor_the_map_does_not_place_exits_2(tmp_path, releases, fmt):
     index["weight_map"][name] = file
     index_path.write_text(json.dumps(index, indent=2))
     assert_refused(tmp_path, rel, fmt, [name])
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan"])
+def test_merge_lora_is_refused_not_ignored(tmp_path, releases, fmt):
+    """An import writes the release as it is: an adapter asked for is refused (exit 2, nothing
+    written), never silently left out."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    out = tmp_path / "out"
+    r = run_ckpt("reshard", releases["llama"], "-o", out, "--format", fmt, "--merge-lora", adapter)
+    assert r.returncode == 2, r.stderr
+    assert "--merge-lora" in r.stderr, r.stderr
+    assert not out.exists()

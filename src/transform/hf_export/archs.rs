@@ -564,6 +564,95 @@ const MEGATRON_MLP_NORM: &[Row] = megatron_layer_rows![
     ("pre_mlp_layernorm.weight", POST_NORM.name, Rename),
 ];
 
+/// Megatron-LM's `--transformer-impl`: the layer spec a run builds its layers with. The export
+/// reads the names of both; the import writes the run's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LayerSpec {
+    TransformerEngine,
+    Local,
+}
+
+/// A norm megatron-core's two layer specs save under different names. Transformer Engine fuses
+/// a norm into the linear after it, save before a MoE layer's router (no linear to fuse into);
+/// the local spec keeps norms as modules and maps those of grouped-query attention's layers onto
+/// Transformer Engine's fused names (its `sharded_state_dict_keys_map`), but not latent
+/// attention's.
+struct SpecName {
+    param: &'static str,
+    /// Of a latent-attention (MLA) model's layers, or of the others.
+    mla: bool,
+    /// Of a layer whose MLP is a mixture of experts (`None`: of either kind).
+    moe_layer: Option<bool>,
+    transformer_engine: &'static str,
+    local: &'static str,
+}
+
+const FC1_NORM: &str = "mlp.linear_fc1.layer_norm_weight";
+const OWN_MLP_NORM: &str = "pre_mlp_layernorm.weight";
+
+const SPEC_NAMES: &[SpecName] = &[
+    SpecName {
+        param: POST_NORM.name,
+        mla: false,
+        moe_layer: Some(false),
+        transformer_engine: FC1_NORM,
+        local: FC1_NORM,
+    },
+    SpecName {
+        param: POST_NORM.name,
+        mla: false,
+        moe_layer: Some(true),
+        transformer_engine: OWN_MLP_NORM,
+        local: FC1_NORM,
+    },
+    SpecName {
+        param: POST_NORM.name,
+        mla: true,
+        moe_layer: Some(false),
+        transformer_engine: FC1_NORM,
+        local: OWN_MLP_NORM,
+    },
+    SpecName {
+        param: POST_NORM.name,
+        mla: true,
+        moe_layer: Some(true),
+        transformer_engine: OWN_MLP_NORM,
+        local: OWN_MLP_NORM,
+    },
+    SpecName {
+        param: MLA_Q_A_NORM.name,
+        mla: true,
+        moe_layer: None,
+        transformer_engine: "self_attention.linear_q_up_proj.layer_norm_weight",
+        local: "self_attention.q_layernorm.weight",
+    },
+    SpecName {
+        param: MLA_KV_A_NORM.name,
+        mla: true,
+        moe_layer: None,
+        transformer_engine: "self_attention.linear_kv_up_proj.layer_norm_weight",
+        local: "self_attention.kv_layernorm.weight",
+    },
+];
+
+/// The name (within a layer) under which `spec` saves `param` of `arch` in a layer of the kind
+/// `moe_layer`, where the two specs differ; `None` where any of the table's names is the one.
+pub(crate) fn spec_name(
+    arch: &Arch,
+    param: &str,
+    moe_layer: bool,
+    spec: LayerSpec,
+) -> Option<&'static str> {
+    let mla = arch.params.iter().any(|p| p.name == MLA_KV_A.name);
+    SPEC_NAMES
+        .iter()
+        .find(|n| n.param == param && n.mla == mla && n.moe_layer.is_none_or(|m| m == moe_layer))
+        .map(|n| match spec {
+            LayerSpec::TransformerEngine => n.transformer_engine,
+            LayerSpec::Local => n.local,
+        })
+}
+
 /// A dense SwiGLU MLP: `linear_fc1` is `[gate; up]`, or its two halves under `weight_w` and
 /// `weight_v` where megatron-core saves singleton local shards.
 const MEGATRON_DENSE_MLP: &[Row] = megatron_layer_rows![

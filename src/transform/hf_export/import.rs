@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::archs::{self, LayerSpec};
 use super::tables::{self, Naming, Param, Row};
 use super::views::{Sizes, ViewKind};
 use super::HfConfig;
@@ -31,6 +32,8 @@ pub(crate) enum Trainer {
     Megatron {
         tensor_parallel: u64,
         vocab_multiple: u64,
+        /// The run's layer spec, which names the norms.
+        spec: LayerSpec,
     },
     /// torchtitan's model, as its `create_seed_checkpoint` saves it.
     Torchtitan,
@@ -114,6 +117,7 @@ impl Import {
             Trainer::Megatron {
                 tensor_parallel,
                 vocab_multiple,
+                ..
             } => {
                 let m = vocab_multiple.max(1).saturating_mul(tensor_parallel.max(1));
                 v.div_ceil(m).saturating_mul(m)
@@ -244,7 +248,14 @@ impl Import {
                 cfg,
                 RELEASE_HINT,
             )?;
-            let Some(row) = row_for(rows, param, mtp, per_layer) else {
+            let named = match self.trainer {
+                Trainer::Megatron { spec, .. } => {
+                    let moe_layer = layer.is_some_and(|l| cfg.is_moe_layer(l));
+                    archs::spec_name(cfg.arch, param.name, moe_layer, spec)
+                }
+                Trainer::Torchtitan => None,
+            };
+            let Some(row) = row_for(rows, param, mtp, per_layer, named) else {
                 return Err(Error::usage(format!(
                     "{}'s `{}` has no place in {}'s names",
                     cfg.arch.name,
@@ -419,14 +430,23 @@ fn complete(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<()> {
 }
 
 /// The row that places `param` for the import: the first of the table's, among those of an MTP
-/// layer's (`{M}`) when `mtp`, and of one layer's (`decoder.layers.{L}`) rather than the
-/// layer-stacked ones when `per_layer`.
-fn row_for<'r>(rows: &'r [Row], param: &Param, mtp: bool, per_layer: bool) -> Option<&'r Row> {
+/// layer's (`{M}`) when `mtp`, of one layer's (`decoder.layers.{L}`) rather than the
+/// layer-stacked ones when `per_layer`, and of those under the name `named` (the one the run's
+/// layer spec saves) where that is given.
+fn row_for<'r>(
+    rows: &'r [Row],
+    param: &Param,
+    mtp: bool,
+    per_layer: bool,
+    named: Option<&str>,
+) -> Option<&'r Row> {
     let targets = |r: &&Row| r.target.replace(tables::MTP, "{L}") == param.name;
+    let spec_named = |r: &&Row| named.is_none_or(|n| r.source.ends_with(&format!(".{n}")));
     let candidates: Vec<&Row> = rows
         .iter()
         .filter(targets)
         .filter(|r| r.is_mtp() == mtp)
+        .filter(spec_named)
         .collect();
     let one_layer = |r: &&&Row| r.source.contains("{L}");
     match per_layer {

@@ -27,6 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Tensor};
+pub(crate) use archs::LayerSpec;
 pub(crate) use config::HfConfig;
 pub(crate) use export::Export;
 pub(crate) use import::{Import, Trainer};
