@@ -246,3 +246,25 @@ def test_import_names_norms_as_the_run_s_layer_spec_saves_them(tmp_path, name, t
     assert te <= names["transformer_engine"] - names["local"], sorted(te - names["transformer_engine"])
     assert local <= names["local"] - names["transformer_engine"], sorted(local - names["local"])
     assert len(names["local"]) == len(names["transformer_engine"])
+
+
+def test_no_mtp_leaves_out_hugging_face_named_mtp_layers(tmp_path):
+    """A checkpoint under Hugging Face's names (a release, or an accelerate save) holds its MTP
+    layers as layers past the decoder's: --no-mtp leaves them out there too, and says so; a
+    config.json without them refuses them as MTP layers, naming the field."""
+    name = "megatron_deepseek_v3"
+    full = export(name, tmp_path / "full")
+    r = run_ckpt("consolidate", full, "-o", tmp_path / "without", "--hf-config", full, "--no-mtp")
+    assert r.returncode == 0, r.stderr
+    assert "--no-mtp" in r.stderr, r.stderr
+    got = tensors_of(tmp_path / "without")
+    kept = tensors_of(full)
+    assert sorted(got) == sorted(k for k in kept if not k.startswith("model.layers.2."))
+    for k, v in got.items():
+        assert torch.equal(v, kept[k]), k
+    assert json.loads((tmp_path / "without" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    cfg = edited_config(tmp_path, name, num_nextn_predict_layers=0)
+    r = run_ckpt("consolidate", full, "-o", tmp_path / "refused", "--hf-config", cfg)
+    assert r.returncode == 2, r.stderr
+    assert "num_nextn_predict_layers" in r.stderr and "multi-token prediction layer 0" in r.stderr, r.stderr
+    assert not (tmp_path / "refused").exists()

@@ -198,6 +198,7 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             &without_mtp
         }
     };
+    let has_mtp_params = arch.params.iter().any(|p| p.when == When::MtpLayer);
     for (i, t) in ckpt.tensors.iter().enumerate() {
         let Some(rest) = t.name.strip_prefix(prefix.as_str()) else {
             left_out.push(left(&t.name, "not under the model's prefix"));
@@ -216,10 +217,20 @@ pub(crate) fn map(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<Mapping> {
             unplaced.push(t.name.as_str());
         }
         // A multi-token prediction layer past the config's: left out with --no-mtp, else refused.
-        let mtp = matches
-            .iter()
-            .find_map(|(_, at)| at.iter().find(|(c, _)| *c == tables::MTP_INDEX))
-            .map(|&(_, m)| m);
+        // Megatron names it by its own index; Hugging Face's names as a layer past the decoder's.
+        let hf_mtp = |at: &Vec<(char, u64)>| match naming == Naming::HuggingFace && has_mtp_params {
+            true => at
+                .iter()
+                .find(|&&(c, l)| c == 'L' && l >= cfg.layers)
+                .map(|&(_, l)| l - cfg.layers),
+            false => None,
+        };
+        let mtp = matches.iter().find_map(|(_, at)| {
+            at.iter()
+                .find(|(c, _)| *c == tables::MTP_INDEX)
+                .map(|&(_, m)| m)
+                .or_else(|| hf_mtp(at))
+        });
         if let Some(m) = mtp.filter(|&m| m >= cfg.mtp_layers) {
             if cfg.no_mtp {
                 left_out.push(left(&t.name, "multi-token prediction layers (--no-mtp)"));
