@@ -1189,7 +1189,8 @@ const TT_QWEN3_MOE: &[Row] = &[
 /// loads it): attention with biases and a learned sink per head, a router with a bias, and the
 /// routed experts fused: `gate_up_proj` `[E, D, 2F]` (gate and up interleaved, even and odd
 /// columns) and `down_proj` `[E, F, D]`, each with a bias. The experts are 3-D, so
-/// `--quantize fp8-block` leaves them (and lists them) as they are.
+/// `--quantize fp8-block` leaves them as they are (not in `modules_to_not_convert`, which names
+/// the modules of the `.weight`s left unquantized).
 const GPT_OSS_PARAMS: &[Param] = &[
     EMBED,
     Q,
