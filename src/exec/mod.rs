@@ -533,7 +533,7 @@ pub fn read_box(
     let len = numel(sizes).unwrap_or(0) * r.dtype.size() as u64;
     let mut buf = vec![0u8; len as usize];
     let mut scratch = Vec::new();
-    fetch_remote(&fills, r, &u, &rstrides, &sources)?;
+    prefetch_objects(&fills, r, &u, &rstrides, &sources)?;
     fill_unit(
         &plan,
         r,
@@ -568,7 +568,7 @@ fn assemble(plan: &Plan, f: &FilePlan, sources: &[Input]) -> Result<Vec<u8>> {
             };
             let (at, unit_len) = u.bytes_in(r, &rstrides);
             let buf = &mut region[at as usize..(at + unit_len) as usize];
-            fetch_remote(&fills, r, &u, &rstrides, sources)?;
+            prefetch_objects(&fills, r, &u, &rstrides, sources)?;
             fill_unit(plan, r, &u, &rstrides, &fills, sources, buf, &mut scratch)?;
         }
     }
@@ -1095,7 +1095,7 @@ fn run_unit(
             whole.resize(len as usize, 0);
         }
         let buf = &mut whole[..len as usize];
-        fetch_remote(&fills, r, u, &rstrides, sources)?;
+        prefetch_objects(&fills, r, u, &rstrides, sources)?;
         fill_unit(plan, r, u, &rstrides, &fills, sources, buf, scratch)?;
         let mut result = UnitResult {
             len,
@@ -1188,7 +1188,7 @@ fn span(fill: &Fill, u: &Unit, rstrides: &[u64], dst: DType) -> Option<Span> {
 /// covering its slice of the unit, coalesced and fetched concurrently into this thread's window,
 /// from which [`gather`] then copies as it does from a map. A range much larger than the unit (a
 /// strided view read across) is left to ranged reads as the copy asks for it.
-fn fetch_remote(
+fn prefetch_objects(
     fills: &[Fill],
     r: &Region,
     u: &Unit,

@@ -221,25 +221,7 @@ impl Import {
             };
             let layer = indices.iter().find(|(c, _)| *c == 'L').map(|&(_, l)| l);
             let mtp = layer.is_some_and(|l| l >= cfg.layers);
-            let present =
-                match (layer, mtp) {
-                    (Some(l), true) => l < cfg.layers + cfg.mtp_layers,
-                    _ => cfg.has(param.when, layer),
-                } && (!mtp || param.when != tables::When::MtpLayer || cfg.has(param.when, layer));
-            if !present {
-                return Err(Error::usage(format!(
-                    "tensor `{}` is a parameter {} does not have: config.json's {}",
-                    t.name,
-                    cfg.arch.name,
-                    match mtp {
-                        true =>
-                            "`num_nextn_predict_layers` has fewer multi-token prediction layers",
-                        false => param.when.absent_because(),
-                    }
-                ))
-                .tensor(&t.name)
-                .file(&cfg.path));
-            }
+            check_present(cfg, t, param, layer)?;
             super::check_dims(
                 &format!("tensor `{}`", t.name),
                 &t.name,
@@ -248,22 +230,7 @@ impl Import {
                 cfg,
                 RELEASE_HINT,
             )?;
-            let named = match self.trainer {
-                Trainer::Megatron { spec, .. } => {
-                    let moe_layer = layer.is_some_and(|l| cfg.is_moe_layer(l));
-                    archs::spec_name(cfg.arch, param.name, moe_layer, spec)
-                }
-                Trainer::Torchtitan => None,
-            };
-            let Some(row) = row_for(rows, param, mtp, per_layer, named) else {
-                return Err(Error::usage(format!(
-                    "{}'s `{}` has no place in {}'s names",
-                    cfg.arch.name,
-                    param.name,
-                    self.trainer.naming().describe()
-                ))
-                .tensor(&t.name));
-            };
+            let row = self.row_of(rows, t, param, layer, per_layer)?;
             if row.target.contains(tables::MTP) {
                 // An MTP layer's copy of the embedding or head: the trainer has the one.
                 copies += 1;
@@ -324,6 +291,36 @@ impl Import {
         };
         out.sort_by_key(|a| position(&a.name));
         Ok(out)
+    }
+
+    /// The row that places `param` (of `t`, at `layer`) in the trainer's names: the table's,
+    /// under the name the run's layer spec saves where Megatron's specs differ.
+    fn row_of<'r>(
+        &self,
+        rows: &'r [Row],
+        t: &Tensor,
+        param: &Param,
+        layer: Option<u64>,
+        per_layer: bool,
+    ) -> Result<&'r Row> {
+        let cfg = &self.cfg;
+        let mtp = layer.is_some_and(|l| l >= cfg.layers);
+        let named = match self.trainer {
+            Trainer::Megatron { spec, .. } => {
+                let moe_layer = layer.is_some_and(|l| cfg.is_moe_layer(l));
+                archs::spec_name(cfg.arch, param.name, moe_layer, spec)
+            }
+            Trainer::Torchtitan => None,
+        };
+        row_for(rows, param, mtp, per_layer, named).ok_or_else(|| {
+            Error::usage(format!(
+                "{}'s `{}` has no place in {}'s names",
+                cfg.arch.name,
+                param.name,
+                self.trainer.naming().describe()
+            ))
+            .tensor(&t.name)
+        })
     }
 
     /// The trainer tensor `a`: its shape, and every Hugging Face tensor's pieces placed in it.
@@ -427,6 +424,30 @@ fn complete(ckpt: &Checkpoint, cfg: &HfConfig) -> Result<()> {
             .file(&cfg.path)
             .hint(RELEASE_HINT),
     )
+}
+
+/// That config.json gives the model `param` at `layer` (past the decoder's layers: of an MTP
+/// layer it has), as the release's tensor `t` says it has.
+fn check_present(cfg: &HfConfig, t: &Tensor, param: &Param, layer: Option<u64>) -> Result<()> {
+    let mtp = layer.is_some_and(|l| l >= cfg.layers);
+    let present = match (layer, mtp) {
+        (Some(l), true) => l < cfg.layers + cfg.mtp_layers,
+        _ => cfg.has(param.when, layer),
+    } && (!mtp || param.when != tables::When::MtpLayer || cfg.has(param.when, layer));
+    if !present {
+        return Err(Error::usage(format!(
+            "tensor `{}` is a parameter {} does not have: config.json's {}",
+            t.name,
+            cfg.arch.name,
+            match mtp {
+                true => "`num_nextn_predict_layers` has fewer multi-token prediction layers",
+                false => param.when.absent_because(),
+            }
+        ))
+        .tensor(&t.name)
+        .file(&cfg.path));
+    }
+    Ok(())
 }
 
 /// The row that places `param` for the import: the first of the table's, among those of an MTP
