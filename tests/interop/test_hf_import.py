@@ -476,3 +476,45 @@ def test_merge_lora_is_refused_not_ignored(tmp_path, releases, fmt):
     assert r.returncode == 2, r.stderr
     assert "--merge-lora" in r.stderr, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan"])
+def test_parts_and_object_storage_write_the_single_runs_bytes(tmp_path, releases, fmt):
+    """The import as any reshard: three `--part` shares locally, the release read from `s3://`
+    and written into it (whole and in three shares) give the local single run's files byte for
+    byte, Megatron's tracker, common.pt and metadata.json included."""
+    pytest.importorskip("boto3")
+    import test_s3  # a module object, so that its tests are not collected here again
+
+    rel = releases["qwen2" if fmt == "megatron" else "llama"]
+    extra = ["--world-size", "3"] + (["--tensor-parallel-size", "2"] if fmt == "megatron" else [])
+    single = tmp_path / "single"
+    r = run_ckpt("reshard", rel, "-o", single, "--format", fmt, *extra)
+    assert r.returncode == 0, r.stderr
+    parts = tmp_path / "parts"
+    for i in range(3):
+        r = run_ckpt("reshard", rel, "-o", parts, "--format", fmt, *extra, "--part", f"{i}/3")
+        assert r.returncode == 0, r.stderr
+        # no tracker naming a save root, and no .metadata, before the last share commits it
+        committed = parts / ("latest_checkpointed_iteration.txt" if fmt == "megatron" else ".metadata")
+        assert committed.exists() == (i == 2), i
+    test_s3.same_tree(single, parts)
+
+    server = test_s3.S3Server()
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="ckpt")
+        test_s3.upload_tree(client, rel, "ckpt", "rel")
+        r = test_s3.run(server, "reshard", "s3://ckpt/rel", "-o", "s3://ckpt/whole", "--format", fmt, *extra)
+        assert r.returncode == 0, r.stderr
+        for i in range(3):
+            r = test_s3.run(server, "reshard", "s3://ckpt/rel", "-o", "s3://ckpt/shares", "--format", fmt, *extra,
+                            "--part", f"{i}/3")
+            assert r.returncode == 0, r.stderr
+        for prefix in ("whole", "shares"):
+            got = tmp_path / prefix
+            got.mkdir()
+            test_s3.download_tree(client, "ckpt", prefix, got)
+            test_s3.same_tree(single, got)
+    finally:
+        server.stop()
