@@ -13,8 +13,11 @@ model parallelism at 1, as Bridge runs on a single GPU. A layer-stacked tensor i
 at a time, and the padded vocabulary is cut to `vocab_size` rows as Bridge's export does.
 
 Mixture-of-experts models (HF_CONFIG_JSON's `model_type` `qwen3_moe`, `deepseek_v3`,
-`glm4_moe`) go through the `mapping_registry()` of Bridge's own Qwen3-MoE, DeepSeek-V3 and GLM-4.5
-bridges (their modules loaded without the package `__init__`s; the few Bridge modules that need
+`glm4_moe`, `mixtral`) go through the `mapping_registry()` of Bridge's own Qwen3-MoE, DeepSeek-V3 and
+GLM-4.5 bridges, and for Mixtral, which Bridge 0.3.1 has no bridge for, a `MegatronMappingRegistry`
+of 0.3.1's own mapping classes with the names of Bridge's Mixtral bridge (`MIXTRAL`: from Bridge's
+unreleased pull request 1317; router `block_sparse_moe.gate`, experts `w1` / `w3` / `w2`)
+(their modules loaded without the package `__init__`s; the few Bridge modules that need
 Transformer Engine, omegaconf or the model providers, none of which the mapping uses, are replaced
 by empty stand-ins: the PEFT base class, the model providers, PreTrainedCausalLM). The registry
 resolves the names of the Megatron model that holds the checkpoint's tensors, at TP=1, EP=1
@@ -175,7 +178,37 @@ MOE_BRIDGES = {
     "qwen3_moe": ("megatron.bridge.models.qwen.qwen3_moe_bridge", "Qwen3MoEBridge"),
     "deepseek_v3": ("megatron.bridge.models.deepseek.deepseek_v3_bridge", "DeepSeekV3Bridge"),
     "glm4_moe": ("megatron.bridge.models.glm.glm45_bridge", "GLM45Bridge"),
+    # Bridge 0.3.1 has no Mixtral bridge: its registry is built here (`MIXTRAL`).
+    "mixtral": None,
 }
+# The registry of Megatron-Bridge's Mixtral bridge (`MixtralBridge.mapping_registry()`,
+# src/megatron/bridge/models/mixtral/mixtral_bridge.py of NVIDIA-NeMo/Megatron-Bridge pull request
+# 1317, the same names from its first commit fd27b3b38 to its last 1ee926b34; in no release through
+# 0.6.0, and not in the 0.3.1 wheel), built from 0.3.1's own `MegatronMappingRegistry`,
+# `AutoMapping`, `QKVMapping` and `GatedMLPMapping`: (class, megatron pattern, HF names). Mixtral's
+# names as its releases and transformers' `save_pretrained` store them: router
+# `block_sparse_moe.gate`, experts' `w1` (gate), `w3` (up), `w2` (down).
+MIXTRAL = [
+    ("AutoMapping", "embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    ("AutoMapping", "output_layer.weight", "lm_head.weight"),
+    ("AutoMapping", "decoder.final_layernorm.weight", "model.norm.weight"),
+    ("AutoMapping", "decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
+    ("AutoMapping", "decoder.layers.*.self_attention.linear_proj.weight",
+     "model.layers.*.self_attn.o_proj.weight"),
+    ("AutoMapping", "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+     "model.layers.*.input_layernorm.weight"),
+    ("AutoMapping", "decoder.layers.*.pre_mlp_layernorm.weight",
+     "model.layers.*.post_attention_layernorm.weight"),
+    ("AutoMapping", "decoder.layers.*.mlp.router.weight", "model.layers.*.block_sparse_moe.gate.weight"),
+    ("AutoMapping", "decoder.layers.*.mlp.experts.linear_fc2.weight*",
+     "model.layers.*.block_sparse_moe.experts.*.w2.weight"),
+    ("QKVMapping", "decoder.layers.*.self_attention.linear_qkv.weight",
+     dict(q="model.layers.*.self_attn.q_proj.weight", k="model.layers.*.self_attn.k_proj.weight",
+          v="model.layers.*.self_attn.v_proj.weight")),
+    ("GatedMLPMapping", "decoder.layers.*.mlp.experts.linear_fc1.weight*",
+     dict(gate="model.layers.*.block_sparse_moe.experts.*.w1.weight",
+          up="model.layers.*.block_sparse_moe.experts.*.w3.weight")),
+]
 # megatron-core's local layer spec saves its separate norms under the fused Transformer Engine
 # names (`sharded_state_dict_keys_map` of get_gpt_layer_local_spec, non-MLA layers only); the
 # model's own parameters are these.
@@ -231,12 +264,22 @@ def bridge_registry(model_type: str, hf: dict):
     stand_in("megatron.bridge.models.mla_provider", MLAModelProvider=empty("MLAModelProvider"))
     stand_in("megatron.bridge.models.hf_pretrained.causal_lm",
              PreTrainedCausalLM=empty("PreTrainedCausalLM"))
+    pm = importlib.import_module("megatron.bridge.models.conversion.param_mapping")
+    if MOE_BRIDGES[model_type] is None:
+        registry = importlib.import_module("megatron.bridge.models.conversion.mapping_registry")
+        mappings = []
+        for kind, megatron_param, hf_names in MIXTRAL:
+            cls = getattr(pm, kind)
+            if isinstance(hf_names, dict):
+                mappings.append(cls(megatron_param=megatron_param, **hf_names))
+            else:
+                mappings.append(cls(megatron_param=megatron_param, hf_param=hf_names))
+        return registry.MegatronMappingRegistry(*mappings), pm
     module_name, class_name = MOE_BRIDGES[model_type]
     module = importlib.import_module(module_name)
     bridge = getattr(module, class_name)()
     # GLM45Bridge reads the HF config for its MTP mappings (set in its build_conversion_tasks).
     bridge._hf_config = SimpleNamespace(**hf)
-    pm = importlib.import_module("megatron.bridge.models.conversion.param_mapping")
     return bridge.mapping_registry(), pm
 
 
@@ -313,7 +356,8 @@ def export_moe(sd: dict, hf: dict, out: str) -> None:
     config = SimpleNamespace(
         num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads", heads),
         kv_channels=hf.get("head_dim"), hidden_size=hf["hidden_size"],
-        num_moe_experts=hf.get("num_experts", hf.get("n_routed_experts")),
+        num_moe_experts=hf.get("num_experts", hf.get("n_routed_experts",
+                                                      hf.get("num_local_experts"))),
     )
     module = SimpleNamespace(config=config)
     # AutoMapping picks column/row/replicated from the module's class; at TP=1, EP=1 each is the

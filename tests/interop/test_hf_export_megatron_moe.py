@@ -3,11 +3,15 @@
 EP=2 (experts stacked over global indices, cut over the expert-parallel ranks), another Qwen3-MoE
 at EP=2 with heads of 64 and experts of FFN 132 (the one test_hf_export_vllm.py loads in vLLM), DeepSeek-V3 at
 TP=2 EP=2 (latent attention, a dense first layer, routed and shared experts, the routing bias, one
-multi-token prediction layer) and GLM-4.5 (QKV biases, partial RoPE, MTP). Judged by
+multi-token prediction layer), GLM-4.5 (QKV biases, partial RoPE, MTP) and Mixtral in BF16 at EP=2
+(every layer MoE, experts of FFN 136 exported as `block_sparse_moe.experts.<e>.w1/w3/w2`, the
+router as `block_sparse_moe.gate`). Judged by
 
 - Megatron-Bridge 0.3.1's own mapping of the same checkpoint (megatron_bridge_export.py, run
   here): every tensor bit for bit, names included (where Bridge maps nothing, the MTP layers of
-  DeepSeek-V3 and the MTP embedding and head copies of GLM-4.5, by its rules);
+  DeepSeek-V3 and the MTP embedding and head copies of GLM-4.5, by its rules; Mixtral, for which
+  0.3.1 has no bridge, through 0.3.1's mapping classes with the names of Bridge's unreleased
+  Mixtral bridge);
 - transformers' `from_pretrained` of the export: the trained Megatron model's logits on a fixed
   batch (fp32, within 1e-4 of the largest logit);
 - the EP=1 and EP=2 saves of the same weights giving byte-identical exports;
@@ -36,7 +40,7 @@ from test_hf_export import tensors_of
 transformers = pytest.importorskip("transformers")
 
 FIXTURES = ["megatron_qwen3_moe_ep1", "megatron_qwen3_moe_ep2", "megatron_qwen3_moe_vllm",
-            "megatron_deepseek_v3", "megatron_glm4_moe"]
+            "megatron_deepseek_v3", "megatron_glm4_moe", "megatron_mixtral"]
 
 
 def src(name: str) -> Path:
@@ -167,6 +171,8 @@ def edited_config(tmp_path: Path, name: str, **fields) -> Path:
     ("megatron_deepseek_v3", {"kv_lora_rank": 100}, ["kv_lora_rank", "100"]),
     ("megatron_glm4_moe", {"n_shared_experts": 2}, ["n_shared_experts", "2", "136"]),
     ("megatron_glm4_moe", {"first_k_dense_replace": 2}, ["first_k_dense_replace", "2"]),
+    ("megatron_mixtral", {"num_local_experts": 8}, ["num_local_experts", "8", "4"]),
+    ("megatron_mixtral", {"intermediate_size": 128}, ["intermediate_size", "128", "136"]),
 ])
 def test_a_config_that_disagrees_is_refused_and_nothing_written(tmp_path, name, fields, says):
     cfg = edited_config(tmp_path, name, **fields)
@@ -189,7 +195,8 @@ def megatron_model_tensors(path: Path) -> dict:
             if isinstance(v, torch.Tensor) and not k.startswith("optimizer.") and "_extra_state" not in k}
 
 
-@pytest.mark.parametrize("name", ["megatron_qwen3_moe_ep1", "megatron_deepseek_v3", "megatron_glm4_moe"])
+@pytest.mark.parametrize("name", ["megatron_qwen3_moe_ep1", "megatron_deepseek_v3", "megatron_glm4_moe",
+                                  "megatron_mixtral"])
 def test_import_of_the_export_is_megatron_cores_own_save(tmp_path, name):
     """The export read back by `reshard --format megatron --transformer-impl local`: the keys,
     shapes, dtypes and values megatron-core's local spec saved, bit for bit (latent attention's
