@@ -22,9 +22,20 @@ logits:
   (`w1_EFD` [E, F, D], ...), and their `load_balance_coeff` 1e-3: a persistent `moe.expert_bias_E`
   buffer (F32 [E], zeros at init) that HF's Qwen3-MoE has no place for and a torchtitan load asks
   for; zeros are the bias that routes as the release does.
+- `deepseek_v3`: DeepseekV3ForCausalLM, dim 200, 3 heads, latent attention with `q_lora_rank` 152
+  (wq_a, q_norm, wq_b), `kv_lora_rank` 144, qk 48 + 24 RoPE dims, v 56; 3 layers, the first dense
+  (`first_k_dense_replace` 1, FFN 344), the others 8 routed experts of 168 (4 groups, 2 kept, top
+  3, sigmoid scores renormalised and scaled by 2.5) and 2 shared (one MLP of 336), vocab 266,
+  untied, no MTP layer (`num_nextn_predict_layers` 0: torchtitan's names have no place for one),
+  RMSNorm eps 1e-6 (transformers fixes q_a/kv_a_layernorm's at 1e-6 whatever `rms_norm_eps` says),
+  plain RoPE (theta 10000, `rope_interleave` as DeepSeek's weights: torchtitan's ComplexRoPE pairs
+  the same adjacent elements, so no row moves). Its `e_score_correction_bias` (a buffer, zeros
+  at init) is drawn too (0.2 x randn a layer, enough to change which experts the logits see); it
+  is torchtitan's `moe.expert_bias_E`, which only chooses experts, as in transformers.
 
-Every dim over 128 and not a multiple of 128 (and a multiple of 8 where torch._grouped_mm runs);
-`--world-size 3` cuts them unevenly (vocab 260 as 87/87/86, 4 experts as 2/2/0).
+Every dim over 128 and not a multiple of 128 (and a multiple of 8 where torch._grouped_mm runs),
+but the per-head dims of DeepSeek-V3's latent attention; `--world-size 3` cuts them unevenly
+(vocab 260 as 87/87/86, 4 experts as 2/2/0, 8 as 3/3/2).
 
 Tests:
 - no torchtitan: OUT holds the release's tensors bit for bit under torchtitan 0.3.0's names (the
@@ -37,12 +48,15 @@ Tests:
   checkpoint place); the keys that load asks for are exactly OUT's, same shapes; the loaded
   model's forward (F32, eval) on a fixed batch equals transformers' of the release within 1e-4
   of the largest |logit| (bf16: of the release rounded to bf16); then one training step runs
-  with a finite loss.
+  with a finite loss. For the MoE cases the loaded `moe.expert_bias_E` of every MoE layer is
+  the release's (zeros for Qwen3-MoE, `e_score_correction_bias` for DeepSeek-V3).
+- the criterion decides: transformers' logits with Llama's q/k rows left in HF's order, or with
+  DeepSeek-V3's routing bias zeroed (torchtitan's init), are off by far more than 1e-4.
 
 fixtures/generate_torchtitan.py builds HF configs from torchtitan dims; the worker's `tt_dims`
 reads them back the same way, and borrows its CPU shims and `f32_experts` (torchtitan's
 GroupedExperts runs the routed experts in bf16; the comparison is of the F32 forward).
-About 2 minutes (4 torchtitan runs of about 25 s on 2 CPU cores).
+About 2.5 minutes (5 torchtitan runs of about 25 s on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -71,11 +85,11 @@ def _generator():
 
 
 GEN = _generator()
-CASES = ["llama3", "qwen3", "qwen3_moe"]
+CASES = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"]
 
 
 def hf_config(case: str):
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(num_hidden_layers=2, bos_token_id=1, eos_token_id=2, dtype="float32")
     if case == "llama3":
@@ -93,6 +107,17 @@ def hf_config(case: str):
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             architectures=["Qwen3ForCausalLM"], **common)
+    if case == "deepseek_v3":
+        return DeepseekV3Config(
+            vocab_size=266, hidden_size=200, intermediate_size=344, moe_intermediate_size=168,
+            num_attention_heads=3, num_key_value_heads=3, q_lora_rank=152, kv_lora_rank=144,
+            qk_nope_head_dim=48, qk_rope_head_dim=24, v_head_dim=56, attention_bias=False,
+            first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2,
+            num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+            routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_interleave=True, num_nextn_predict_layers=0, tie_word_embeddings=False,
+            architectures=["DeepseekV3ForCausalLM"], **{**common, "num_hidden_layers": 3})
     assert case == "qwen3_moe"
     return Qwen3MoeConfig(
         vocab_size=262, hidden_size=200,
@@ -133,6 +158,9 @@ def write_release(case: str, rel: Path) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:  # unit gain over the input dim (the last), embeddings and experts too
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (F32)
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
     model.save_pretrained(rel, max_shard_size="300KB")
     write_tokenizer(rel, cfg.vocab_size)
     index = json.loads((rel / "model.safetensors.index.json").read_text())
@@ -202,6 +230,8 @@ def expected_torchtitan(case: str, hf: dict[str, torch.Tensor]) -> dict[str, tor
         "lm_head.weight": hf["lm_head.weight"] if not cfg.tie_word_embeddings
         else hf["model.embed_tokens.weight"],
     }
+    if case == "deepseek_v3":
+        return out | expected_deepseek_v3(cfg, hf)
     for n in range(cfg.num_hidden_layers):
         p, t = f"model.layers.{n}.", f"layers.{n}."
         q, k = hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"]
@@ -230,6 +260,45 @@ def expected_torchtitan(case: str, hf: dict[str, torch.Tensor]) -> dict[str, tor
             out[t + "feed_forward.w1.weight"] = hf[p + "mlp.gate_proj.weight"]
             out[t + "feed_forward.w3.weight"] = hf[p + "mlp.up_proj.weight"]
             out[t + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out
+
+
+def expected_deepseek_v3(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan 0.3.0's DeepSeekV3StateDictAdapter names (q_lora_rank > 0), no row moved."""
+    out = {}
+    for n in range(cfg.num_hidden_layers):
+        p, t = f"model.layers.{n}.", f"layers.{n}."
+        a = p + "self_attn."
+        out |= {
+            t + "attention.wq_a.weight": hf[a + "q_a_proj.weight"],
+            t + "attention.q_norm.weight": hf[a + "q_a_layernorm.weight"],
+            t + "attention.wq_b.weight": hf[a + "q_b_proj.weight"],
+            t + "attention.wkv_a.weight": hf[a + "kv_a_proj_with_mqa.weight"],
+            t + "attention.kv_norm.weight": hf[a + "kv_a_layernorm.weight"],
+            t + "attention.wkv_b.weight": hf[a + "kv_b_proj.weight"],
+            t + "attention.wo.weight": hf[a + "o_proj.weight"],
+            t + "attention_norm.weight": hf[p + "input_layernorm.weight"],
+            t + "ffn_norm.weight": hf[p + "post_attention_layernorm.weight"],
+        }
+        if n < cfg.first_k_dense_replace:
+            out[t + "feed_forward.w1.weight"] = hf[p + "mlp.gate_proj.weight"]
+            out[t + "feed_forward.w3.weight"] = hf[p + "mlp.up_proj.weight"]
+            out[t + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+            continue
+        E = cfg.n_routed_experts
+        ex = p + "mlp.experts.{}.{}.weight"
+        inner = t + "moe.routed_experts.inner_experts."
+        out |= {
+            t + "moe.router.gate.weight": hf[p + "mlp.gate.weight"],
+            # the routing bias: torchtitan's load-balancing expert_bias_E is the same term
+            t + "moe.expert_bias_E": hf[p + "mlp.gate.e_score_correction_bias"],
+            inner + "w1_EFD": torch.stack([hf[ex.format(e, "gate_proj")] for e in range(E)]),
+            inner + "w3_EFD": torch.stack([hf[ex.format(e, "up_proj")] for e in range(E)]),
+            inner + "w2_EDF": torch.stack([hf[ex.format(e, "down_proj")] for e in range(E)]),
+            t + "moe.shared_experts.w1.weight": hf[p + "mlp.shared_experts.gate_proj.weight"],
+            t + "moe.shared_experts.w3.weight": hf[p + "mlp.shared_experts.up_proj.weight"],
+            t + "moe.shared_experts.w2.weight": hf[p + "mlp.shared_experts.down_proj.weight"],
+        }
     return out
 
 
@@ -298,6 +367,7 @@ RUNS = [
     ("llama3", "initial_load_path", None),
     ("qwen3", "initial_load_path", None),
     ("qwen3_moe", "initial_load_path", None),
+    ("deepseek_v3", "initial_load_path", None),
     ("llama3", "step-0", "bf16"),
 ]
 
@@ -350,6 +420,12 @@ def test_torchtitan_starts_from_the_import(run_ckpt, release, tmp_path, case, ho
     assert loss.numel() == 1 and math.isfinite(loss.item()), f"training step loss {loss.tolist()}"
     if case == "qwen3_moe":
         assert torch.equal(got["expert_bias_E"], torch.zeros_like(got["expert_bias_E"]))
+    if case == "deepseek_v3":  # every MoE layer's, as loaded: the release's routing bias
+        hf = release_tensors(rel)
+        cfg = hf_config(case)
+        want_bias = torch.stack([hf[f"model.layers.{n}.mlp.gate.e_score_correction_bias"]
+                                 for n in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)])
+        assert torch.equal(got["expert_bias_E"], want_bias), (got["expert_bias_E"], want_bias)
     print(f"{case} ({how}{', ' + dtype if dtype else ''}): logits within {diff / scale:.2e} of "
           f"the largest |logit| {scale:.3f}; step 1 loss {loss.item():.4f}")
 
@@ -377,3 +453,33 @@ def test_llama3_logits_see_the_rope_rows(release):
     rel_diff = ((wrong - want).abs().max() / want.abs().max()).item()
     assert rel_diff > 1e-2, f"unpermuted rows change the logits by only {rel_diff:.2e}"
     print(f"q/k rows left in HF's order: logits off by {rel_diff:.2e} of the largest |logit|")
+
+
+def test_deepseek_v3_logits_see_the_routing_bias(release):
+    """The 1e-4 criterion decides DeepSeek-V3's routing bias: transformers' logits with
+    `e_score_correction_bias` zeroed (what torchtitan would compute had the import left
+    `moe.expert_bias_E` at torchtitan's zeros) are far off, and the experts chosen differ."""
+    rel = release("deepseek_v3")
+    ids = input_ids(hf_config("deepseek_v3").vocab_size)
+    want = transformers_logits(rel, ids)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(rel, dtype=torch.float32).eval()
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    assert routers and all(r.e_score_correction_bias.abs().max() > 0 for r in routers)
+    chosen = []
+    hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].sort(-1).values))
+             for r in routers]
+    with torch.no_grad():
+        model(ids)
+        for r in routers:
+            r.e_score_correction_bias.zero_()
+        wrong = model(ids).logits
+    for h in hooks:
+        h.remove()
+    n = len(routers)
+    flips = [int((a != b).any(-1).sum()) for a, b in zip(chosen[:n], chosen[n:])]
+    rel_diff = ((wrong - want).abs().max() / want.abs().max()).item()
+    assert rel_diff > 1e-2 and all(flips), (rel_diff, flips)
+    print(f"routing bias zeroed: logits off by {rel_diff:.2e} of the largest |logit|, "
+          f"tokens routed differently per MoE layer {flips} of {ids.numel()}")

@@ -13,7 +13,13 @@ The torchtitan model is built from REL/config.json the way fixtures/generate_tor
 an HF config from torchtitan dims, read backwards (`tt_model_spec`): Llama 3 (`Llama3Model`,
 `ComplexRoPE` with the config's Llama 3.1 scaling), Qwen3 (`Qwen3Model`, q/k norms, `CosSinRoPE`,
 tied or not) and Qwen3-MoE (`Qwen3Model` of `_build_qwen3_moe_layers`: every layer MoE, softmax
-router, top-k renormalised, the flavors' `load_balance_coeff` 1e-3, hence `moe.expert_bias_E`).
+router, top-k renormalised, the flavors' `load_balance_coeff` 1e-3, hence `moe.expert_bias_E`)
+and DeepSeek-V3 (`DeepSeekV3Model` of `_build_dsv3_layers`, as its flavors: latent attention,
+`first_k_dense_replace` dense layers, then MoE with shared experts; the router as transformers'
+DeepseekV3TopkRouter: sigmoid scores, `expert_bias_E` (the release's `e_score_correction_bias`)
+added for the choice only, `n_group`/`topk_group` as num_expert_groups/num_limited_groups,
+`norm_topk_prob` as route_norm, `routed_scaling_factor` as route_scale; `ComplexRoPE` without
+scaling, whose adjacent pairs are transformers' `rope_interleave`; no MTP layers).
 The checkpoint options are torchtitan's own, nothing else loads weights:
 
 - how="initial_load_path": `checkpoint.initial_load_path=OUT`, `initial_load_model_only=True`,
@@ -26,10 +32,10 @@ Before anything is loaded, rank 0 writes REPORT: the keys torchtitan's model-onl
 for (the model's state dict: dtype, shape) against OUT's .metadata (`missing`, `unexpected`,
 `mismatched` shapes, both dtypes of each key). Then `Trainer.train()` loads it (`checkpointer.load`), then runs 1 training step (FSDP2 over the 2
 ranks, AdamW). Its first `train_step` is wrapped: before it, the loaded model's forward (eval, no
-grad, F32; for the MoE the routed experts in F32, fixtures/generate_torchtitan.py's `f32_experts`,
+grad, F32; for the MoEs the routed experts in F32, fixtures/generate_torchtitan.py's `f32_experts`,
 since torchtitan's GroupedExperts casts to bf16) on `input_ids`. Rank 0 writes RESULT with
 `logits` (F32), `loss` (the step's global average loss, as torchtitan's metrics logger gets it)
-and, for the MoE, `expert_bias_E` (every layer's, as loaded). Shims for a CPU-only machine are
+and, for the MoEs, `expert_bias_E` (every MoE layer's, as loaded). Shims for a CPU-only machine are
 fixtures/generate_torchtitan.py's (its docstring says why each is needed); none touches a value.
 """
 
@@ -61,9 +67,10 @@ def load_generator():
 
 def tt_dims(cfg: dict) -> dict:
     """The torchtitan model's dims from a Hugging Face config.json: the inverse of
-    generate_torchtitan.py's write_hf_dir (DIMS -> LlamaConfig / Qwen3Config / Qwen3MoeConfig).
-    Asserts what torchtitan's builders fix (Llama 3's head_dim = dim / n_heads; Qwen3-MoE's every
-    layer MoE with a renormalised top-k)."""
+    generate_torchtitan.py's write_hf_dir (DIMS -> LlamaConfig / Qwen3Config / Qwen3MoeConfig /
+    DeepseekV3Config). Asserts what torchtitan's builders fix (Llama 3's head_dim = dim / n_heads;
+    Qwen3-MoE's every layer MoE with a renormalised top-k; DeepSeek-V3's sigmoid routing, RoPE
+    on interleaved pairs without scaling here, no MTP layers)."""
     arch = cfg["architectures"][0]
     rope = cfg["rope_parameters"]
     d = dict(
@@ -91,6 +98,29 @@ def tt_dims(cfg: dict) -> dict:
         n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         d.update(arch="qwen3_moe", moe_hidden_dim=cfg["moe_intermediate_size"],
                  num_experts=n_experts, top_k=cfg["num_experts_per_tok"])
+    elif arch == "DeepseekV3ForCausalLM":
+        # transformers' DeepseekV3TopkRouter always scores by sigmoid (a release's `scoring_func`
+        # and `topk_method` are not read): torchtitan's 671B flavor's "sigmoid"
+        assert cfg.get("scoring_func", "sigmoid") == "sigmoid", cfg
+        # torchtitan's ComplexRoPE rotates adjacent pairs: transformers' rope_interleave
+        assert cfg.get("rope_interleave", True), cfg
+        # plain RoPE: torchtitan's YaRN (and its mscale in the softmax scale) not built here
+        assert rope["rope_type"] == "default", rope
+        assert not cfg.get("num_nextn_predict_layers"), "torchtitan's names have no MTP layer"
+        assert not cfg.get("attention_bias"), cfg
+        n_group = cfg.get("n_group") or 1
+        d.update(arch="deepseek_v3", n_dense_layers=cfg["first_k_dense_replace"],
+                 q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
+                 qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                 qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                 hidden_dim=cfg["intermediate_size"], moe_hidden_dim=cfg["moe_intermediate_size"],
+                 num_experts=cfg["n_routed_experts"], num_shared_experts=cfg["n_shared_experts"],
+                 top_k=cfg["num_experts_per_tok"],
+                 # one group is no group (transformers' then keeps it whole)
+                 n_group=n_group if n_group > 1 else None,
+                 topk_group=cfg["topk_group"] if n_group > 1 else None,
+                 route_norm=bool(cfg["norm_topk_prob"]),
+                 route_scale=float(cfg["routed_scaling_factor"]))
     else:
         raise SystemExit(f"no torchtitan model for {arch}")
     return d
@@ -140,6 +170,7 @@ def main() -> None:
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
     from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.moe import MoE
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
@@ -246,6 +277,50 @@ def main() -> None:
                          parallelize_fn=parallelize_qwen3, pipelining_fn=pipeline_llm,
                          post_optimizer_build_fn=register_moe_load_balancing_hook,
                          state_dict_adapter=Qwen3StateDictAdapter)
+    elif d["arch"] == "deepseek_v3":
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook
+        from torchtitan.models.common import ComplexRoPE
+        from torchtitan.models.deepseek_v3 import (
+            _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init,
+            parallelize_deepseekv3,
+        )
+        from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+        assert not d["tied"], "torchtitan's DeepSeek-V3 has no weight tying"
+        model = DeepSeekV3Model.Config(
+            vocab_size=V, dim=d["dim"],
+            tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=d["dim"],
+                                            param_init=_EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=d["dim"], param_init=_NORM_INIT),
+            lm_head=Linear.Config(in_features=d["dim"], out_features=V,
+                                  param_init=_output_linear_init(d["dim"])),
+            layers=_build_dsv3_layers(
+                n_layers=d["n_layers"], n_dense_layers=d["n_dense_layers"], dim=d["dim"],
+                n_heads=d["n_heads"], q_lora_rank=d["q_lora_rank"],
+                kv_lora_rank=d["kv_lora_rank"], qk_nope_head_dim=d["qk_nope_head_dim"],
+                qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+                mscale=1.0,  # only read with YaRN
+                dense_hidden_dim=d["hidden_dim"], moe_hidden_dim=d["moe_hidden_dim"],
+                num_experts=d["num_experts"], num_shared_experts=d["num_shared_experts"],
+                router_top_k=d["top_k"], router_score_func="sigmoid",
+                router_num_expert_groups=d["n_group"], router_num_limited_groups=d["topk_group"],
+                router_route_scale=d["route_scale"], router_route_norm=d["route_norm"],
+                attn_backend="flex", moe_comm_backend="standard",
+                non_blocking_capacity_factor=None,
+                rope=ComplexRoPE.Config(dim=d["qk_rope_head_dim"], max_seq_len=d["max_seq_len"],
+                                        theta=d["theta"]),
+            ),
+            mtp_layers=[],
+        )
+        # the flavors' load_balance_coeff (1e-3): the expert_bias_E buffer the release's
+        # e_score_correction_bias fills
+        for _fqn, moe, _parent, _attr in model.traverse(MoE.Config):
+            assert moe.load_balance_coeff is not None, _fqn
+        spec = ModelSpec(name="deepseek_v3", flavor="imported", model=model,
+                         parallelize_fn=parallelize_deepseekv3, pipelining_fn=pipeline_llm,
+                         post_optimizer_build_fn=register_moe_load_balancing_hook,
+                         state_dict_adapter=DeepSeekV3StateDictAdapter)
     else:  # qwen3_moe, as torchtitan's qwen3 "debugmodel_moe" / "30B-A3B" flavors
         from torchtitan.components.optimizer import register_moe_load_balancing_hook
         from torchtitan.models.common import CosSinRoPE
@@ -276,9 +351,12 @@ def main() -> None:
                          post_optimizer_build_fn=register_moe_load_balancing_hook,
                          state_dict_adapter=Qwen3StateDictAdapter)
 
-    # every RMSNorm at the release's eps (torchtitan's Llama 3 norms default to 1e-5, Qwen3's 1e-6)
-    for _fqn, norm, _parent, _attr in spec.model.traverse(RMSNorm.Config):
-        norm.eps = d["eps"]
+    # every RMSNorm at the release's eps (torchtitan's Llama 3 norms default to 1e-5, Qwen3's 1e-6),
+    # but DeepSeek-V3's q_a_layernorm / kv_a_layernorm, which transformers builds at 1e-6 whatever
+    # rms_norm_eps says
+    for fqn, norm, _parent, _attr in spec.model.traverse(RMSNorm.Config):
+        latent = fqn.endswith(("attention.q_norm", "attention.kv_norm"))
+        norm.eps = 1e-6 if d["arch"] == "deepseek_v3" and latent else d["eps"]
     # FlexAttention has no CPU backward: torchtitan's SDPA inner attention instead (causal)
     for _fqn, _cfg, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
         if isinstance(parent, list):
@@ -375,8 +453,8 @@ def main() -> None:
             assert loads == [True], f"the checkpointer did not load a checkpoint: {loads}"
             model_part.eval()
             as_trained = None
-            if d["arch"] == "qwen3_moe":
-                from torchtitan.models.common.moe import GroupedExperts, MoE
+            if d["arch"] in ("qwen3_moe", "deepseek_v3"):
+                from torchtitan.models.common.moe import GroupedExperts
 
                 # the routed experts in F32 (torchtitan's GroupedExperts runs them in bf16)
                 as_trained = GroupedExperts.forward.__code__
