@@ -169,6 +169,8 @@ def edited_config(tmp_path: Path, name: str, **fields) -> Path:
     ("megatron_deepseek_v3", {"first_k_dense_replace": 0}, ["first_k_dense_replace", "0"]),
     ("megatron_deepseek_v3", {"q_lora_rank": 128}, ["q_lora_rank", "128", "136"]),
     ("megatron_deepseek_v3", {"kv_lora_rank": 100}, ["kv_lora_rank", "100"]),
+    # rope dims in halves rather than pairs: another model on the same weights
+    ("megatron_deepseek_v3", {"rope_interleave": False}, ["rope_interleave", "false"]),
     ("megatron_glm4_moe", {"n_shared_experts": 2}, ["n_shared_experts", "2", "136"]),
     ("megatron_glm4_moe", {"first_k_dense_replace": 2}, ["first_k_dense_replace", "2"]),
     ("megatron_mixtral", {"num_local_experts": 8}, ["num_local_experts", "8", "4"]),

@@ -1322,6 +1322,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &[],
         moe_layers: MoeLayers::None,
+        assumed_flags: &[],
     },
     Arch {
         // torchtitan has no Qwen2.
@@ -1336,6 +1337,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &[],
         moe_layers: MoeLayers::None,
+        assumed_flags: &[],
     },
     Arch {
         name: "Qwen3ForCausalLM",
@@ -1349,6 +1351,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &[],
         moe_layers: MoeLayers::None,
+        assumed_flags: &[],
     },
     Arch {
         name: "DeepseekV3ForCausalLM",
@@ -1363,6 +1366,9 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &["mtp_layers"],
         no_place: &[],
         moe_layers: MoeLayers::AfterFirstDense,
+        // transformers' DeepSeek-V3 pairs adjacent rope dims (rope_interleave, true by default),
+        // as torchtitan's and Megatron's do: the rows are renames only under that.
+        assumed_flags: &[("rope_interleave", true)],
     },
     Arch {
         name: "Qwen3MoeForCausalLM",
@@ -1381,6 +1387,7 @@ pub(crate) const ARCHS: &[Arch] = &[
             MEGATRON_EXPERT_BIAS[2],
         ],
         moe_layers: MoeLayers::SparseStep,
+        assumed_flags: &[],
     },
     Arch {
         name: "GptOssForCausalLM",
@@ -1394,6 +1401,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &[TT_EXPERT_BIAS],
         moe_layers: MoeLayers::All,
+        assumed_flags: &[],
     },
     Arch {
         // torchtitan has no GLM-4.5.
@@ -1408,6 +1416,7 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &[],
         moe_layers: MoeLayers::AfterFirstDense,
+        assumed_flags: &[],
     },
     Arch {
         // torchtitan has no Mixtral.
@@ -1422,5 +1431,6 @@ pub(crate) const ARCHS: &[Arch] = &[
         extra_modules: &[],
         no_place: &MEGATRON_EXPERT_BIAS,
         moe_layers: MoeLayers::All,
+        assumed_flags: &[],
     },
 ];

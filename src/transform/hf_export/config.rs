@@ -139,6 +139,15 @@ impl HfConfig {
                 Some(v) => Err(bad(field, &format!("is {v}, not true or false"))),
             }
         };
+        for &(field, assumed) in arch.assumed_flags {
+            if flag(field, assumed)? != assumed {
+                return Err(bad(
+                    field,
+                    &format!("is {}, which ckpt's map of {} does not handle: it is written for {assumed}, as the released checkpoints have it", !assumed, arch.name),
+                )
+                .hint(format!("the tensors would be placed for a model with `{field}` {assumed}, which computes otherwise on the same weights")));
+            }
+        }
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
         let kv_heads = int("num_key_value_heads")?.unwrap_or(heads);

@@ -221,6 +221,9 @@ pub(crate) struct Arch {
     pub no_place: &'static [(&'static str, &'static str)],
     /// Which layers are mixtures of experts.
     pub moe_layers: MoeLayers,
+    /// config.json's flags the tables are written for, with the value they take when absent:
+    /// another value is refused, since the rows would place the tensors of another model.
+    pub assumed_flags: &'static [(&'static str, bool)],
 }
 
 impl Arch {
