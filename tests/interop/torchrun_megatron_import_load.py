@@ -28,7 +28,7 @@ Megatron-LM's rule for the run's TP) the worker:
 
 Rank 0 writes RESULT.pt: {"loads": {name: {"tag", "logits", "common": the loaded non-tensor
 entries (common.pt's), "nan_params": parameters left NaN, "requested_keys"}}, "train": {"loss",
-"loss_after", "ok", "grad_norm", "changed", "params", "finite_params"}}. Each rank checks its own
+"loss_after", "ok", "grad_norm", "changed", "unchanged", "params", "finite_params"}}. Each rank checks its own
 parameters and keys; the two ranks' are gathered.
 
 megatron-core on a CPU-only torch needs the shims of megatron_gpt_save.py (imported from there; see
@@ -158,12 +158,13 @@ def train_one_step(cfg, model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
     ddp.eval()
     with torch.no_grad():
         after = ddp(ids, positions, mask, labels=labels).float().mean()
-    changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    unchanged = sorted(n for n, p in model.named_parameters() if torch.equal(before[n], p))
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
     return {
         "loss": loss.item(), "loss_after": after.item(), "ok": bool(ok),
         "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-        "changed": changed, "params": len(before), "finite_params": finite,
+        "changed": len(before) - len(unchanged), "unchanged": unchanged, "params": len(before),
+        "finite_params": finite,
     }
 
 

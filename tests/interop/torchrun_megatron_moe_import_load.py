@@ -48,7 +48,6 @@ Rank 0 writes RESULT.pt: {"loads": {name: {"tag", "common", "logits", "nan", "re
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -58,6 +57,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 import generate_megatron_moe as gm  # noqa: E402  (puts tests/interop on sys.path itself)
+from torchrun_megatron_import_load import train_one_step  # noqa: E402  (the dense import's step)
 
 
 def build(c: dict, layout: dict, padded_vocab: int):
@@ -145,47 +145,6 @@ def main_logits(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard, group=group)
     return torch.cat(parts, -1).float()
-
-
-def train_one_step(cfg, model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
-    """One iteration as generate_megatron_moe.py's `train` runs them (Megatron-LM's train_step)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    model.train()
-    ddp = DistributedDataParallel(
-        cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, bf16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=False, clip_grad=1.0),
-        [ddp])
-    sched = OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-5,
-                                    lr_warmup_steps=0, lr_decay_steps=10, lr_decay_style="cosine",
-                                    start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
-                                    wd_incr_style="constant")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    mask = gm.causal(ids.shape[1])
-    ddp.train()
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    loss = ddp(ids, positions, mask, labels=labels).float().mean()
-    loss.backward()
-    finalize_model_grads([ddp])
-    ok, grad_norm, _ = opt.step()
-    sched.step(increment=1)
-    ddp.eval()
-    with torch.no_grad():
-        after = ddp(ids, positions, mask, labels=labels).float().mean()
-    unchanged = sorted(n for n, p in model.named_parameters() if torch.equal(before[n], p))
-    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
-    return {
-        "loss": loss.item(), "loss_after": after.item(), "ok": bool(ok),
-        "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-        "unchanged": unchanged, "params": len(before), "finite_params": finite,
-    }
 
 
 def gathered(obj) -> list:
