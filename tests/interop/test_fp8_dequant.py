@@ -20,34 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_ckpt
+# the blockwise rule (amax / 448 per 128×128 tile, edge tiles zero-padded) and the directory
+# reader of the FP8 export's tests
+from test_fp8_sharded import read_dir
+from test_fp8_sharded import reference as quantize
 
 transformers = pytest.importorskip("transformers")
-
-
-def read_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = sf.get_tensor(k)
-    return out
-
-
-def quantize(w: torch.Tensor):
-    """The blockwise rule (amax / 448 per 128×128 tile, edge tiles zero-padded)."""
-    x = w.float()
-    rows, cols = x.shape
-    tr, tc = -(-rows // 128), -(-cols // 128)
-    padded = torch.zeros(tr * 128, tc * 128)
-    padded[:rows, :cols] = x
-    amax = padded.view(tr, 128, tc, 128).abs().amax(dim=(1, 3))
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
-    return (x / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def weight_dequant(q: torch.Tensor, s: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
