@@ -57,7 +57,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 import generate_megatron_moe as gm  # noqa: E402  (puts tests/interop on sys.path itself)
-from torchrun_megatron_import_load import train_one_step  # noqa: E402  (the dense import's step)
+from torchrun_megatron_import_load import requested_keys, train_one_step  # noqa: E402  (the dense import's)
 
 
 def build(c: dict, layout: dict, padded_vocab: int):
@@ -79,27 +79,6 @@ def saved_tensors(model) -> list:
 
 def nan_left(model) -> list:
     return sorted(n for n, t in saved_tensors(model) if torch.isnan(t).any())
-
-
-def requested_keys(model) -> list:
-    """The DCP keys the model's sharded_state_dict() reads: each ShardedTensor's key (after its
-    factories, e.g. the [gate; up] split of linear_fc1) and each ShardedObject's unique key."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject,
-        ShardedTensor,
-        apply_factories,
-    )
-
-    sd = model.sharded_state_dict()
-    apply_factories(sd)
-    keys = set()
-    for v in nested_values(sd):
-        if isinstance(v, ShardedTensor):
-            keys.add(v.key)
-        elif isinstance(v, ShardedObject):
-            keys.add(v.unique_key)
-    return sorted(keys)
 
 
 def load(c: dict, entry: dict, padded_vocab: int):
