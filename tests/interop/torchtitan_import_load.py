@@ -46,18 +46,16 @@ import json
 import os
 import shutil
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch._utils
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def load_generator():
-    """fixtures/generate_torchtitan.py as a module (its helpers: `f32_experts`, `SEQ`)."""
+    """fixtures/generate_torchtitan.py as a module (its helpers: `cpu_shims`, `f32_experts`, `SEQ`)."""
     spec = importlib.util.spec_from_file_location(
         "generate_torchtitan", REPO / "fixtures" / "generate_torchtitan.py")
     mod = importlib.util.module_from_spec(spec)
@@ -131,37 +129,13 @@ def main() -> None:
     work = Path(job["work"])
     os.chdir(work)
 
-    # --- CPU-only shims, as fixtures/generate_torchtitan.py's worker ---------------------------
-    torch._utils._get_available_device_type = lambda: "cpu"
-    for attr, fn in {
-        "get_device_name": lambda *a: "cpu",
-        "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=1 << 30),
-        "reset_peak_memory_stats": lambda *a: None,
-        "empty_cache": lambda *a: None,
-        "memory_stats": lambda *a: {},
-    }.items():
-        if not hasattr(torch.cpu, attr):
-            setattr(torch.cpu, attr, fn)
-    if importlib.util.find_spec("tensorboard") is None:
-        tb = types.ModuleType("torch.utils.tensorboard")
-        tb.SummaryWriter = None
-        sys.modules["torch.utils.tensorboard"] = tb
-    if importlib.util.find_spec("datasets") is None:
-        ds = types.ModuleType("datasets")
-        ds.Dataset = ds.IterableDataset = object
-        ds.load_dataset = None
-        dsd = types.ModuleType("datasets.distributed")
-        dsd.split_dataset_by_node = None
-        ds.distributed = dsd
-        sys.modules["datasets"] = ds
-        sys.modules["datasets.distributed"] = dsd
-
+    gen = load_generator()
+    gen.cpu_shims()  # its worker's, for torchtitan's Trainer on a CPU-only torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torch.utils.data import IterableDataset
 
-    import torchtitan.distributed.utils as tt_dist_utils
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.loss import CrossEntropyLoss
@@ -175,16 +149,6 @@ def main() -> None:
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
-    def set_pg_timeouts(timeout, parallel_dims):
-        # torchtitan's own, less `device_ids=[current_device()]`, which gloo's barrier refuses
-        dist.barrier()
-        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
-        for group in groups + [None]:
-            dist.set_timeout(timeout, group)
-
-    tt_dist_utils.set_pg_timeouts = set_pg_timeouts
-
-    gen = load_generator()
     release = Path(job["release"])
     d = tt_dims(json.loads((release / "config.json").read_text()))
     V = d["vocab"]
