@@ -345,13 +345,18 @@ def mg_worker(out: Path, layers: int) -> None:
     dist.destroy_process_group()
 
 
+def two_rank_worker(worker: str, ckpt: Path, layers: int) -> None:
+    """This script's `worker` subcommand on 2 gloo ranks under torchrun, saving into `ckpt`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2",
+                    f"--master_port={free_port()}", __file__, worker, str(ckpt),
+                    "--layers", str(layers)], check=True, env=env)
+
+
 def mg_input(args) -> None:
     out = args.outdir
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2",
-                    f"--master_port={free_port()}", __file__, "mg-worker", str(out / "ckpt"),
-                    "--layers", str(args.layers)], check=True, env=env)
+    two_rank_worker("mg-worker", out / "ckpt", args.layers)
     write_hf_config(out / "hf", args.layers, "bfloat16", {"rope_type": "default", "rope_theta": 10000.0})
     total = sum(f.stat().st_size for f in (out / "ckpt").iterdir())
     print(f"{out}: megatron-core GPTModel, {args.layers} layers, bf16, torch_dist at TP=2, {total / 1e9:.2f} GB")
@@ -498,10 +503,7 @@ def moe_worker(out: Path, layers: int) -> None:
 def moe_input(args) -> None:
     out = args.outdir
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2",
-                    f"--master_port={free_port()}", __file__, "moe-worker", str(out / "ckpt"),
-                    "--layers", str(args.layers)], check=True, env=env)
+    two_rank_worker("moe-worker", out / "ckpt", args.layers)
     write_moe_hf_config(out / "hf", args.layers)
     total = sum(f.stat().st_size for f in (out / "ckpt").iterdir())
     print(f"{out}: megatron-core MoE GPTModel, {args.layers} layers of {EXPERTS} experts, bf16, "
