@@ -99,8 +99,21 @@ enum Layout {
     Lines(usize),
 }
 
+/// Every byte's [`layout`], computed at compile time. The scan steps over every opcode of a
+/// `.metadata` of millions of pieces: on a consolidate of 262,144 pieces, callgrind counted 800M
+/// instructions in it with the `match` run per opcode, 485M with this table.
+const LAYOUTS: [Option<Layout>; 256] = {
+    let mut table = [None; 256];
+    let mut byte = 0;
+    while byte < table.len() {
+        table[byte] = layout(byte as u8);
+        byte += 1;
+    }
+    table
+};
+
 /// The layout of `opcode`'s argument, or `None` for a byte this table does not name.
-fn layout(opcode: u8) -> Option<Layout> {
+const fn layout(opcode: u8) -> Option<Layout> {
     Some(match opcode {
         STOP | MARK | POP | POP_MARK | DUP | MEMOIZE | NONE | NEWTRUE | NEWFALSE | EMPTY_TUPLE
         | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | EMPTY_LIST | LIST | APPEND | APPENDS | EMPTY_DICT
@@ -122,9 +135,10 @@ fn layout(opcode: u8) -> Option<Layout> {
 /// The argument of the opcode at `at`: every byte between it and the next opcode, length prefix
 /// and line ends included (so the next opcode is at `at + 1 + len`). `None` when the byte at `at`
 /// is not in this table or the argument runs past the end of `bytes`.
+#[inline]
 pub(crate) fn argument(bytes: &[u8], at: usize) -> Option<&[u8]> {
     let rest = bytes.get(at.checked_add(1)?..)?;
-    let len = match layout(*bytes.get(at)?)? {
+    let len = match LAYOUTS[usize::from(*bytes.get(at)?)]? {
         Layout::Fixed(len) => len,
         Layout::Counted(width) => {
             let count = usize::try_from(uint(rest.get(..width)?)).ok()?;
