@@ -28,8 +28,8 @@ Megatron-LM's rule for the run's TP) the worker:
 
 Rank 0 writes RESULT.pt: {"loads": {name: {"tag", "logits", "common": the loaded non-tensor
 entries (common.pt's), "nan_params": parameters left NaN, "requested_keys"}}, "train": {"loss",
-"loss_after", "ok", "grad_norm", "changed", "unchanged", "params", "finite_params"}}. Each rank checks its own
-parameters and keys; the two ranks' are gathered.
+"loss_after", "ok", "grad_norm", "changed", "unchanged", "params", "finite_params"}}. Each rank
+checks its own parameters and keys; the two ranks' are gathered.
 
 megatron-core on a CPU-only torch needs the shims of megatron_gpt_save.py (imported from there; see
 its docstring): torch.cuda.synchronize and current_device answered on the CPU, tensors asked for

@@ -57,7 +57,8 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 import generate_megatron_moe as gm  # noqa: E402  (puts tests/interop on sys.path itself)
-from torchrun_megatron_import_load import requested_keys, train_one_step  # noqa: E402  (the dense import's)
+# the dense import's worker's
+from torchrun_megatron_import_load import requested_keys, train_one_step  # noqa: E402
 
 
 def build(c: dict, layout: dict, padded_vocab: int):

@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load_generator():
-    """fixtures/generate_torchtitan.py as a module (its helpers: `cpu_shims`, `f32_experts`, `SEQ`)."""
+    """fixtures/generate_torchtitan.py as a module (its helpers: `cpu_shims`, `f32_experts`,
+    `SEQ`)."""
     spec = importlib.util.spec_from_file_location(
         "generate_torchtitan", REPO / "fixtures" / "generate_torchtitan.py")
     mod = importlib.util.module_from_spec(spec)
